@@ -1,0 +1,89 @@
+"""Shared helpers for the bench/ scripts: hardware description, timing, JSON-lines output.
+
+Every figure a bench reports is a ratio measured side by side in one run (see
+``../shared/BENCHMARKS.md``); these helpers keep the machine description and the timing method the
+same across scripts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+
+def cpu_model() -> str:
+    """Return the CPU model name from /proc/cpuinfo (or platform.processor())."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def disk_info(path: str) -> dict[str, Any]:
+    """Describe the filesystem holding ``path``: device, fs type, size and free bytes."""
+    info: dict[str, Any] = {"path": path}
+    try:
+        out = subprocess.run(["df", "-T", "-B1", path], capture_output=True, text=True, check=True)
+        fields = out.stdout.splitlines()[-1].split()
+        info.update(device=fields[0], fstype=fields[1], size_bytes=int(fields[2]))
+    except (OSError, subprocess.CalledProcessError, IndexError, ValueError):
+        pass
+    info["free_bytes"] = shutil.disk_usage(path).free
+    return info
+
+
+def hardware_info(paths: list[str] | None = None) -> dict[str, Any]:
+    """Return the machine description every bench record carries."""
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    info: dict[str, Any] = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "ram_gib": round(mem / 2**30, 1),
+        "python": sys.version.split()[0],
+        "gpu": None,
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():  # bench scripts may ask; fuyou/ only via device/cuda.py
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    if paths:
+        info["disks"] = [disk_info(p) for p in paths]
+    return info
+
+
+def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> tuple[float, list[float]]:
+    """Run ``fn`` ``warmup`` times, then ``repeats`` timed times; return (median seconds, all)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times
+
+
+def emit(record: dict[str, Any], out: str | None = None) -> None:
+    """Print one JSON line (and append it to ``out`` if given), stamped with the UTC time."""
+    record = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **record}
+    line = json.dumps(record, sort_keys=False)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(line + "\n")
