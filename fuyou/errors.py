@@ -45,3 +45,7 @@ class ChecksumError(StoreError):
 
 class ManifestError(StoreError):
     """The store manifest is missing, unreadable, or inconsistent with the files on disk."""
+
+
+class FuyouWarning(UserWarning):
+    """Something works, but slower or less safely than asked (e.g. O_DIRECT fell back to buffered)."""

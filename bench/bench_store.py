@@ -1,0 +1,117 @@
+"""P3 — store throughput vs fio on the same directory, side by side in one run.
+
+Sequential write and read of ≥ 1 GiB through ``TensorStore`` (extents of ``--extent-mib`` written
+and read concurrently from pre-allocated host buffers, O_DIRECT) against
+``fio --direct=1 --bs=1M --iodepth=8 --ioengine=libaio`` on the same directory. Repeats are
+interleaved (fio, store, fio, store, …) so drift hits both alike; medians of ``--repeats`` after a
+warm-up. Prints one JSON line per figure (see bench/common.py).
+
+    python bench/bench_store.py --dir /mnt/nvme/bench           # full run (1 GiB, 5 repeats)
+    python bench/bench_store.py --smoke                         # seconds; what the tests run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.common import emit, hardware_info  # noqa: E402
+from fuyou.device import get_backend  # noqa: E402
+from fuyou.storage import ExtentSpec, TensorSpec, TensorStore  # noqa: E402
+from fuyou.transfer.buffers import HostBufferPool  # noqa: E402
+
+
+def fio(directory: str, rw: str, size_mib: int) -> float:
+    """Run fio once (O_DIRECT, 1 MiB blocks, QD8 libaio) and return bytes/s."""
+    cmd = ["fio", "--name=fuyou-bench", f"--directory={directory}", f"--rw={rw}", "--bs=1M", "--iodepth=8",
+           "--direct=1", "--ioengine=libaio", f"--size={size_mib}M", "--numjobs=1", "--output-format=json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    job = json.loads(out[out.index("{"):])["jobs"][0]
+    return float(job["write" if rw == "write" else "read"]["bw_bytes"])
+
+
+def store_run(store: TensorStore, names: list[str], bufs: list[torch.Tensor], op: str) -> float:
+    """Write (or read) every extent concurrently; return bytes/s (commit excluded, timed apart)."""
+    total = sum(store.spec(n).nbytes for n in names)
+    t0 = time.perf_counter()
+    futs = [getattr(store, op)(n, b) for n, b in zip(names, bufs)]
+    for f in futs:
+        f.result()
+    dt = time.perf_counter() - t0
+    return total / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir in /work or /tmp)")
+    ap.add_argument("--size-mib", type=int, default=1024, help="bytes moved per repeat (MiB)")
+    ap.add_argument("--extent-mib", type=int, default=64, help="size of one extent (MiB)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=16)
+    ap.add_argument("--block-kib", type=int, default=1024, help="store I/O block size (KiB)")
+    ap.add_argument("--smoke", action="store_true", help="64 MiB, 1 repeat; fio skipped if absent")
+    ap.add_argument("--out", default=None, help="also append JSON lines to this file")
+    a = ap.parse_args()
+    if a.smoke:
+        a.size_mib, a.extent_mib, a.repeats = 64, 16, 1
+    base = a.dir or ("/work" if os.path.isdir("/work") else tempfile.gettempdir())
+    work = tempfile.mkdtemp(prefix="fuyou-bench-store-", dir=base)
+    try:
+        run(a, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(a: argparse.Namespace, work: str) -> None:
+    n_ext = max(1, a.size_mib // a.extent_mib)
+    numel = a.extent_mib << 18  # fp32 elements per extent
+    extents = [ExtentSpec(f"layer{i}", (TensorSpec("w", (numel,), torch.float32),)) for i in range(n_ext)]
+    sdir, fdir = os.path.join(work, "store"), os.path.join(work, "fio")
+    os.makedirs(sdir), os.makedirs(fdir)
+    pool = HostBufferPool(get_backend("cpu"), budget=(n_ext + 1) * (a.extent_mib << 20))
+    pool.reserve("extent", a.extent_mib << 20, n_ext)
+    bufs = [pool.acquire("extent").data for _ in range(n_ext)]
+    for b in bufs:
+        b.view(torch.float32).normal_()
+    have_fio = shutil.which("fio") is not None
+    if not have_fio and not a.smoke:
+        sys.exit("fio is not installed (apt-get install fio); it is the reference this benchmark compares against")
+    store = TensorStore.create([sdir], extents, io="posix", direct="on", threads=a.threads, block_bytes=a.block_kib << 10)
+    names = [e.name for e in extents]
+    res: dict[str, list[float]] = {"store_write": [], "store_read": [], "fio_write": [], "fio_read": [], "commit_s": []}
+    with store:
+        for rep in range(a.repeats + 2):  # repeats 0 and 1 are warm-up: after them writes recycle files, as in training
+            w = store_run(store, names, bufs, "write")
+            t0 = time.perf_counter()
+            store.commit({"rep": rep})
+            c = time.perf_counter() - t0
+            r = store_run(store, names, bufs, "read")
+            fw = fio(fdir, "write", a.size_mib) if have_fio else float("nan")
+            fr = fio(fdir, "read", a.size_mib) if have_fio else float("nan")
+            if rep >= 2:
+                for k, v in zip(res, (w, r, fw, fr, c)):
+                    res[k].append(v)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    common = {"bench": "store_vs_fio", "smoke": a.smoke, "size_mib": a.size_mib, "extent_mib": a.extent_mib,
+              "threads": a.threads, "block_kib": a.block_kib, "repeats": a.repeats,
+              "hardware": hardware_info([work])}
+    for op in ("write", "read"):
+        emit({**common, "op": op, "store_GBps": med[f"store_{op}"] / 1e9, "fio_GBps": med[f"fio_{op}"] / 1e9,
+              "ratio": med[f"store_{op}"] / med[f"fio_{op}"], "store_all_GBps": [x / 1e9 for x in res[f"store_{op}"]],
+              "fio_all_GBps": [x / 1e9 for x in res[f"fio_{op}"]]}, a.out)
+    emit({**common, "op": "commit", "commit_s_median": med["commit_s"]}, a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The ``fuyou`` command line (installed as the package ``fuyou.cli``); thin over the library."""

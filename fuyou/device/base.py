@@ -1,0 +1,132 @@
+"""The backend seam: everything the data path needs from an accelerator, in one small interface.
+
+One code path serves CPU and GPU. The CPU backend (``cpu.py``) has null streams and completed
+events and enforces a *fake* device capacity, so a tiny model that "does not fit" in 2 MB exercises
+the same budget logic as 70B in 80 GB. Only ``cuda.py`` touches ``torch.cuda``.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import weakref
+from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fuyou.errors import DeviceMemoryError
+from fuyou.units import align_up, format_size
+
+HOST_ALIGN = 4096
+"""Alignment (bytes) of every host buffer: the page size, which O_DIRECT and pinning need."""
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Device memory in bytes: currently allocated, peak since start, and the usable capacity."""
+
+    allocated: int
+    peak: int
+    capacity: int
+
+
+class Event(ABC):
+    """A point in a stream's work; ``wait`` orders later work (or the host) after it."""
+
+    @abstractmethod
+    def wait(self, stream: Any | None = None) -> None:
+        """Make ``stream`` wait for this event; with ``None``, block the calling host thread."""
+
+    @abstractmethod
+    def query(self) -> bool:
+        """Return True if the work before this event has completed."""
+
+
+def host_aligned_empty(nbytes: int) -> torch.Tensor:
+    """Allocate an uninitialised, page-aligned uint8 CPU tensor of exactly ``nbytes`` bytes.
+
+    Backed by an anonymous mmap (page aligned, returned to the OS when the tensor dies). Pages
+    are touched here, so later I/O into the buffer does not pay first-touch faults.
+    """
+    size = max(align_up(nbytes, HOST_ALIGN), HOST_ALIGN)
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(mm, dtype=torch.uint8)  # keeps ``mm`` alive
+    t.fill_(0)
+    return t[:nbytes]
+
+
+class _DeviceAccounting:
+    """Counts bytes of live device tensors against a capacity, exactly, via storage finalizers."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.allocated = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def charge(self, nbytes: int, what: str) -> None:
+        """Reserve ``nbytes``; raise DeviceMemoryError if that passes the capacity."""
+        with self._lock:
+            if self.allocated + nbytes > self.capacity:
+                raise DeviceMemoryError(
+                    f"device memory exhausted: allocating {format_size(nbytes)} for {what} would "
+                    f"bring use to {format_size(self.allocated + nbytes)}, above the "
+                    f"{format_size(self.capacity)} capacity; raise --gpu-memory or lower the "
+                    "micro-batch size or prefetch depth"
+                )
+            self.allocated += nbytes
+            self.peak = max(self.peak, self.allocated)
+
+    def refund(self, nbytes: int) -> None:
+        """Return ``nbytes`` to the pool (called when the tensor's storage is freed)."""
+        with self._lock:
+            self.allocated -= nbytes
+
+    def track(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """Refund ``nbytes`` when ``tensor``'s storage (shared by all its views) is freed."""
+        weakref.finalize(tensor.untyped_storage(), self.refund, nbytes)
+
+
+class Backend(ABC):
+    """The operations the engine needs from a device; see the module docstring."""
+
+    name: str
+    device: torch.device
+
+    @abstractmethod
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        """A page-aligned uint8 host tensor of exactly ``nbytes`` (pinned on CUDA)."""
+
+    @abstractmethod
+    def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "a tensor") -> torch.Tensor:
+        """An uninitialised device tensor, counted against the capacity.
+
+        Raises DeviceMemoryError naming ``what`` if it would pass the capacity.
+        """
+
+    @abstractmethod
+    def new_stream(self) -> Any:
+        """A new stream for copies that should overlap compute (a null stream on CPU)."""
+
+    @abstractmethod
+    def on(self, stream: Any) -> AbstractContextManager[Any]:
+        """Context in which torch work is issued on ``stream``."""
+
+    @abstractmethod
+    def record(self, stream: Any | None = None) -> Event:
+        """An event marking all work issued so far on ``stream`` (default: the current stream)."""
+
+    @abstractmethod
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Keep ``tensor``'s memory from being reused until ``stream``'s queued work is done."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Block until all queued device work has completed."""
+
+    @abstractmethod
+    def memory(self) -> MemoryStats:
+        """Current device memory use, peak and capacity (bytes)."""

@@ -1,0 +1,74 @@
+"""The CPU backend: the "device" is the CPU, streams are null and events are already complete.
+
+It enforces a configurable fake device capacity so budget logic is exercised without a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+
+from fuyou.device.base import Backend, Event, MemoryStats, _DeviceAccounting, host_aligned_empty
+
+
+class CompletedEvent(Event):
+    """An event whose work is always done: CPU ops run synchronously on the issuing thread."""
+
+    def wait(self, stream: Any | None = None) -> None:
+        """Nothing to wait for."""
+
+    def query(self) -> bool:
+        """Always complete."""
+        return True
+
+
+class CPUBackend(Backend):
+    """Device = CPU, with a fake capacity (bytes) for device allocations."""
+
+    name = "cpu"
+
+    def __init__(self, capacity: int = 2**62) -> None:
+        self.device = torch.device("cpu")
+        self._acct = _DeviceAccounting(capacity)
+
+    def host_empty(self, nbytes: int) -> torch.Tensor:
+        """A page-aligned uint8 host tensor of exactly ``nbytes`` (not pinned: no GPU)."""
+        return host_aligned_empty(nbytes)
+
+    def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "a tensor") -> torch.Tensor:
+        """A CPU tensor counted against the fake capacity; raises DeviceMemoryError past it."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        self._acct.charge(nbytes, what)
+        try:
+            t = torch.empty(shape, dtype=dtype)
+        except BaseException:
+            self._acct.refund(nbytes)
+            raise
+        self._acct.track(t, nbytes)
+        return t
+
+    def new_stream(self) -> None:
+        """CPU work is synchronous: the null stream."""
+        return None
+
+    def on(self, stream: Any) -> AbstractContextManager[Any]:
+        """No-op context."""
+        return nullcontext()
+
+    def record(self, stream: Any | None = None) -> Event:
+        """An already-completed event."""
+        return CompletedEvent()
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Nothing is asynchronous on CPU."""
+
+    def synchronize(self) -> None:
+        """Nothing is queued on CPU."""
+
+    def memory(self) -> MemoryStats:
+        """Bytes of live device tensors, their peak, and the fake capacity."""
+        a = self._acct
+        return MemoryStats(allocated=a.allocated, peak=a.peak, capacity=a.capacity)

@@ -1,0 +1,88 @@
+"""Environment checks run by ``fuyou doctor`` (and at the start of a run): can this machine train?
+
+Each check returns a ``Check``: name, status (ok / warn / fail), and a one-line detail with the fix.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from fuyou.errors import StoreDirError
+from fuyou.units import format_size
+
+
+@dataclass(frozen=True)
+class Check:
+    """One environment check: ``status`` is ``ok``, ``warn`` or ``fail``."""
+
+    name: str
+    status: str
+    detail: str
+
+
+def _fstype(path: str) -> str:
+    try:
+        out = subprocess.run(["df", "-T", path], capture_output=True, text=True, check=True).stdout
+        return out.splitlines()[-1].split()[1]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        return "unknown"
+
+
+def check_ssd_dir(path: str) -> list[Check]:
+    """Writable, O_DIRECT, free space and filesystem of one store directory."""
+    from fuyou.storage.dirs import check_dir, direct_supported
+
+    try:
+        path = check_dir(path)
+    except StoreDirError as e:
+        return [Check(f"ssd {path}", "fail", str(e))]
+    usage = shutil.disk_usage(path)
+    checks = [Check(f"ssd {path}", "ok", f"writable, {_fstype(path)}, {format_size(usage.free)} free of "
+                                         f"{format_size(usage.total)}")]
+    if direct_supported(path):
+        checks.append(Check(f"O_DIRECT {path}", "ok", "works (page cache bypassed)"))
+    else:
+        checks.append(Check(f"O_DIRECT {path}", "warn", "refused by this filesystem: buffered I/O will be used "
+                                                        "(eats RAM, slower); prefer ext4 or xfs on the SSD"))
+    return checks
+
+
+def check_memlock() -> Check:
+    """The locked-memory limit bounds pinned host buffers (root and CAP_IPC_LOCK are exempt)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY or os.geteuid() == 0:
+        return Check("memlock", "ok", "unlimited" if soft == resource.RLIM_INFINITY else "root: not limited")
+    return Check("memlock", "warn", f"ulimit -l is {format_size(soft)}: pinned buffers may fail on a GPU; "
+                                    "raise it (ulimit -l unlimited, or memlock in /etc/security/limits.conf)")
+
+
+def check_gpu() -> list[Check]:
+    """GPU visibility and kvikio (GPUDirect Storage) availability."""
+    from fuyou.device import cuda
+    from fuyou.storage.io_kvikio import kvikio_usable
+
+    gpu = cuda.describe()
+    checks = [Check("gpu", "ok" if gpu else "warn", gpu or "no CUDA GPU visible: training runs on the CPU backend")]
+    if kvikio_usable():
+        checks.append(Check("kvikio", "ok", "usable: store I/O goes through kvikio"))
+    else:
+        checks.append(Check("kvikio", "ok" if not gpu else "warn",
+                            "not usable (no CUDA driver or package): the POSIX O_DIRECT thread pool is used"
+                            + ("; pip install 'fuyou[cu12]' for kvikio" if gpu else "")))
+    return checks
+
+
+def run_checks(ssd_dirs: list[str]) -> list[Check]:
+    """All checks for the given store directories."""
+    checks: list[Check] = []
+    for d in ssd_dirs:
+        checks += check_ssd_dir(d)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    checks.append(Check("host", "ok", f"{os.cpu_count()} cores, {format_size(ram)} RAM"))
+    checks.append(check_memlock())
+    checks += check_gpu()
+    return checks

@@ -1,0 +1,23 @@
+"""Block checksums: CRC32C (hardware-accelerated, GIL released) per I/O block of an extent piece."""
+
+from __future__ import annotations
+
+import base64
+
+import crc32c as _crc32c
+import numpy as np
+
+
+def crc(buf: memoryview | np.ndarray) -> int:
+    """CRC32C of the bytes in ``buf`` (releases the GIL; ~13 GB/s per core with SSE4.2)."""
+    return _crc32c.crc32c(buf)
+
+
+def encode(crcs: list[int]) -> str:
+    """Pack a list of 32-bit checksums into base64 for the manifest."""
+    return base64.b64encode(np.asarray(crcs, dtype="<u4").tobytes()).decode("ascii")
+
+
+def decode(text: str) -> list[int]:
+    """Inverse of ``encode``."""
+    return np.frombuffer(base64.b64decode(text), dtype="<u4").tolist()

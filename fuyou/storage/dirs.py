@@ -1,0 +1,134 @@
+"""Checks and file operations on the store's directories (one per SSD).
+
+Everything here fails early with one clear line naming the path and the fix: a missing or
+unwritable directory, too little free space for the layout, O_DIRECT refused when it was required.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import shutil
+import warnings
+
+from fuyou.errors import DirectIOError, FuyouWarning, StoreDirError, StoreSpaceError
+from fuyou.units import format_size
+
+DIRECT_MODES = ("auto", "on", "off")
+
+
+def check_dir(path: str) -> str:
+    """Return the absolute path of an existing, writable directory.
+
+    Raises StoreDirError if it is missing, not a directory, or cannot be written (a probe file is
+    created and removed, which also catches read-only mounts for root).
+    """
+    path = os.path.abspath(path)
+    if not os.path.exists(path):
+        raise StoreDirError(f"SSD directory {path} does not exist; create it (mkdir -p {path}) or pass another --ssd")
+    if not os.path.isdir(path):
+        raise StoreDirError(f"SSD directory {path} is not a directory; pass a directory with --ssd")
+    probe = os.path.join(path, f".fuyou-probe-{os.getpid()}")
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise StoreDirError(
+            f"SSD directory {path} is not writable ({e.strerror}); fix its permissions or mount, or pass another --ssd"
+        ) from e
+    return path
+
+
+def direct_supported(path: str) -> bool:
+    """True if an aligned 4 KiB O_DIRECT write works in directory ``path``."""
+    probe = os.path.join(path, f".fuyou-odirect-{os.getpid()}")
+    buf = mmap.mmap(-1, 4096)
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_RDWR | os.O_DIRECT, 0o644)
+        try:
+            os.pwritev(fd, [buf], 0)
+        finally:
+            os.close(fd)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            return False
+        raise StoreDirError(f"cannot probe O_DIRECT in {path}: {e.strerror}") from e
+    finally:
+        buf.close()
+        if os.path.exists(probe):
+            os.unlink(probe)
+
+
+def resolve_direct(mode: str, path: str) -> bool:
+    """Decide O_DIRECT for ``path`` under mode ``auto`` | ``on`` | ``off``.
+
+    ``auto`` uses O_DIRECT where it works and warns (FuyouWarning) where it falls back to
+    buffered I/O; ``on`` raises DirectIOError where it does not work.
+    """
+    if mode not in DIRECT_MODES:
+        raise DirectIOError(f"direct I/O mode must be one of {DIRECT_MODES}, got {mode!r}")
+    if mode == "off":
+        return False
+    if direct_supported(path):
+        return True
+    if mode == "on":
+        raise DirectIOError(
+            f"the filesystem of {path} refuses O_DIRECT; put the store on an SSD filesystem (ext4, xfs) "
+            "or allow buffered I/O (direct='auto' or 'off')"
+        )
+    warnings.warn(
+        f"O_DIRECT is not supported in {path}; using buffered I/O (page cache will use RAM, timings less exact)",
+        FuyouWarning,
+        stacklevel=3,
+    )
+    return False
+
+
+def check_space(path: str, need: int, what: str) -> None:
+    """Raise StoreSpaceError if ``path``'s filesystem has fewer than ``need`` free bytes.
+
+    Filesystems that report no size at all (ramfs) are not checked.
+    """
+    usage = shutil.disk_usage(path)
+    free = usage.free
+    if usage.total and need > free:
+        raise StoreSpaceError(
+            f"not enough free space in {path}: {what} needs {format_size(need)}, {format_size(free)} free; "
+            "free space or add another --ssd directory to stripe across"
+        )
+
+
+def preallocate(path: str, nbytes: int) -> None:
+    """Create ``path`` with ``nbytes`` allocated (posix_fallocate; ftruncate where unsupported).
+
+    Raises StoreSpaceError when the disk is full; no partial file is left behind on failure.
+    """
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL):
+                raise
+            os.ftruncate(fd, nbytes)
+    except OSError as e:
+        os.close(fd)
+        os.unlink(path)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StoreSpaceError(
+                f"disk full: cannot allocate {format_size(nbytes)} for {path}; free space or add another --ssd directory"
+            ) from e
+        raise StoreDirError(f"cannot allocate {path}: {e.strerror}") from e
+    os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so renames and new entries in it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,346 @@
+"""The SSD tensor store: extents of tensors in versioned, checksummed, striped files.
+
+Crash safety: a write never touches a committed file. The first write of an extent after a commit
+goes to a new file (a recycled retired one, or a fresh preallocated one); ``commit`` waits for all
+writes, fsyncs them, and atomically replaces the manifest, which is the only thing that says which
+files are current. Files the new manifest no longer names are retired: kept as spares for the next
+write, or unlinked if a checkpoint hard-linked them (their data lives on through the link).
+
+Reads see the latest write ("read your writes"), committed or not, so the next step's forward can
+read weights Adam wrote before the step is committed. A read of an extent waits for that extent's
+write in flight; a write must not overlap a read of the same extent (the engine orders them).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from concurrent.futures import Future, wait
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fuyou.errors import ConfigError, ManifestError, StoreDirError, StoreError
+from fuyou.storage import checksum, dirs as fsdirs
+from fuyou.storage.engines import make_engine
+from fuyou.storage.io_base import FileHandle, gather, then
+from fuyou.storage.layout import ExtentSpec, Piece, place
+from fuyou.storage.manifest import MANIFEST, read_manifest, write_manifest
+
+ID_FILE = "fuyou-store.id"
+
+
+@dataclass(eq=False)
+class _File:
+    """One piece's file: where it is, its open handle, and the block CRCs of its data."""
+
+    dir_index: int
+    name: str
+    handle: FileHandle
+    crcs: list[int] | None = None
+
+
+@dataclass(eq=False)
+class _Extent:
+    index: int
+    spec: ExtentSpec
+    pieces: tuple[Piece, ...]
+    committed: list[_File] | None = None
+    pending: list[_File] | None = None
+    write_future: Future | None = None
+    spares: list[list[_File]] = field(default_factory=list)
+
+
+def as_bytes(buf: torch.Tensor | np.ndarray, nbytes: int, what: str) -> np.ndarray:
+    """A uint8 numpy view of the first ``nbytes`` bytes of a contiguous CPU buffer.
+
+    Raises ConfigError if ``buf`` is not a contiguous CPU tensor/array or is too small.
+    """
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu" or not buf.is_contiguous():
+            raise ConfigError(f"{what}: the buffer must be a contiguous CPU tensor")
+        arr = buf.reshape(-1).view(torch.uint8).numpy()
+    elif isinstance(buf, np.ndarray) and buf.flags.c_contiguous:
+        arr = buf.reshape(-1).view(np.uint8)
+    else:
+        raise ConfigError(f"{what}: expected a contiguous torch tensor or numpy array, got {type(buf).__name__}")
+    if arr.size < nbytes:
+        raise ConfigError(f"{what}: buffer holds {arr.size} bytes, the extent needs {nbytes}")
+    return arr[:nbytes]
+
+
+class TensorStore:
+    """Versioned extents striped over directories; create with ``create``, reopen with ``open``."""
+
+    def __init__(self, dirs: list[str], extents: list[ExtentSpec], pieces: list[tuple[Piece, ...]],
+                 body: dict, *, io: str, direct: str, checksums: bool, threads: int, fsync: bool) -> None:
+        self.dirs = dirs
+        self.store_id: str = body["store_id"]
+        self.block_bytes: int = body["block_bytes"]
+        self.stripe_min: int = body["stripe_min"]
+        self.version: int = body["version"]
+        self.meta: dict = body.get("meta", {})
+        self.checksums = checksums
+        self.fsync = fsync
+        self.direct = [fsdirs.resolve_direct(direct, d) for d in dirs]
+        self.engine = make_engine(io, threads, self.block_bytes)
+        self._ext = {e.name: _Extent(i, e, p) for i, (e, p) in enumerate(zip(extents, pieces))}
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # ---------------------------------------------------------------- create / open
+    @classmethod
+    def create(cls, dirs: list[str], extents: list[ExtentSpec], *, io: str = "auto", direct: str = "auto",
+               checksums: bool = True, threads: int = 16, block_bytes: int = 1 << 20,
+               stripe_min: int = 4 << 20, fsync: bool = True, overwrite: bool = False) -> "TensorStore":
+        """Make a new, empty store for ``extents`` striped over ``dirs`` (one per SSD).
+
+        Checks up front that each directory exists, is writable and has room for two versions of
+        its share (current + next, for crash-safe commits). Raises StoreDirError if a directory
+        already holds a store (unless ``overwrite``), StoreSpaceError if space is short.
+        """
+        if not dirs:
+            raise ConfigError("at least one SSD directory is needed (--ssd DIR)")
+        if len({e.name for e in extents}) != len(extents):
+            raise ConfigError("extent names must be unique")
+        dirs = [fsdirs.check_dir(d) for d in dirs]
+        if len(set(dirs)) != len(dirs):
+            raise ConfigError(f"the same SSD directory is given twice: {dirs}")
+        for d in dirs:
+            if os.path.exists(os.path.join(d, ID_FILE)) or os.path.exists(os.path.join(d, MANIFEST)):
+                if not overwrite:
+                    raise StoreDirError(f"{d} already holds a Fuyou store; open it, or pass overwrite to replace it")
+                _remove_store_files(d)
+        pieces = place(extents, len(dirs), stripe_min)
+        for k, d in enumerate(dirs):
+            share = sum(p.file_bytes for ps in pieces for p in ps if p.dir_index == k)
+            fsdirs.check_space(d, 2 * share + (1 << 20), "the store (2 versions of its share, for crash-safe commits)")
+        body = {"store_id": uuid.uuid4().hex, "version": 0, "block_bytes": block_bytes, "ndirs": len(dirs),
+                "stripe_min": stripe_min,
+                "extents": [e.to_json() for e in extents], "files": {}, "meta": {}}
+        for k, d in enumerate(dirs):
+            write_manifest(d, {"store_id": body["store_id"], "index": k}, ID_FILE)
+        write_manifest(dirs[0], body)
+        return cls(dirs, extents, pieces, body, io=io, direct=direct, checksums=checksums, threads=threads, fsync=fsync)
+
+    @classmethod
+    def open(cls, dirs: list[str], *, io: str = "auto", direct: str = "auto", checksums: bool = True,
+             threads: int = 16, fsync: bool = True) -> "TensorStore":
+        """Open an existing store at its last committed version; uncommitted files are discarded.
+
+        Raises ManifestError if there is no valid manifest, StoreDirError if the directories are not
+        this store's stripes in creation order, ChecksumError/StoreError if a named file is missing.
+        """
+        dirs = [fsdirs.check_dir(d) for d in dirs]
+        idents = [read_manifest(d, ID_FILE) if os.path.exists(os.path.join(d, ID_FILE)) else {} for d in dirs]
+        if idents[0].get("index", 0) != 0:
+            raise StoreDirError(f"{dirs[0]} is stripe {idents[0]['index']} of a store, not its first; "
+                                "pass the --ssd directories in creation order")
+        body = read_manifest(dirs[0])
+        if body["ndirs"] != len(dirs):
+            raise StoreDirError(f"the store in {dirs[0]} is striped over {body['ndirs']} directories, {len(dirs)} given")
+        for k, (d, ident) in enumerate(zip(dirs, idents)):
+            if ident.get("store_id") != body["store_id"] or ident.get("index") != k:
+                raise StoreDirError(
+                    f"{d} is not stripe {k} of the store in {dirs[0]}; pass the --ssd directories in creation order"
+                )
+        extents = [ExtentSpec.from_json(e) for e in body["extents"]]
+        pieces = place(extents, len(dirs), body["stripe_min"])
+        store = cls(dirs, extents, pieces, body, io=io, direct=direct, checksums=checksums, threads=threads, fsync=fsync)
+        store._load_files(body["files"])
+        return store
+
+    def _load_files(self, files: dict) -> None:
+        named: set[tuple[int, str]] = set()
+        for name, entry in files.items():
+            ext = self._ext[name]
+            recs = []
+            for (d, fname, crcs) in entry:
+                path = os.path.join(self.dirs[d], fname)
+                if not os.path.exists(path):
+                    raise ManifestError(f"{path} named by the manifest is missing; restore the run from a checkpoint")
+                recs.append(_File(d, fname, self.engine.open(path, self.direct[d]), checksum.decode(crcs)))
+                named.add((d, fname))
+            ext.committed = recs
+        for k, d in enumerate(self.dirs):  # files of uncommitted writes (a crash mid-step) are garbage
+            for fname in os.listdir(d):
+                stale_tmp = fname.startswith(MANIFEST + ".tmp-")
+                if stale_tmp or (fname.endswith(".fy") and (k, fname) not in named):
+                    os.unlink(os.path.join(d, fname))
+
+    # ---------------------------------------------------------------- data path
+    @property
+    def extents(self) -> list[ExtentSpec]:
+        """The extents in layout order."""
+        return [e.spec for e in self._ext.values()]
+
+    def spec(self, name: str) -> ExtentSpec:
+        """The layout of extent ``name``; raises ConfigError if unknown."""
+        return self._get(name).spec
+
+    def _get(self, name: str) -> _Extent:
+        if self._closed:
+            raise StoreError("the store is closed")
+        try:
+            return self._ext[name]
+        except KeyError:
+            raise ConfigError(f"no extent {name!r} in this store") from None
+
+    def write(self, name: str, buf: torch.Tensor | np.ndarray) -> Future:
+        """Start writing extent ``name`` from ``buf``; returns a future (None, or the I/O error).
+
+        The data becomes readable at once (``read`` waits for it) and durable at ``commit``.
+        ``buf`` must not change until the future completes. Raises StoreSpaceError at once if a new
+        file cannot be allocated.
+        """
+        ext = self._get(name)
+        arr = as_bytes(buf, ext.spec.nbytes, f"write of extent {name!r}")
+        with self._lock:
+            prev = ext.write_future
+            if ext.pending is None:
+                ext.pending = self._new_files(ext)
+            files = ext.pending
+        if prev is not None:
+            prev.exception()  # write-after-write on one extent: keep them in order
+        futs = [self.engine.write(f.handle, arr[p.start : p.start + p.length], self.checksums)
+                for f, p in zip(files, ext.pieces)]
+
+        def record(crcs: list[list[int]]) -> None:
+            for f, c in zip(files, crcs):
+                f.crcs = c
+
+        fut = then(gather(futs), record)
+        with self._lock:
+            ext.write_future = fut
+        return fut
+
+    def _new_files(self, ext: _Extent) -> list[_File]:
+        gen = self.version + 1
+        if ext.spares:
+            files = ext.spares.pop()
+            for f, p in zip(files, ext.pieces):
+                new = f"{ext.index:06d}.{p.dir_index}.{gen}.fy"
+                os.rename(os.path.join(self.dirs[f.dir_index], f.name), os.path.join(self.dirs[f.dir_index], new))
+                f.name, f.crcs = new, None
+                f.handle.path = os.path.join(self.dirs[f.dir_index], new)
+            return files
+        files: list[_File] = []
+        try:
+            for p in ext.pieces:
+                path = os.path.join(self.dirs[p.dir_index], f"{ext.index:06d}.{p.dir_index}.{gen}.fy")
+                fsdirs.preallocate(path, p.file_bytes)
+                files.append(_File(p.dir_index, os.path.basename(path), self.engine.open(path, self.direct[p.dir_index])))
+        except BaseException:
+            self._drop(files)
+            raise
+        return files
+
+    def read(self, name: str, buf: torch.Tensor | np.ndarray) -> Future:
+        """Start reading the latest data of extent ``name`` into ``buf``; returns a future.
+
+        The future fails with ChecksumError (naming file, byte range and extent) on corruption.
+        Raises StoreError at once if the extent was never written.
+        """
+        ext = self._get(name)
+        arr = as_bytes(buf, ext.spec.nbytes, f"read of extent {name!r}")
+        with self._lock:
+            wf = ext.write_future
+        if wf is not None:
+            wf.result()  # read your writes: the write in flight must land first
+        with self._lock:
+            files = ext.pending if ext.pending is not None else ext.committed
+        if files is None:
+            raise StoreError(f"extent {name!r} has never been written")
+        futs = [
+            self.engine.read(f.handle, arr[p.start : p.start + p.length], f.crcs if self.checksums else None,
+                             f"extent {name!r}, piece {k}", compute=False)
+            for k, (f, p) in enumerate(zip(files, ext.pieces))
+        ]
+        return then(gather(futs), lambda _: None)
+
+    # ---------------------------------------------------------------- versions
+    def commit(self, meta: dict | None = None) -> int:
+        """Make every write since the last commit durable and current, atomically; return the version.
+
+        Waits for the writes (raising StoreError if any failed — the previous version stays
+        current), fsyncs data and directories, then replaces the manifest. ``meta`` (JSON data,
+        e.g. the training step) is stored with the version.
+        """
+        with self._lock:
+            dirty = [e for e in self._ext.values() if e.pending is not None]
+            futs = [e.write_future for e in dirty if e.write_future is not None]
+        wait(futs)
+        errors = [f.exception() for f in futs if f.exception() is not None]
+        if errors:
+            raise StoreError(f"commit of version {self.version + 1} failed, version {self.version} stays current: {errors[0]}")
+        if self.fsync:
+            gather([self.engine.fsync(f.handle) for e in dirty for f in e.pending]).result()
+            for d in {f.dir_index for e in dirty for f in e.pending}:
+                fsdirs.fsync_dir(self.dirs[d])
+        with self._lock:
+            body = self._body(self.version + 1, meta if meta is not None else self.meta)
+            write_manifest(self.dirs[0], body)
+            for e in dirty:
+                self._retire(e)
+            self.version, self.meta = body["version"], body["meta"]
+        return self.version
+
+    def _body(self, version: int, meta: dict) -> dict:
+        files = {}
+        for name, e in self._ext.items():
+            cur = e.pending if e.pending is not None else e.committed
+            if cur is not None:
+                files[name] = [[f.dir_index, f.name, checksum.encode(f.crcs or [])] for f in cur]
+        return {"store_id": self.store_id, "version": version, "block_bytes": self.block_bytes,
+                "ndirs": len(self.dirs), "stripe_min": self.stripe_min, "extents": [e.spec.to_json() for e in self._ext.values()],
+                "files": files, "meta": meta}
+
+    def _retire(self, e: _Extent) -> None:
+        old, e.committed, e.pending, e.write_future = e.committed, e.pending, None, None
+        if old is None:
+            return
+        if all(os.fstat(f.handle.raw).st_nlink == 1 for f in old if isinstance(f.handle.raw, int)):
+            e.spares.append(old)
+        else:
+            self._drop(old)  # a checkpoint links these files: unlink our name only
+
+    def _drop(self, files: list[_File]) -> None:
+        for f in files:
+            self.engine.close(f.handle)
+            os.unlink(os.path.join(self.dirs[f.dir_index], f.name))
+
+    def abort(self) -> None:
+        """Discard every write since the last commit (the committed version stays current)."""
+        with self._lock:
+            dirty = [e for e in self._ext.values() if e.pending is not None]
+        wait([e.write_future for e in dirty if e.write_future is not None])
+        with self._lock:
+            for e in dirty:
+                e.spares.append(e.pending)
+                e.pending, e.write_future = None, None
+
+    def close(self) -> None:
+        """Abort uncommitted writes, close every file and stop the I/O threads."""
+        if self._closed:
+            return
+        self.abort()
+        for e in self._ext.values():
+            for files in [e.committed or []] + e.spares:
+                for f in files:
+                    self.engine.close(f.handle)
+        self.engine.shutdown()
+        self._closed = True
+
+    def __enter__(self) -> "TensorStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _remove_store_files(d: str) -> None:
+    for fname in os.listdir(d):
+        if fname.endswith(".fy") or fname.startswith(MANIFEST) or fname == ID_FILE:
+            os.unlink(os.path.join(d, fname))

@@ -1,0 +1,105 @@
+"""A fixed pool of pre-allocated host buffers (pinned on CUDA), accounted against a host budget.
+
+Buffers are created once, at ``reserve`` time, in named classes of equal-size buffers (e.g. 4 ×
+"layer weights"). ``acquire`` blocks until one is free, so a full pool is back-pressure, not an
+allocation: nothing is allocated per step.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from fuyou.device.base import HOST_ALIGN, Backend
+from fuyou.errors import ConfigError, FuyouError, HostMemoryError
+from fuyou.units import align_up, format_size
+
+
+@dataclass(eq=False)
+class HostBuffer:
+    """One pool buffer: a page-aligned uint8 tensor of ``nbytes`` bytes, owned by ``kind``."""
+
+    kind: str
+    index: int
+    data: torch.Tensor = field(repr=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Usable size in bytes."""
+        return self.data.numel()
+
+    def view(self, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
+        """A flat ``dtype`` view of ``numel`` elements starting ``offset`` bytes in.
+
+        Raises ConfigError if the view does not fit or ``offset`` is misaligned for ``dtype``.
+        """
+        size = torch.empty((), dtype=dtype).element_size()
+        if offset % size or offset + numel * size > self.nbytes:
+            raise ConfigError(
+                f"view of {numel} × {dtype} at byte {offset} does not fit buffer {self.kind}[{self.index}] "
+                f"of {self.nbytes} bytes"
+            )
+        return self.data[offset : offset + numel * size].view(dtype)
+
+
+class HostBufferPool:
+    """Fixed host buffers in named classes, within ``budget`` bytes of host memory."""
+
+    def __init__(self, backend: Backend, budget: int) -> None:
+        self.backend = backend
+        self.budget = budget
+        self.reserved = 0
+        self._free: dict[str, list[HostBuffer]] = {}
+        self._sizes: dict[str, tuple[int, int]] = {}
+        self._cond = threading.Condition()
+
+    def reserve(self, kind: str, nbytes: int, count: int) -> None:
+        """Pre-allocate ``count`` buffers of ``nbytes`` each in class ``kind``.
+
+        Sizes are rounded up to 4 KiB for the budget. Raises HostMemoryError if the budget would
+        be passed (naming what is already reserved), ConfigError if ``kind`` exists already.
+        """
+        if kind in self._sizes:
+            raise ConfigError(f"host buffer class {kind!r} is already reserved")
+        need = align_up(nbytes, HOST_ALIGN) * count
+        if self.reserved + need > self.budget:
+            have = ", ".join(f"{c} × {format_size(n)} {k!r}" for k, (n, c) in self._sizes.items())
+            raise HostMemoryError(
+                f"host buffers need {format_size(self.reserved + need)} ({count} × "
+                f"{format_size(nbytes)} {kind!r}{', ' + have if have else ''}) but the host budget is "
+                f"{format_size(self.budget)}; raise --cpu-memory or lower the prefetch depth"
+            )
+        bufs = [HostBuffer(kind, i, self.backend.host_empty(nbytes)) for i in range(count)]
+        with self._cond:
+            self._sizes[kind] = (nbytes, count)
+            self._free[kind] = bufs
+            self.reserved += need
+
+    def acquire(self, kind: str, timeout: float | None = None) -> HostBuffer:
+        """Take a free buffer of class ``kind``, waiting up to ``timeout`` seconds (None: forever).
+
+        Raises ConfigError for an unknown class; FuyouError if none frees up in time (a schedule
+        that never releases is a bug, and this turns its hang into an error).
+        """
+        with self._cond:
+            if kind not in self._free:
+                raise ConfigError(f"no host buffer class {kind!r}; reserve it first")
+            if not self._cond.wait_for(lambda: bool(self._free[kind]), timeout):
+                raise FuyouError(f"no free host buffer of class {kind!r} after {timeout} s")
+            return self._free[kind].pop()
+
+    def release(self, buf: HostBuffer) -> None:
+        """Return ``buf`` to its class; raises ConfigError on a double release."""
+        with self._cond:
+            free = self._free[buf.kind]
+            if any(b is buf for b in free):
+                raise ConfigError(f"host buffer {buf.kind}[{buf.index}] released twice")
+            free.append(buf)
+            self._cond.notify_all()
+
+    def available(self, kind: str) -> int:
+        """Number of free buffers of class ``kind`` right now."""
+        with self._cond:
+            return len(self._free[kind])

@@ -1,0 +1,62 @@
+"""Shared fixtures: GPU skipping, real small filesystems (tmpfs/ramfs) for disk-full and O_DIRECT tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip @pytest.mark.gpu tests cleanly when no CUDA device is visible."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def mounted(path: str, fstype: str, options: str = "") -> Iterator[str]:
+    """Mount a fresh ``fstype`` at ``path`` for the block; skip the test if mounting is not allowed."""
+    os.makedirs(path, exist_ok=True)
+    cmd = ["mount", "-t", fstype] + (["-o", options] if options else []) + [fstype, path]
+    if os.geteuid() != 0 or subprocess.run(cmd, capture_output=True).returncode != 0:
+        pytest.skip(f"cannot mount {fstype} here (needs root and mount permission)")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], capture_output=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: os.PathLike) -> Iterator[str]:
+    """A real 8 MiB tmpfs: a disk that fills up."""
+    with mounted(os.path.join(tmp_path, "small"), "tmpfs", "size=8m") as p:
+        yield p
+
+
+@pytest.fixture
+def ramfs_dir(tmp_path: os.PathLike) -> Iterator[str]:
+    """A real ramfs mount: a filesystem that refuses O_DIRECT."""
+    with mounted(os.path.join(tmp_path, "ramfs"), "ramfs") as p:
+        yield p
+
+
+@pytest.fixture
+def readonly_dir(tmp_path: os.PathLike) -> Iterator[str]:
+    """A directory nobody (root included) can write to: a read-only tmpfs mount, or chmod 0500."""
+    if os.geteuid() != 0:
+        p = os.path.join(tmp_path, "ro")
+        os.makedirs(p)
+        os.chmod(p, 0o500)
+        yield p
+        os.chmod(p, 0o700)
+        return
+    with mounted(os.path.join(tmp_path, "ro"), "tmpfs", "size=1m,ro") as p:
+        yield p

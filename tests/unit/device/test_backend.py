@@ -1,0 +1,64 @@
+import gc
+
+import pytest
+import torch
+
+from fuyou.device import HOST_ALIGN, CPUBackend, get_backend
+from fuyou.errors import ConfigError, DeviceMemoryError
+
+
+def test_fake_capacity_is_enforced_and_names_what():
+    b = CPUBackend(capacity=1 << 20)
+    keep = b.device_empty((128, 1024), torch.float32, "layer 0 weights")  # 512 KiB
+    with pytest.raises(DeviceMemoryError, match="layer 1 weights.*1.0 MiB capacity.*--gpu-memory"):
+        b.device_empty((160, 1024), torch.float32, "layer 1 weights")  # 640 KiB more
+    assert b.memory().allocated == 512 * 1024
+    del keep
+
+
+def test_accounting_is_exact_with_views_and_frees():
+    b = CPUBackend(capacity=10 << 20)
+    t = b.device_empty((1000,), torch.bfloat16)
+    v = t[10:20].view(torch.int16)
+    del t
+    gc.collect()
+    assert b.memory().allocated == 2000, "a live view keeps the storage (and its charge) alive"
+    del v
+    gc.collect()
+    m = b.memory()
+    assert (m.allocated, m.peak, m.capacity) == (0, 2000, 10 << 20)
+    b.device_empty((5 << 18,), torch.float32)  # 5 MiB fits again once freed
+
+
+def test_failed_allocation_leaves_no_charge():
+    b = CPUBackend(capacity=100)
+    with pytest.raises(DeviceMemoryError):
+        b.device_empty((26,), torch.float32)
+    assert b.memory().allocated == 0
+
+
+@pytest.mark.parametrize("n", [1, 4095, 4096, 4097, (1 << 20) + 3])
+def test_host_buffers_are_page_aligned_exact_size(n):
+    t = CPUBackend().host_empty(n)
+    assert t.numel() == n and t.dtype == torch.uint8 and t.data_ptr() % HOST_ALIGN == 0
+
+
+def test_cpu_streams_and_events_are_null_but_usable():
+    b = CPUBackend()
+    s = b.new_stream()
+    with b.on(s):
+        x = torch.ones(4) * 2
+    ev = b.record(s)
+    ev.wait()
+    ev.wait(s)
+    assert ev.query() and x.sum().item() == 8
+    b.keep_alive(x, s)
+    b.synchronize()
+
+
+def test_get_backend():
+    assert get_backend("cpu", capacity=123).memory().capacity == 123
+    if not torch.cuda.is_available():
+        assert get_backend("auto").name == "cpu"
+    with pytest.raises(ConfigError, match="--device"):
+        get_backend("tpu")

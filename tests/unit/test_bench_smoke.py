@@ -1,0 +1,25 @@
+"""The bench scripts' --smoke modes run (so the full benches do not rot)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_store_bench_smoke(tmp_path):
+    r = subprocess.run([sys.executable, "bench/bench_store.py", "--smoke", "--dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(line) for line in r.stdout.splitlines()]
+    ops = {rec["op"]: rec for rec in recs}
+    assert set(ops) == {"write", "read", "commit"}
+    assert ops["write"]["store_GBps"] > 0 and ops["read"]["store_GBps"] > 0
+    if shutil.which("fio"):
+        assert ops["read"]["ratio"] > 0
+    else:
+        pytest.skip("fio not installed: ratio not measured")
