@@ -65,6 +65,7 @@ class _DeviceAccounting:
         self.capacity = capacity
         self.allocated = 0
         self.peak = 0
+        self._held: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def charge(self, nbytes: int, what: str) -> None:
@@ -86,8 +87,23 @@ class _DeviceAccounting:
             self.allocated -= nbytes
 
     def track(self, tensor: torch.Tensor, nbytes: int) -> None:
-        """Refund ``nbytes`` when ``tensor``'s storage (shared by all its views) is freed."""
-        weakref.finalize(tensor.untyped_storage(), self.refund, nbytes)
+        """Refund what ``tensor``'s storage still holds when it (shared by all views) is freed."""
+        storage = tensor.untyped_storage()
+        self._held[id(storage)] = nbytes
+        weakref.finalize(storage, self._release, id(storage))
+
+    def _release(self, key: int) -> None:
+        self.refund(self._held.pop(key, 0))
+
+    def resize(self, tensor: torch.Tensor, nbytes: int, what: str) -> None:
+        """Charge or refund the change of ``tensor``'s storage to ``nbytes`` (before resizing it)."""
+        key = id(tensor.untyped_storage())
+        old = self._held.get(key, 0)
+        if nbytes > old:
+            self.charge(nbytes - old, what)
+        else:
+            self.refund(old - nbytes)
+        self._held[key] = nbytes
 
 
 class Backend(ABC):
@@ -106,6 +122,37 @@ class Backend(ABC):
 
         Raises DeviceMemoryError naming ``what`` if it would pass the capacity.
         """
+
+    def free_storage(self, tensor: torch.Tensor) -> None:
+        """Release the device memory under ``tensor`` and all its views, keeping their metadata.
+
+        Parameters and autograd's saved views of them stay valid objects; ``restore_storage``
+        gives the memory back before they are used again (the FSDP technique).
+        """
+        self._account_resize(tensor, 0, "")
+        tensor.untyped_storage().resize_(0)
+
+    def restore_storage(self, tensor: torch.Tensor, nbytes: int, what: str = "a tensor") -> torch.Tensor:
+        """Re-allocate ``nbytes`` under a tensor freed by ``free_storage``; return a flat uint8 alias.
+
+        Fill the alias (not ``tensor``), so autograd's version counters of the views are not bumped.
+        Raises DeviceMemoryError naming ``what`` past the capacity.
+        """
+        self._account_resize(tensor, nbytes, what)
+        storage = tensor.untyped_storage()
+        storage.resize_(nbytes)
+        return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (nbytes,))
+
+    def _account_resize(self, tensor: torch.Tensor, nbytes: int, what: str) -> None:
+        """Hook for backends that count device memory themselves (the CPU backend)."""
+
+    def rng_state(self) -> Any:
+        """Random-generator state of host and device (dropout replay for recomputation)."""
+        return torch.get_rng_state()
+
+    def set_rng_state(self, state: Any) -> None:
+        """Restore a state from ``rng_state``."""
+        torch.set_rng_state(state)
 
     @abstractmethod
     def new_stream(self) -> Any:

@@ -50,6 +50,10 @@ class CPUBackend(Backend):
         self._acct.track(t, nbytes)
         return t
 
+    def _account_resize(self, tensor: torch.Tensor, nbytes: int, what: str) -> None:
+        """Keep the fake capacity exact across free/restore of a storage."""
+        self._acct.resize(tensor, nbytes, what)
+
     def new_stream(self) -> None:
         """CPU work is synchronous: the null stream."""
         return None

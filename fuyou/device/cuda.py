@@ -84,6 +84,25 @@ class CUDABackend(Backend):
             )
         return torch.empty(shape, dtype=dtype, device=self.device)
 
+    def _account_resize(self, tensor: torch.Tensor, nbytes: int, what: str) -> None:
+        """Refuse a restore that would pass the capacity (the allocator counts the rest)."""
+        used = torch.cuda.memory_allocated(self.device)
+        if nbytes and used + nbytes > self.capacity:
+            raise DeviceMemoryError(
+                f"device memory exhausted: restoring {format_size(nbytes)} for {what} would bring use to "
+                f"{format_size(used + nbytes)}, above the {format_size(self.capacity)} capacity; raise "
+                "--gpu-memory or lower the micro-batch size or prefetch depth"
+            )
+
+    def rng_state(self) -> Any:
+        """Host and CUDA generator states."""
+        return torch.get_rng_state(), torch.cuda.get_rng_state(self.device)
+
+    def set_rng_state(self, state: Any) -> None:
+        """Restore host and CUDA generator states."""
+        torch.set_rng_state(state[0])
+        torch.cuda.set_rng_state(state[1], self.device)
+
     def new_stream(self) -> torch.cuda.Stream:
         """A new non-default stream on this device."""
         return torch.cuda.Stream(self.device)

@@ -62,3 +62,23 @@ def test_get_backend():
         assert get_backend("auto").name == "cpu"
     with pytest.raises(ConfigError, match="--device"):
         get_backend("tpu")
+
+
+def test_free_and_restore_storage_keeps_views_and_accounting():
+    b = CPUBackend(capacity=1 << 20)
+    buf = b.device_empty((4096,), torch.uint8, "w")
+    view = buf[64:128].view(torch.float32)
+    b.free_storage(buf)
+    assert b.memory().allocated == 0 and view.shape == (16,)
+    filler = b.device_empty((1 << 20,), torch.uint8, "fills the device while w is freed")
+    with pytest.raises(DeviceMemoryError, match="restore-me"):
+        b.restore_storage(buf, 4096, "restore-me")
+    del filler
+    gc.collect()
+    alias = b.restore_storage(buf, 4096, "w again")
+    alias[64:128].view(torch.float32).fill_(3.0)
+    assert view.sum().item() == 48.0 and view._version == 0
+    assert b.memory().allocated == 4096
+    del buf, view, alias
+    gc.collect()
+    assert b.memory().allocated == 0

@@ -1,0 +1,78 @@
+"""EngineConfig: every setting of the training engine, validated at once, errors naming the flag."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from fuyou.engine.plan import Plan
+from fuyou.errors import ConfigError
+from fuyou.units import parse_size
+
+PRECISIONS = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings; sizes accept ``512MiB``/``64GiB``/``1.5GB`` strings or byte counts."""
+
+    ssd_dirs: tuple[str, ...]
+    """Store directories, one per SSD (``--ssd``)."""
+    device: str = "auto"
+    """``auto`` | ``cuda`` | ``cpu`` (``--device``)."""
+    gpu_memory: int | str | None = None
+    """Device-memory budget (``--gpu-memory``); None: the whole GPU (CPU backend: unlimited)."""
+    cpu_memory: int | str = "8GiB"
+    """Host budget for Fuyou's buffers: weights in flight, optimizer state, gradients (``--cpu-memory``)."""
+    precision: str = "bf16"
+    """Compute weights and gradients: ``bf16`` (fp32 master) or ``fp32`` (``--precision``)."""
+    state_precision: str = "fp32"
+    """Adam m and v: ``fp32``, or ``bf16`` to halve their SSD bytes."""
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.0
+    """Global-norm clipping threshold; 0 = off. Set ⇒ the overlap_next_forward schedule."""
+    plan: Plan = field(default_factory=Plan)
+    io: str = "auto"
+    direct: str = "auto"
+    checksums: bool = True
+    adam_threads: int | None = None
+    """numba threads for the CPU Adam (default: all cores)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.ssd_dirs:
+            problems.append("at least one --ssd directory is needed")
+        if self.device not in ("auto", "cuda", "cpu"):
+            problems.append(f"--device must be auto, cuda or cpu, got {self.device!r}")
+        for name, allowed in (("precision", PRECISIONS), ("state_precision", PRECISIONS)):
+            if getattr(self, name) not in allowed:
+                problems.append(f"--{name.replace('_', '-')} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not (math.isfinite(self.lr) and self.lr >= 0):
+            problems.append(f"--lr must be a finite number ≥ 0, got {self.lr}")
+        if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
+            problems.append(f"--max-grad-norm must be ≥ 0 (0 = off), got {self.max_grad_norm}")
+        try:
+            parse_size(self.cpu_memory, "--cpu-memory")
+            if self.gpu_memory is not None:
+                parse_size(self.gpu_memory, "--gpu-memory")
+        except ConfigError as e:
+            problems.append(str(e))
+        if problems:
+            raise ConfigError("; ".join(problems))
+        if self.max_grad_norm and self.plan.schedule != "overlap_next_forward":
+            import dataclasses
+
+            object.__setattr__(self, "plan", dataclasses.replace(self.plan, schedule="overlap_next_forward"))
+
+    @property
+    def cpu_bytes(self) -> int:
+        """Host budget in bytes."""
+        return parse_size(self.cpu_memory, "--cpu-memory")
+
+    @property
+    def gpu_bytes(self) -> int | None:
+        """Device budget in bytes, or None."""
+        return None if self.gpu_memory is None else parse_size(self.gpu_memory, "--gpu-memory")

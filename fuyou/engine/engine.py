@@ -1,0 +1,205 @@
+"""The training engine's Python API: build from a model, ``train_step``, ``export``, ``close``.
+
+    engine = Engine.from_pretrained("path/to/hf-model", EngineConfig(ssd_dirs=("/mnt/nvme0/run",)))
+    stats = engine.train_step(input_ids, labels)      # loss, grad norm, tokens/s, busy time per resource
+    engine.set_lr(2e-5); engine.export("out/model"); engine.close()
+
+The model is built on the meta device; its weights go block by block into the SSD store (bf16
+compute copy + fp32 master + zeroed m/v) and never sit whole in RAM.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator
+
+import torch
+
+from fuyou.device import get_backend
+from fuyou.engine.config import EngineConfig
+from fuyou.engine.layout import ModelLayout, elem_size
+from fuyou.engine.optimizer import AdamStage
+from fuyou.engine.step import StepRunner, StepState, gate_for, park_class, settle
+from fuyou.engine.timeline import Timeline
+from fuyou.engine.weights import HOST_CLASS, WeightLoader
+from fuyou.errors import ConfigError, DeviceMemoryError
+from fuyou.models.adapters import make_adapter
+from fuyou.models.hf_io import CheckpointReader, load_config, read_block, save_streamed
+from fuyou.optim import AdamWHyper
+from fuyou.storage.store import TensorStore
+from fuyou.transfer.buffers import HostBufferPool
+from fuyou.units import format_size
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+class Engine:
+    """Out-of-core trainer for one causal LM; see the module docstring."""
+
+    def __init__(self, config: Any, cfg: EngineConfig, tensors: Callable[[list[str]], dict[str, torch.Tensor]],
+                 source_dir: str | None = None) -> None:
+        self.cfg, self.source_dir = cfg, source_dir
+        self.plan = cfg.plan
+        self.lr, self.step, self.max_grad_norm = cfg.lr, 0, cfg.max_grad_norm
+        self.pending: dict[int, Future] = {}
+        self.adapter = make_adapter(config)
+        self.backend = get_backend(cfg.device, cfg.gpu_bytes)
+        self.adapter.prepare(self.backend.device)
+        self.layout = ModelLayout(tuple(self.adapter.blocks), DTYPES[cfg.precision], DTYPES[cfg.state_precision])
+        self._check_device_budget()
+        self.pool = HostBufferPool(self.backend, cfg.cpu_bytes)
+        self._reserve_host()
+        self.timeline = Timeline()
+        self.store = TensorStore.create(list(cfg.ssd_dirs), self.layout.extents(), io=cfg.io, direct=cfg.direct,
+                                        checksums=cfg.checksums, overwrite=True)
+        self.compute_stream = None if self.backend.name == "cpu" else self.backend.new_stream()
+        self.loader = WeightLoader(self.store, self.backend, self.pool, self.layout, self.timeline,
+                                   self.plan.prefetch_depth, self.backend.new_stream())
+        hyper = AdamWHyper(cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
+        self.stage = AdamStage(self.store, self.backend, self.pool, self.layout, hyper, self.timeline,
+                               self.backend.new_stream(), cfg.adam_threads)
+        self.runner = StepRunner(self)
+        self._import(tensors)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(cls, model_dir: str, cfg: EngineConfig) -> "Engine":
+        """Stream a Hugging Face model directory (config.json + safetensors) into a new store."""
+        config = load_config(model_dir)
+        reader = CheckpointReader(model_dir)
+        engine = cls.__new__(cls)
+        alias = {"lm_head.weight": None}
+
+        def tensors(keys: list[str]) -> dict[str, torch.Tensor]:
+            return read_block(reader, keys, lambda k: alias.get(k))
+
+        cls.__init__(engine, config, cfg, tensors, source_dir=model_dir)
+        return engine
+
+    @classmethod
+    def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], cfg: EngineConfig) -> "Engine":
+        """Build from an in-memory state dict (tests, the Trainer plugin); copies go block by block."""
+        return cls(config, cfg, lambda keys: {k: state_dict[k] for k in keys})
+
+    def _check_device_budget(self) -> None:
+        cap = self.backend.memory().capacity
+        lay, H = self.layout, len(self.layout.blocks) - 1
+        per = [lay.w(b).nbytes + lay.numel(b) * elem_size(lay.compute_dtype) for b in range(H + 1)]
+        head = per[H] + sum(per[lay.index(o)] for o in lay.blocks[H].borrows)
+        need = max(max(per), head)
+        if need > cap:
+            raise DeviceMemoryError(
+                f"the largest block needs {format_size(need)} of device memory for its weights and gradients, "
+                f"the device budget is {format_size(cap)}; raise --gpu-memory (or use a GPU with more memory)"
+            )
+
+    def _reserve_host(self) -> None:
+        lay = self.layout
+        self.pool.reserve(HOST_CLASS, WeightLoader.host_bytes(lay), self.plan.prefetch_depth + 1)
+        for name, nbytes, count in AdamStage.host_classes(lay, self.plan.state_buffers):
+            self.pool.reserve(name, nbytes, count)
+        if self.plan.schedule == "overlap_next_forward":
+            for b in range(len(lay.blocks)):
+                self.pool.reserve(park_class(b), lay.numel(b) * elem_size(lay.compute_dtype), 1)
+
+    def _import(self, tensors: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
+        lay = self.layout
+        for b, blk in enumerate(lay.blocks):
+            src = tensors([p.key for p in blk.params])
+            w = lay.flatten(b, src, lay.compute_dtype)
+            s = torch.zeros(lay.s(b).nbytes, dtype=torch.uint8)
+            lay.s(b).views(s)["master"].copy_(lay.flatten(b, src, torch.float32))
+            self.store.write(lay.w(b).name, w.view(torch.uint8)).result()
+            self.store.write(lay.s(b).name, s).result()
+            del src, w, s
+        self.store.commit(self.commit_meta())
+
+    def commit_meta(self) -> dict:
+        """What each committed store version records about training progress."""
+        return {"step": self.step, "lr": self.lr}
+
+    # ------------------------------------------------------------------ training
+    def set_lr(self, lr: float) -> None:
+        """Learning rate for the next update(s); raises ConfigError if negative or not finite."""
+        if not (math.isfinite(lr) and lr >= 0):
+            raise ConfigError(f"learning rate must be a finite number ≥ 0, got {lr}")
+        self.lr = lr
+
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+        """One optimizer step on a batch of ``[B, T]`` token ids (B divisible by the micro-batch count).
+
+        ``labels`` default to ``input_ids``; -100 marks positions without loss. The loss is the mean
+        over all labelled tokens of the batch, as ``transformers`` computes it with
+        ``num_items_in_batch``. Returns loss, grad norm, whether the update was applied, tokens,
+        step time and the timeline summary (busy time per resource, bottleneck, SSD bytes).
+        """
+        K = self.plan.micro_batches
+        if input_ids.dim() != 2 or input_ids.shape[0] % K:
+            raise ConfigError(f"batch of shape {tuple(input_ids.shape)} cannot be split into {K} micro-batches")
+        labels = input_ids if labels is None else labels
+        dev = self.backend.device
+        st = StepState(xs=list(input_ids.to(dev).chunk(K)), ctxs=[None] * K, labels=list(labels.to(dev).chunk(K)),
+                       num_items=int((labels[:, 1:] != -100).sum()))
+        H = len(self.layout.blocks) - 1
+        borrowed = [self.layout.index(o) for o in self.layout.blocks[H].borrows]
+        t0 = time.perf_counter()
+        self.loader.gate = gate_for(self)
+        self.loader.start(list(range(H)) + [H] + borrowed + list(range(H - 1, -1, -1)))
+        try:
+            self.runner.forward(st)
+            settle(self)
+            self.runner.turnaround(st)
+            self.runner.backward(st)
+            applied = self.runner.finish(st)
+        finally:
+            self.loader.drain()
+        t1 = time.perf_counter()
+        tokens = input_ids.numel()
+        return {"step": self.step, "loss": st.loss, "grad_norm": math.sqrt(st.norm_sq), "applied": applied,
+                "lr": self.lr, "tokens": tokens, "step_time_s": t1 - t0, "tokens_per_s": tokens / (t1 - t0),
+                **self.timeline.summary(t0, t1)}
+
+    def flush(self) -> None:
+        """Wait for pending updates (clipping schedule) and commit them."""
+        settle(self)
+
+    # ------------------------------------------------------------------ results
+    def master_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF key, fp32 master tensor) for every parameter, one block at a time."""
+        self.flush()
+        lay = self.layout
+        for b in range(len(lay.blocks)):
+            s = torch.empty(lay.s(b).nbytes, dtype=torch.uint8)
+            self.store.read(lay.s(b).name, s).result()
+            for k, t in _as_layout(lay, b, lay.s(b).views(s)["master"]).items():
+                yield k, t.clone()
+
+    def export(self, out_dir: str, dtype: str = "bf16") -> None:
+        """Write the current weights as a Hugging Face model directory (sharded safetensors)."""
+        if dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be bf16 or fp32, got {dtype!r}")
+        gen = ((k, t.to(DTYPES[dtype])) for k, t in self.master_weights())
+        save_streamed(out_dir, gen, self.adapter.config, copy_from=self.source_dir)
+
+    def close(self) -> None:
+        """Commit pending updates, stop the Adam worker, close the store."""
+        try:
+            self.flush()
+        finally:
+            self.stage.close()
+            self.store.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_layout(lay: ModelLayout, b: int, master: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-parameter fp32 views of a master vector laid out in compute-dtype element positions."""
+    ext = lay.w(b)
+    size = elem_size(lay.compute_dtype)
+    return {t.name: master[off // size : off // size + t.nbytes // size].view(t.shape) for t, off in zip(ext.tensors, ext.offsets)}

@@ -1,0 +1,73 @@
+"""How a model's training state is laid out in the store: two extents per block.
+
+* ``w/<block>`` — the compute weights (bf16, or fp32 in fp32 mode), keyed by HF parameter name,
+  read in forward and backward, written by Adam.
+* ``s/<block>`` — the optimizer state as three flat vectors ``master`` (fp32), ``m``, ``v`` (fp32
+  or bf16), each with exactly as many elements as the ``w`` extent (the 64-byte gaps between
+  tensors included, and zero), so Adam runs over whole flat buffers and writes the new compute
+  weights straight into a ``w`` buffer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fuyou.models.blocks import BlockSpec
+from fuyou.storage.layout import ExtentSpec, TensorSpec
+
+
+def elem_size(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """Extents of every block for a compute dtype and an optimizer-state dtype."""
+
+    blocks: tuple[BlockSpec, ...]
+    compute_dtype: torch.dtype = torch.bfloat16
+    state_dtype: torch.dtype = torch.float32
+
+    def w(self, b: int) -> ExtentSpec:
+        """The compute-weight extent of block ``b``."""
+        return self.blocks[b].extent("w/", self.compute_dtype)
+
+    def numel(self, b: int) -> int:
+        """Elements of block ``b``'s flat vectors (the ``w`` extent in compute-dtype elements)."""
+        return -(-self.w(b).nbytes // elem_size(self.compute_dtype))
+
+    def s(self, b: int) -> ExtentSpec:
+        """The optimizer-state extent of block ``b``: master, m, v."""
+        n = self.numel(b)
+        return ExtentSpec(f"s/{self.blocks[b].name}", (
+            TensorSpec("master", (n,), torch.float32),
+            TensorSpec("m", (n,), self.state_dtype),
+            TensorSpec("v", (n,), self.state_dtype),
+        ))
+
+    def extents(self) -> list[ExtentSpec]:
+        """Every extent, block by block."""
+        return [e for b in range(len(self.blocks)) for e in (self.w(b), self.s(b))]
+
+    def index(self, name: str) -> int:
+        """Block index of block ``name``."""
+        return [blk.name for blk in self.blocks].index(name)
+
+    def flatten(self, b: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Block ``b``'s parameters as one flat ``dtype`` vector in the ``w`` extent's element layout."""
+        ext = self.w(b)
+        out = torch.zeros(self.numel(b), dtype=dtype)
+        size = elem_size(self.compute_dtype)
+        for t, off in zip(ext.tensors, ext.offsets):
+            out[off // size : off // size + t.nbytes // size] = tensors[t.name].reshape(-1).to(dtype)
+        return out
+
+    def unflatten(self, b: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of each parameter in a flat vector laid out like block ``b``'s ``w`` extent."""
+        ext = self.w(b)
+        size = elem_size(self.compute_dtype)
+        return {t.name: flat[off // size : off // size + t.nbytes // size].view(t.shape)
+                for t, off in zip(ext.tensors, ext.offsets)}

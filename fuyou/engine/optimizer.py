@@ -1,0 +1,98 @@
+"""The optimizer stage: gradient → host, state SSD → host, CPU AdamW, state and weights → SSD.
+
+Per block: the device gradient is copied into a host buffer (``offload``); ``update`` reads the
+block's master/m/v from the store, runs the fused AdamW on the Adam worker thread (writing the new
+compute weights into a host buffer in the same pass) and writes both extents back. Everything is
+chained on futures: the training thread only submits, and the returned future completes when the
+block's new weights are in the store (readable by the next step).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import torch
+
+from fuyou.device.base import Backend, Event
+from fuyou.engine.futures import chain
+from fuyou.engine.layout import ModelLayout, elem_size
+from fuyou.engine.timeline import Timeline
+from fuyou.optim import AdamJob, AdamWHyper, AdamWorker, adamw_step
+from fuyou.storage.io_base import gather
+from fuyou.storage.store import TensorStore
+from fuyou.transfer.buffers import HostBuffer, HostBufferPool
+
+GRADS, STATE, NEW_WEIGHTS = "grads", "state", "new-weights"
+
+
+class AdamStage:
+    """Offload, update and write back one block at a time; see the module docstring."""
+
+    def __init__(self, store: TensorStore, backend: Backend, pool: HostBufferPool, layout: ModelLayout,
+                 hyper: AdamWHyper, timeline: Timeline, d2h_stream: object, num_threads: int | None = None) -> None:
+        self.store, self.backend, self.pool, self.layout = store, backend, pool, layout
+        self.timeline, self.stream = timeline, d2h_stream
+        self.worker = AdamWorker(hyper, step_fn=self._timed_step, num_threads=num_threads)
+
+    @staticmethod
+    def host_classes(layout: ModelLayout, state_buffers: int) -> list[tuple[str, int, int]]:
+        """Host buffer classes this stage needs: (name, bytes each, count)."""
+        nb = range(len(layout.blocks))
+        grad = max(layout.numel(b) for b in nb) * elem_size(layout.compute_dtype)
+        return [(GRADS, grad, 2), (STATE, max(layout.s(b).nbytes for b in nb), state_buffers),
+                (NEW_WEIGHTS, max(layout.w(b).nbytes for b in nb), 2)]
+
+    def _timed_step(self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, **kw: object) -> None:
+        t0 = time.perf_counter()
+        adamw_step(master, m, v, grad, **kw)  # type: ignore[arg-type]
+        self.timeline.add("adam", f"adam {master.numel()}", t0, time.perf_counter(), master.numel())
+
+    def offload(self, b: int, grad: torch.Tensor, cls: str = GRADS) -> tuple[HostBuffer, Event]:
+        """Copy block ``b``'s flat device gradient into a host buffer of class ``cls``."""
+        buf = self.pool.acquire(cls)
+        n = grad.numel()
+        with self.timeline.span("d2h", self.layout.blocks[b].name, n * grad.element_size()), self.backend.on(self.stream):
+            buf.view(grad.dtype, n).copy_(grad, non_blocking=True)
+        return buf, self.backend.record(self.stream)
+
+    def update(self, b: int, grad: HostBuffer, ready: Event, lr: float, step: int, scale: float) -> Future:
+        """Run AdamW for block ``b`` (1-based ``step``, gradient × ``scale``) and write it back.
+
+        The future completes once ``w/<b>`` and ``s/<b>`` are written; ``grad`` is released after the
+        kernel, the state and weight buffers after the writes.
+        """
+        s_ext, w_ext, n = self.layout.s(b), self.layout.w(b), self.layout.numel(b)
+        sbuf, wbuf = self.pool.acquire(STATE), self.pool.acquire(NEW_WEIGHTS)
+        read = self.timeline.track(self.store.read(s_ext.name, sbuf.data), "ssd_read", s_ext.name, s_ext.nbytes)
+        bf16 = self.layout.compute_dtype == torch.bfloat16
+
+        def start_job() -> Future:
+            ready.wait()  # the gradient's device→host copy must have landed
+            views = s_ext.views(sbuf.data)
+            job = AdamJob(key=self.layout.blocks[b].name, master=views["master"], m=views["m"], v=views["v"],
+                          grad=grad.view(self.layout.compute_dtype, n), lr=lr, step=step, grad_scale=scale,
+                          out=wbuf.view(torch.bfloat16, n) if bf16 else None)
+            on_done = None if bf16 else (lambda j: wbuf.view(torch.float32, n).copy_(j.master))
+            return self.worker.submit(job, on_done)
+
+        job = chain(read, start_job)
+        job.add_done_callback(lambda _: self.pool.release(grad))
+
+        def write() -> Future:
+            ws = self.timeline.track(self.store.write(s_ext.name, sbuf.data), "ssd_write", s_ext.name, s_ext.nbytes)
+            ww = self.timeline.track(self.store.write(w_ext.name, wbuf.data), "ssd_write", w_ext.name, w_ext.nbytes)
+            return gather([ws, ww])
+
+        written = chain(job, write)
+
+        def release(_: Future) -> None:
+            self.pool.release(sbuf)
+            self.pool.release(wbuf)
+
+        written.add_done_callback(release)
+        return written
+
+    def close(self) -> None:
+        """Finish queued updates and stop the worker thread."""
+        self.worker.close()

@@ -1,0 +1,62 @@
+"""The Plan: the frozen, plain-data contract between whoever decides (rules now, the cost-model
+planner later) and the engine that executes."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from fuyou.errors import ConfigError
+
+POLICIES = ("keep", "swap_cpu", "recompute")
+SCHEDULES = ("overlap_backward", "overlap_next_forward")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one training step runs.
+
+    ``activation_policy`` has one entry per block (embed, layers…, head): ``keep`` the autograd
+    graph on the device, ``swap_cpu`` its saved tensors to host memory, or ``recompute`` (keep only
+    the block input, re-run the forward in backward). The head's activations never outlive the
+    turnaround, so its entry is ignored.
+    """
+
+    micro_batches: int = 1
+    """Micro-batches per step (K); they go through each block together (layer-grouped accumulation)."""
+    prefetch_depth: int = 2
+    """Blocks of weights read ahead of the one being computed (≥ 1)."""
+    activation_policy: tuple[str, ...] = ()
+    """Per-block policy; empty means ``recompute`` for every layer (``keep`` for embed)."""
+    schedule: str = "overlap_backward"
+    """``overlap_backward``: Adam(i) during backward of i−1 (no global clipping); ``overlap_next_forward``:
+    exact clipping and non-finite skipping, Adam(i) overlapped with the next step's forward."""
+    state_buffers: int = 2
+    """Host buffers for optimizer state in flight (≥ 2: read of the next overlaps the current update)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.micro_batches < 1:
+            problems.append(f"--grad-accum must be ≥ 1, got {self.micro_batches}")
+        if self.prefetch_depth < 1:
+            problems.append(f"prefetch depth must be ≥ 1, got {self.prefetch_depth}")
+        if self.schedule not in SCHEDULES:
+            problems.append(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.state_buffers < 2:
+            problems.append(f"state buffers must be ≥ 2, got {self.state_buffers}")
+        bad = [p for p in self.activation_policy if p not in POLICIES]
+        if bad:
+            problems.append(f"activation policies must be in {POLICIES}, got {bad}")
+        if problems:
+            raise ConfigError("invalid plan: " + "; ".join(problems))
+
+    def policy(self, block: int, nblocks: int) -> str:
+        """The activation policy of ``block``."""
+        if self.activation_policy:
+            if len(self.activation_policy) != nblocks:
+                raise ConfigError(f"plan has {len(self.activation_policy)} activation policies for {nblocks} blocks")
+            return self.activation_policy[block]
+        return "keep" if block == 0 else "recompute"
+
+    def to_json(self) -> dict:
+        """Plain data (for logs and the planner)."""
+        return asdict(self)

@@ -1,0 +1,97 @@
+"""Per-operation timeline: spans on named resources, step summaries, Chrome-trace/Perfetto export.
+
+Resources: ``ssd_read``, ``ssd_write``, ``h2d``, ``d2h``, ``compute``, ``adam``. A resource's busy
+time is the *union* of its spans (several reads in flight at once count once), and the bottleneck
+is the busiest resource. Spans are recorded from any thread.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+RESOURCES = ("ssd_read", "ssd_write", "h2d", "d2h", "compute", "adam")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One operation: resource, label, start and end (seconds, perf_counter clock), bytes moved."""
+
+    resource: str
+    label: str
+    t0: float
+    t1: float
+    nbytes: int = 0
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length (s) covered by possibly overlapping intervals."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+class Timeline:
+    """Collects spans; ``summary`` gives busy time per resource between two instants."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self._lock = threading.Lock()
+        self.origin = time.perf_counter()
+
+    def add(self, resource: str, label: str, t0: float, t1: float, nbytes: int = 0) -> None:
+        """Record a finished span."""
+        with self._lock:
+            self.spans.append(Span(resource, label, t0, t1, nbytes))
+
+    @contextmanager
+    def span(self, resource: str, label: str, nbytes: int = 0) -> Iterator[None]:
+        """Time the body as a span on ``resource``."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(resource, label, t0, time.perf_counter(), nbytes)
+
+    def track(self, fut: Future, resource: str, label: str, nbytes: int = 0) -> Future:
+        """Record ``fut`` as a span from now until it completes; returns ``fut``."""
+        t0 = time.perf_counter()
+        fut.add_done_callback(lambda _: self.add(resource, label, t0, time.perf_counter(), nbytes))
+        return fut
+
+    def summary(self, t0: float, t1: float) -> dict:
+        """Busy seconds and bytes per resource within [t0, t1], the bottleneck, and the wall time."""
+        with self._lock:
+            spans = [s for s in self.spans if s.t1 > t0 and s.t0 < t1]
+        busy = {r: union_length([(max(s.t0, t0), min(s.t1, t1)) for s in spans if s.resource == r]) for r in RESOURCES}
+        moved = {r: sum(s.nbytes for s in spans if s.resource == r) for r in ("ssd_read", "ssd_write")}
+        wall = t1 - t0
+        bottleneck = max(busy, key=busy.__getitem__)
+        return {"wall_s": wall, "busy_s": busy, "busy_frac": {r: b / wall for r, b in busy.items()},
+                "bottleneck": bottleneck, "ssd_read_bytes": moved["ssd_read"], "ssd_write_bytes": moved["ssd_write"]}
+
+    def to_chrome_trace(self, path: str) -> None:
+        """Write all spans as Chrome-trace JSON (open in ui.perfetto.dev or chrome://tracing), one row per resource."""
+        with self._lock:
+            spans = list(self.spans)
+        tid = {r: i for i, r in enumerate(RESOURCES)}
+        events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": i, "args": {"name": r}} for r, i in tid.items()]
+        events += [{"name": s.label, "cat": s.resource, "ph": "X", "pid": 1, "tid": tid.get(s.resource, len(tid)),
+                    "ts": (s.t0 - self.origin) * 1e6, "dur": (s.t1 - s.t0) * 1e6, "args": {"bytes": s.nbytes}}
+                   for s in spans]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+    def clear(self) -> None:
+        """Forget recorded spans (long runs keep only the recent ones)."""
+        with self._lock:
+            self.spans.clear()

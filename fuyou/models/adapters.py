@@ -1,0 +1,197 @@
+"""Per-family adapters: build the Hugging Face model on the meta device, cut it into blocks, and run
+one block at a time with real parameters bound to it.
+
+The blocks call the very modules, mask and rotary code of ``transformers``, in the order the
+library's own ``forward`` uses, so a streamed step computes what the in-RAM model computes.
+Supported: Llama, Mistral, Qwen2, Qwen3 (one block shape: GQA, RoPE, RMSNorm, SwiGLU; tied or
+untied embeddings) and GPT-2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fuyou.errors import ConfigError
+from fuyou.models.blocks import BlockSpec, ParamSpec
+
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+GPT2 = ("GPT2LMHeadModel",)
+SUPPORTED = LLAMA_LIKE + GPT2
+
+
+@dataclass
+class MicroBatchContext:
+    """Per-micro-batch values every layer needs (positions, mask, rotary cos/sin), made by the embed block."""
+
+    position_ids: torch.Tensor
+    mask: Any = None
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def architecture_of(config: Any) -> str:
+    """The config's architecture name; raises ConfigError listing the supported ones if unknown."""
+    archs = getattr(config, "architectures", None) or []
+    name = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                   "gpt2": "GPT2LMHeadModel"}.get(getattr(config, "model_type", ""), "")
+    if name not in SUPPORTED:
+        raise ConfigError(
+            f"unsupported architecture {name or getattr(config, 'model_type', '?')!r}; Fuyou supports "
+            f"{', '.join(SUPPORTED)}"
+        )
+    return name
+
+
+class Adapter:
+    """Base adapter: meta-device skeleton, block list, parameter binding. Subclasses run blocks."""
+
+    def __init__(self, config: Any) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        config.use_cache = False
+        with torch.device("meta"):
+            self.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        self.model.train()
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        self.modules = self._block_modules()
+        self.blocks = [self._spec(name, mods) for name, mods in self.modules]
+
+    # -- description -------------------------------------------------------------------------
+    def _block_modules(self) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
+        raise NotImplementedError
+
+    def _spec(self, name: str, mods: list[tuple[str, nn.Module]]) -> BlockSpec:
+        params, borrows = [], ()
+        for prefix, mod in mods:
+            for pname, p in mod.named_parameters():
+                key = f"{prefix}.{pname}"
+                if self.tied and name == "head" and key == self.lm_head_key:
+                    borrows = ("embed",)
+                    continue
+                params.append(ParamSpec(key, tuple(p.shape)))
+        flops = 2 * sum(p.numel for p in params if len(p.shape) == 2 and "embed" not in p.key and "wte" not in p.key
+                        and "wpe" not in p.key)
+        if borrows:
+            flops += 2 * self.config.vocab_size * self.hidden
+        return BlockSpec(name, tuple(params), borrows, flops)
+
+    @property
+    def hidden(self) -> int:
+        """Model width."""
+        return self.config.hidden_size
+
+    lm_head_key = "lm_head.weight"
+    embed_key = "model.embed_tokens.weight"
+
+    # -- binding -------------------------------------------------------------------------------
+    def bind(self, block: int, tensors: dict[str, torch.Tensor]) -> dict[str, nn.Parameter]:
+        """Make the modules of ``block`` use ``tensors`` (by HF key) as parameters.
+
+        Returns the new parameters by the key of the tensor that *owns* them: the tied ``lm_head``
+        is returned under the embedding's key, so its gradient lands in the embedding's buffer.
+        """
+        out = {}
+        for prefix, mod in self.modules[block][1]:
+            for pname, _ in list(mod.named_parameters()):
+                key = f"{prefix}.{pname}"
+                if self.tied and key == self.lm_head_key:
+                    key = self.embed_key
+                owner, attr = _owner(mod, pname)
+                param = nn.Parameter(tensors[key], requires_grad=True)
+                owner._parameters[attr] = param
+                out[key] = param
+        return out
+
+    # -- running -------------------------------------------------------------------------------
+    def forward(self, block: int, x: torch.Tensor, ctx: MicroBatchContext | None) -> tuple[torch.Tensor, Any]:
+        """Run block ``block``: embed takes token ids and returns (hidden, context); layers map
+        hidden → hidden; the head returns logits."""
+        raise NotImplementedError
+
+    def prepare(self, device: torch.device) -> None:
+        """Materialise parameter-free buffers (rotary tables) on ``device``."""
+
+
+def _owner(mod: nn.Module, dotted: str) -> tuple[nn.Module, str]:
+    *path, attr = dotted.split(".")
+    for p in path:
+        mod = getattr(mod, p)
+    return mod, attr
+
+
+def _causal_mask(config: Any, embeds: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    from transformers.masking_utils import create_causal_mask
+
+    return create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None,
+                              past_key_values=None, position_ids=position_ids)
+
+
+class LlamaLike(Adapter):
+    """Llama, Mistral, Qwen2, Qwen3: ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``."""
+
+    def _block_modules(self) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
+        m = self.model.model
+        blocks = [("embed", [("model.embed_tokens", m.embed_tokens)])]
+        blocks += [(f"layer.{i}", [(f"model.layers.{i}", layer)]) for i, layer in enumerate(m.layers)]
+        blocks.append(("head", [("model.norm", m.norm), ("lm_head", self.model.lm_head)]))
+        return blocks
+
+    def prepare(self, device: torch.device) -> None:
+        """Rebuild the rotary embedding (a computed buffer, meta in the skeleton) on ``device``."""
+        rot = self.model.model.rotary_emb
+        self.rotary = type(rot)(config=self.config).to(device)
+
+    def forward(self, block: int, x: torch.Tensor, ctx: MicroBatchContext | None) -> tuple[torch.Tensor, Any]:
+        m = self.model.model
+        if block == 0:
+            embeds = m.embed_tokens(x)
+            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            ctx = MicroBatchContext(pos, _causal_mask(self.config, embeds, pos), self.rotary(embeds, position_ids=pos))
+            return embeds, ctx
+        if block == len(self.blocks) - 1:
+            return self.model.lm_head(m.norm(x)), ctx
+        layer = m.layers[block - 1]
+        return layer(x, attention_mask=ctx.mask, position_embeddings=ctx.position_embeddings,
+                     position_ids=ctx.position_ids), ctx
+
+
+class GPT2Adapter(Adapter):
+    """GPT-2: ``transformer.wte``/``wpe``, ``transformer.h``, ``transformer.ln_f``, tied ``lm_head``."""
+
+    lm_head_key = "lm_head.weight"
+    embed_key = "transformer.wte.weight"
+
+    @property
+    def hidden(self) -> int:
+        return self.config.n_embd
+
+    def _block_modules(self) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
+        t = self.model.transformer
+        blocks = [("embed", [("transformer.wte", t.wte), ("transformer.wpe", t.wpe)])]
+        blocks += [(f"layer.{i}", [(f"transformer.h.{i}", b)]) for i, b in enumerate(t.h)]
+        blocks.append(("head", [("transformer.ln_f", t.ln_f), ("lm_head", self.model.lm_head)]))
+        return blocks
+
+    def forward(self, block: int, x: torch.Tensor, ctx: MicroBatchContext | None) -> tuple[torch.Tensor, Any]:
+        t = self.model.transformer
+        if block == 0:
+            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            embeds = t.wte(x)
+            hidden = embeds + t.wpe(pos)
+            ctx = MicroBatchContext(pos, _causal_mask(self.config, embeds, pos))
+            return t.drop(hidden), ctx
+        if block == len(self.blocks) - 1:
+            return self.model.lm_head(t.ln_f(x)), ctx
+        return t.h[block - 1](x, None, ctx.mask, None, position_ids=ctx.position_ids), ctx
+
+
+def make_adapter(config: Any) -> Adapter:
+    """The adapter for ``config``'s architecture; raises ConfigError for unsupported ones."""
+    arch = architecture_of(config)
+    return GPT2Adapter(config) if arch in GPT2 else LlamaLike(config)

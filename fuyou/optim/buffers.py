@@ -1,0 +1,88 @@
+"""Validation of the flat buffers an AdamW step reads and writes, and their numpy views.
+
+One step works on one layer's flat buffers (see ``state.py``): the fp32 master weights, m and v
+(fp32, or bf16 for the small-state option), the gradient (fp32 or bf16) and optionally the bf16
+copy of the new weights. All are 1-D, contiguous, on the CPU, of one length, and pairwise disjoint.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fuyou.errors import FuyouError
+
+
+class OptimBufferError(FuyouError, ValueError):
+    """A buffer handed to the optimizer has the wrong dtype, length, device or layout."""
+
+
+GRAD_DTYPES = (torch.float32, torch.bfloat16)
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _check_flat(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
+    """Raise OptimBufferError unless ``t`` is a 1-D contiguous CPU tensor of ``numel`` elements."""
+    if not isinstance(t, torch.Tensor):
+        raise OptimBufferError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise OptimBufferError(f"{name}: dtype {t.dtype}, expected {want}")
+    if t.device.type != "cpu":
+        raise OptimBufferError(f"{name}: on {t.device}, expected a CPU (host) tensor")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise OptimBufferError(
+            f"{name}: shape {tuple(t.shape)} stride {t.stride()}, expected a flat contiguous 1-D "
+            "buffer (hint: pass t.view(-1) of a contiguous tensor)"
+        )
+    if t.numel() != numel:
+        raise OptimBufferError(f"{name}: {t.numel()} elements, expected {numel} (as master)")
+    if t.requires_grad:
+        raise OptimBufferError(f"{name}: requires_grad=True; pass .detach() buffers")
+
+
+def _check_disjoint(named: dict[str, torch.Tensor]) -> None:
+    """Raise OptimBufferError if any two buffers share bytes (an in-place update would corrupt)."""
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
+        for name, t in named.items()
+        if t.numel() > 0
+    )
+    for (_, end_a, name_a), (start_b, _, name_b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise OptimBufferError(f"{name_a} and {name_b} overlap in memory; each needs its own buffer")
+
+
+def check_buffers(
+    master: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    grad: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:
+    """Validate one step's buffers.
+
+    Raises:
+        OptimBufferError: if master is not fp32; m and v are not both fp32 or both bf16; grad is
+            not fp32/bf16; out is not bf16; any buffer is not a flat contiguous CPU tensor of
+            master's length; or two buffers overlap.
+    """
+    numel = master.numel() if isinstance(master, torch.Tensor) else -1
+    _check_flat("master", master, (torch.float32,), numel)
+    _check_flat("m", m, STATE_DTYPES, numel)
+    _check_flat("v", v, STATE_DTYPES, numel)
+    if m.dtype != v.dtype:
+        raise OptimBufferError(f"m is {m.dtype} but v is {v.dtype}; both must share one state dtype")
+    _check_flat("grad", grad, GRAD_DTYPES, numel)
+    named = {"master": master, "m": m, "v": v, "grad": grad}
+    if out is not None:
+        _check_flat("out", out, (torch.bfloat16,), numel)
+        named["out"] = out
+    _check_disjoint(named)
+
+
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """Zero-copy numpy view: fp32 as float32, bf16 as uint16 holding the same bits."""
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()

@@ -1,0 +1,66 @@
+"""Tiny random Hugging Face models built in code (no hub) and a plain in-RAM reference trainer."""
+
+from __future__ import annotations
+
+import torch
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+VOCAB = 96
+
+
+def tiny(family: str, layers: int = 2, hidden: int = 64):
+    """(config, model) of a tiny random model of ``family``: llama, llama_tied, qwen2, gpt2."""
+    common = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=VOCAB, max_position_embeddings=64, num_hidden_layers=layers)
+    if family == "llama":
+        cfg, cls = LlamaConfig(**common, tie_word_embeddings=False), LlamaForCausalLM
+    elif family == "llama_tied":
+        cfg, cls = LlamaConfig(**common, tie_word_embeddings=True), LlamaForCausalLM
+    elif family == "qwen2":
+        cfg, cls = Qwen2Config(**common, tie_word_embeddings=False), Qwen2ForCausalLM
+    elif family == "gpt2":
+        cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=VOCAB, n_positions=64,
+                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cls = GPT2LMHeadModel
+    else:
+        raise ValueError(family)
+    cfg.architectures = [cls.__name__]
+    torch.manual_seed(0)
+    model = cls(cfg)
+    model.train()
+    return cfg, model
+
+
+def batches(n: int, batch: int = 4, seq: int = 16, seed: int = 1):
+    """``n`` (input_ids, labels) pairs; some labels masked with -100."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
+        labels = ids.clone()
+        labels[0, : seq // 3] = -100
+        out.append((ids, labels))
+    return out
+
+
+def reference_steps(model, data, K: int, lr: float, wd: float, clip: float = 0.0, lrs=None):
+    """Plain PyTorch + torch.optim.AdamW, ordinary accumulation over K micro-batches; per-step losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    losses = []
+    for i, (ids, labels) in enumerate(data):
+        if lrs:
+            for g in opt.param_groups:
+                g["lr"] = lrs[i]
+        n_items = int((labels[:, 1:] != -100).sum())
+        opt.zero_grad()
+        total = 0.0
+        for mi, ml in zip(ids.chunk(K), labels.chunk(K)):
+            loss = model(input_ids=mi, labels=ml, num_items_in_batch=n_items).loss
+            loss.backward()
+            total += loss.item()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        losses.append(total)
+    return losses

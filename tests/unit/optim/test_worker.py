@@ -1,0 +1,166 @@
+"""The Adam worker: correct results, order, error propagation, shutdown; every wait has a timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from fuyou.errors import ConfigError
+from fuyou.optim import AdamJob, AdamWHyper, AdamWorker, AdamWorkerError, adamw_step
+
+from .helpers import assert_bits_equal, make_grads, make_state
+
+HYPER = AdamWHyper(weight_decay=0.01)
+T = 10.0  # seconds: generous timeouts so a bug fails the test instead of hanging it
+GATE_LR, BAD_LR = 0.25, 0.5  # magic learning rates the fake step function reacts to
+
+
+class Fake:
+    """A step function that blocks on ``gate`` when lr == GATE_LR and raises when lr == BAD_LR."""
+
+    def __init__(self) -> None:
+        self.gate, self.started = threading.Event(), threading.Event()
+        self.calls: list[float] = []
+
+    def __call__(self, master, m, v, grad, *, lr, step, hyper, grad_scale, out):  # type: ignore[no-untyped-def]
+        self.calls.append(lr)
+        if lr == GATE_LR:
+            self.started.set()
+            assert self.gate.wait(T), "test gate never opened"
+        if lr == BAD_LR:
+            raise ValueError("boom")
+        master.add_(1.0)
+
+
+def job(key: int, lr: float = 1e-3, n: int = 8) -> AdamJob:
+    return AdamJob(key, torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.ones(n), lr=lr, step=1)
+
+
+def layer_jobs(n_layers: int, n: int, step: int) -> list[AdamJob]:
+    jobs = []
+    for i in range(n_layers):
+        master, m, v = make_state(n, seed=i)
+        grad = make_grads(n, 1, seed=100 + i)[0].to(torch.bfloat16)
+        out = torch.empty(n, dtype=torch.bfloat16)
+        jobs.append(AdamJob(i, master, m, v, grad, lr=1e-3 * (i + 1), step=step, out=out))
+    return jobs
+
+
+def test_results_equal_direct_calls() -> None:
+    jobs, direct = layer_jobs(6, 5000, step=1), layer_jobs(6, 5000, step=1)
+    with AdamWorker(HYPER, num_threads=1) as w:
+        futures = [w.submit(j) for j in jobs]
+        w.wait(timeout=T)
+    for fut, j, d in zip(futures, jobs, direct):
+        assert fut.result(timeout=0) is j
+        adamw_step(d.master, d.m, d.v, d.grad, lr=d.lr, step=d.step, hyper=HYPER, out=d.out)
+        for name in ("master", "m", "v", "out"):
+            assert_bits_equal(getattr(j, name), getattr(d, name), f"layer {j.key} {name}")
+
+
+def test_jobs_finish_in_submission_order_on_the_worker_thread() -> None:
+    seen: list[tuple[int, str]] = []
+    with AdamWorker(HYPER, step_fn=Fake(), name="adam-test") as w:
+        for k in range(50):
+            w.submit(job(k), on_done=lambda j: seen.append((j.key, threading.current_thread().name)))
+    assert seen == [(k, "adam-test") for k in range(50)]
+
+
+def test_failure_reaches_future_submit_wait_and_close() -> None:
+    fake = Fake()
+    w = AdamWorker(HYPER, step_fn=fake)
+    futs = [w.submit(job(0, lr=GATE_LR)), w.submit(job(1)), w.submit(job(2, lr=BAD_LR)), w.submit(job(3))]
+    fake.gate.set()
+    assert isinstance(futs[2].exception(timeout=T), ValueError)
+    assert futs[0].result(timeout=T).master[0] == 1.0 and futs[1].result(timeout=T)
+    with pytest.raises(AdamWorkerError, match="skipped"):
+        futs[3].result(timeout=T)
+    for call in (lambda: w.submit(job(4)), lambda: w.wait(timeout=T), lambda: w.close(timeout=T)):
+        with pytest.raises(AdamWorkerError, match="job 2 failed") as err:
+            call()
+        assert isinstance(err.value.__cause__, ValueError)
+    assert fake.calls == [GATE_LR, 1e-3, BAD_LR]  # job 3 never ran on inconsistent state
+
+
+def test_failing_on_done_callback_fails_the_job() -> None:
+    def bad_callback(j: AdamJob) -> None:
+        raise KeyError("writer gone")
+
+    with pytest.raises(AdamWorkerError, match="writer gone"):
+        with AdamWorker(HYPER, step_fn=Fake()) as w:
+            fut = w.submit(job(0), on_done=bad_callback)
+            assert isinstance(fut.exception(timeout=T), KeyError)
+
+
+def test_close_finishes_pending_jobs() -> None:
+    fake = Fake()
+    w = AdamWorker(HYPER, step_fn=fake)
+    futs = [w.submit(job(0, lr=GATE_LR))] + [w.submit(job(k)) for k in range(1, 5)]
+    threading.Timer(0.1, fake.gate.set).start()
+    w.close(timeout=T)
+    assert all(f.done() and f.result().master[0] == 1.0 for f in futs)
+    with pytest.raises(AdamWorkerError, match="closed"):
+        w.submit(job(9))
+    w.close(timeout=T)  # idempotent
+
+
+def test_close_can_cancel_pending_jobs() -> None:
+    fake = Fake()
+    w = AdamWorker(HYPER, step_fn=fake)
+    futs = [w.submit(job(0, lr=GATE_LR))] + [w.submit(job(k)) for k in range(1, 5)]
+    assert fake.started.wait(T)
+    threading.Timer(0.1, fake.gate.set).start()
+    w.close(cancel_pending=True, timeout=T)
+    assert futs[0].result(timeout=0).master[0] == 1.0
+    assert all(f.cancelled() for f in futs[1:])
+    assert w.pending == 0 and fake.calls == [GATE_LR]
+
+
+def test_timeouts_raise_instead_of_hanging() -> None:
+    fake = Fake()
+    w = AdamWorker(HYPER, step_fn=fake)
+    w.submit(job(0, lr=GATE_LR))
+    t0 = time.monotonic()
+    with pytest.raises(AdamWorkerError, match="pending after"):
+        w.wait(timeout=0.1)
+    with pytest.raises(AdamWorkerError, match="still busy"):
+        w.close(timeout=0.1)
+    assert time.monotonic() - t0 < T / 2
+    fake.gate.set()
+    w.close(timeout=T)
+
+
+def test_exception_in_with_body_is_not_masked() -> None:
+    fake = Fake()
+    with pytest.raises(RuntimeError, match="training loop"):
+        with AdamWorker(HYPER, step_fn=fake) as w:
+            w.submit(job(0, lr=BAD_LR))
+            raise RuntimeError("training loop broke")
+    assert not w._thread.is_alive()
+
+
+def test_bad_arguments_are_refused_up_front() -> None:
+    with pytest.raises(ConfigError, match="num_threads"):
+        AdamWorker(HYPER, num_threads=0)
+    bad = job(0)
+    bad.step = 0
+    with AdamWorker(HYPER, step_fn=Fake()) as w:
+        with pytest.raises(ConfigError, match="step=0"):
+            w.submit(bad)
+        assert w.pending == 0
+
+
+def test_kernel_calls_from_two_threads_are_serialised() -> None:
+    """The main thread may call the kernel while the worker does (KERNEL_LOCK); no crash, same bits."""
+    jobs, direct = layer_jobs(4, 200_000, step=2), layer_jobs(4, 200_000, step=2)
+    with AdamWorker(HYPER) as w:
+        for j in jobs:
+            w.submit(j)
+        for d in direct:
+            adamw_step(d.master, d.m, d.v, d.grad, lr=d.lr, step=d.step, hyper=HYPER, out=d.out)
+        w.wait(timeout=T)
+    for j, d in zip(jobs, direct):
+        assert_bits_equal(j.master, d.master)
