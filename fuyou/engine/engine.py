@@ -26,7 +26,7 @@ from fuyou.engine.timeline import Timeline
 from fuyou.engine.weights import HOST_CLASS, WeightLoader
 from fuyou.errors import ConfigError, DeviceMemoryError
 from fuyou.models.adapters import make_adapter
-from fuyou.models.hf_io import CheckpointReader, load_config, read_block, save_streamed
+from fuyou.models.hf_io import CheckpointReader, load_config, save_streamed
 from fuyou.optim import AdamWHyper
 from fuyou.storage.store import TensorStore
 from fuyou.transfer.buffers import HostBufferPool
@@ -69,14 +69,7 @@ class Engine:
         """Stream a Hugging Face model directory (config.json + safetensors) into a new store."""
         config = load_config(model_dir)
         reader = CheckpointReader(model_dir)
-        engine = cls.__new__(cls)
-        alias = {"lm_head.weight": None}
-
-        def tensors(keys: list[str]) -> dict[str, torch.Tensor]:
-            return read_block(reader, keys, lambda k: alias.get(k))
-
-        cls.__init__(engine, config, cfg, tensors, source_dir=model_dir)
-        return engine
+        return cls(config, cfg, lambda keys: {k: reader.get(k) for k in keys}, source_dir=model_dir)
 
     @classmethod
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], cfg: EngineConfig) -> "Engine":
@@ -181,7 +174,7 @@ class Engine:
         if dtype not in DTYPES:
             raise ConfigError(f"--dtype must be bf16 or fp32, got {dtype!r}")
         gen = ((k, t.to(DTYPES[dtype])) for k, t in self.master_weights())
-        save_streamed(out_dir, gen, self.adapter.config, copy_from=self.source_dir)
+        save_streamed(out_dir, gen, self.adapter.config, DTYPES[dtype], copy_from=self.source_dir)
 
     def close(self) -> None:
         """Commit pending updates, stop the Adam worker, close the store."""

@@ -85,6 +85,12 @@ class StepRunner:
         e.loader.ready_event().wait(e.compute_stream)  # compute must not read weights before the copy lands
         return w
 
+    def _drop_params(self, st: StepState, b: int) -> None:
+        """After backward: detach gradients from the parameters and unbind the block's modules."""
+        for p in st.params.pop(b).values():
+            p.grad = None
+        self.e.adapter.unbind(b)
+
     def _release_weights(self, st: StepState, b: int, keep_views: bool) -> None:
         w = st.weights.pop(b)
         if keep_views:  # the graph holds views of w: free the memory, keep the objects
@@ -107,6 +113,7 @@ class StepRunner:
             st.saved[b] = [o[2] for o in out]
             if policy == "recompute":
                 del st.params[b]
+            e.adapter.unbind(b)
             self._release_weights(st, b, keep_views=policy != "recompute")
 
     def turnaround(self, st: StepState) -> None:
@@ -131,7 +138,8 @@ class StepRunner:
                 st.loss += loss.item()
                 dys.append(x_in.grad)
         st.xs = dys
-        del st.params[H], borrowed
+        self._drop_params(st, H)
+        del borrowed
         st.weights.pop(H)
         self.hand_off(st, H)
 
@@ -146,7 +154,7 @@ class StepRunner:
             self._attach_grads(st, b)
             with e.timeline.span("compute", f"bwd {e.layout.blocks[b].name}"):
                 st.xs = [activations.backward(e.adapter, b, s, dy, e.backend) for s, dy in zip(st.saved.pop(b), st.xs)]
-            del st.params[b]
+            self._drop_params(st, b)
             st.weights.pop(b)
             self.hand_off(st, b)
 

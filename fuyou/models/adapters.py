@@ -61,6 +61,8 @@ class Adapter:
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.modules = self._block_modules()
         self.blocks = [self._spec(name, mods) for name, mods in self.modules]
+        self._meta = [[(_owner(mod, pname), p) for _, mod in mods for pname, p in mod.named_parameters(remove_duplicate=False)]
+                      for _, mods in self.modules]
 
     # -- description -------------------------------------------------------------------------
     def _block_modules(self) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
@@ -107,6 +109,11 @@ class Adapter:
                 owner._parameters[attr] = param
                 out[key] = param
         return out
+
+    def unbind(self, block: int) -> None:
+        """Put the meta placeholders back, so the modules no longer keep the block's device memory alive."""
+        for (owner, attr), meta in self._meta[block]:
+            owner._parameters[attr] = meta
 
     # -- running -------------------------------------------------------------------------------
     def forward(self, block: int, x: torch.Tensor, ctx: MicroBatchContext | None) -> tuple[torch.Tensor, Any]:

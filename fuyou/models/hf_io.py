@@ -7,10 +7,11 @@ the config and the tokenizer files, so ``from_pretrained`` loads the result.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -46,6 +47,7 @@ class CheckpointReader:
 
     def __init__(self, model_dir: str) -> None:
         self.model_dir = model_dir
+        self._open: dict[str, Any] = {}
         index = os.path.join(model_dir, "model.safetensors.index.json")
         single = os.path.join(model_dir, "model.safetensors")
         if os.path.isfile(index):
@@ -55,7 +57,6 @@ class CheckpointReader:
             self.where = {k: "model.safetensors" for k in self._keys("model.safetensors")}
         else:
             raise ModelFileError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
-        self._open: dict[str, Any] = {}
 
     def _handle(self, fname: str) -> Any:
         from safetensors import safe_open
@@ -86,11 +87,11 @@ class CheckpointReader:
             raise ModelFileError(f"cannot read {key!r} from {self.where[key]} in {self.model_dir}: {e}") from e
 
 
-def save_streamed(out_dir: str, tensors: Iterator[tuple[str, torch.Tensor]], config: Any,
+def save_streamed(out_dir: str, tensors: Iterator[tuple[str, torch.Tensor]], config: Any, dtype: torch.dtype,
                   max_shard_bytes: int = 2 << 30, copy_from: str | None = None) -> None:
     """Write ``(key, tensor)`` pairs as sharded safetensors + index, the config, and tokenizer files.
 
-    Holds at most one shard in memory. Writes into ``out_dir + '.partial'`` and renames at the end,
+    ``dtype`` is recorded in the saved config. Holds at most one shard in memory. Writes into ``out_dir + '.partial'`` and renames at the end,
     so an interrupted export never looks finished.
     """
     from safetensors.torch import save_file
@@ -123,6 +124,8 @@ def save_streamed(out_dir: str, tensors: Iterator[tuple[str, torch.Tensor]], con
     total = sum(os.path.getsize(os.path.join(tmp, b)) for b in final)
     with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": {k: final[i] for k, i in weight_map.items()}}, f, indent=1)
+    config = copy.deepcopy(config)
+    config.dtype = dtype  # from_pretrained then loads the weights in the dtype they were saved in
     config.save_pretrained(tmp)
     if copy_from:
         for fname in TOKENIZER_FILES:
@@ -133,11 +136,3 @@ def save_streamed(out_dir: str, tensors: Iterator[tuple[str, torch.Tensor]], con
         shutil.rmtree(out_dir)
     os.rename(tmp, out_dir)
 
-
-def read_block(reader: CheckpointReader, keys: list[str], tied_alias: Callable[[str], str | None]) -> dict[str, torch.Tensor]:
-    """The tensors ``keys`` from ``reader``; a key missing because of weight tying reads its alias."""
-    out = {}
-    for k in keys:
-        alias = tied_alias(k)
-        out[k] = reader.get(k if k in reader or alias is None else alias)
-    return out

@@ -1,0 +1,44 @@
+"""Budgets: the engine trains inside a small device capacity and host budget, or refuses up front."""
+
+import pytest
+import torch
+
+from fuyou.engine import Engine, EngineConfig, Plan
+from fuyou.errors import DeviceMemoryError, HostMemoryError
+from tests.integration.tiny_models import batches, tiny
+
+
+def state_bytes(model):
+    return 12 * sum(p.numel() for p in model.parameters())  # fp32 master + m + v
+
+
+def test_trains_far_below_both_budgets(tmp_path):
+    cfg, model = tiny("llama", layers=32)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    weights_bytes = 2 * sum(p.numel() for p in model.parameters())
+    host = state_bytes(model) // 10
+    ec = EngineConfig(ssd_dirs=(str(tmp_path),), cpu_memory=host, gpu_memory=weights_bytes // 8,
+                      plan=Plan(prefetch_depth=1))
+    with Engine.from_state_dict(cfg, sd, ec) as eng:
+        assert eng.pool.reserved <= host
+        losses = [eng.train_step(ids, labels)["loss"] for ids, labels in batches(3)]
+        mem = eng.backend.memory()
+        assert mem.peak <= mem.capacity < weights_bytes / 4
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_host_budget_too_small_fails_up_front(tmp_path):
+    cfg, model = tiny("llama", layers=4)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ec = EngineConfig(ssd_dirs=(str(tmp_path),), cpu_memory="100KiB")
+    with pytest.raises(HostMemoryError, match="host budget is 100.0 KiB.*--cpu-memory"):
+        Engine.from_state_dict(cfg, sd, ec)
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_device_budget_too_small_fails_up_front(tmp_path):
+    cfg, model = tiny("llama", layers=4)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ec = EngineConfig(ssd_dirs=(str(tmp_path),), gpu_memory="8KiB")
+    with pytest.raises(DeviceMemoryError, match="largest block needs.*8.0 KiB.*--gpu-memory"):
+        Engine.from_state_dict(cfg, sd, ec)

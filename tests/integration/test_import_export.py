@@ -1,0 +1,83 @@
+"""HF directory → store (streamed, sharded) → training → HF directory that transformers loads."""
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fuyou.engine import Engine, EngineConfig
+from fuyou.errors import ConfigError
+from fuyou.models.hf_io import ModelFileError
+from tests.integration.tiny_models import batches, tiny
+
+
+def save(model, path, shard="20KB"):
+    model.save_pretrained(path, max_shard_size=shard)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"model_max_length": 64}, f)
+    return str(path)
+
+
+def cfg_for(tmp_path, **kw):
+    d = tmp_path / "ssd"
+    d.mkdir(exist_ok=True)
+    return EngineConfig(ssd_dirs=(str(d),), cpu_memory="64MiB", **kw)
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "qwen2", "gpt2"])
+def test_sharded_import_train_export_round_trip(tmp_path, family):
+    _, model = tiny(family)
+    src = save(model, tmp_path / "src")
+    assert os.path.exists(os.path.join(src, "model.safetensors.index.json")), "expected a sharded checkpoint"
+    with Engine.from_pretrained(src, cfg_for(tmp_path, precision="fp32", lr=1e-3)) as eng:
+        imported = dict(eng.master_weights())
+        for k, v in model.state_dict().items():
+            if k in imported:
+                assert torch.equal(imported[k], v), k
+        for ids, labels in batches(2):
+            eng.train_step(ids, labels)
+        trained = dict(eng.master_weights())
+        eng.export(str(tmp_path / "out"), dtype="fp32")
+    out = tmp_path / "out"
+    assert (out / "tokenizer_config.json").exists() and not (tmp_path / "out.partial").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    for k, v in loaded.state_dict().items():
+        key = k if k in trained else next(e for e in ("model.embed_tokens.weight", "transformer.wte.weight") if e in trained)
+        assert torch.equal(v, trained[key]), k
+    gen = loaded.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
+    assert gen.shape == (1, 7)
+
+
+def test_bf16_export_loads(tmp_path):
+    _, model = tiny("llama")
+    src = save(model, tmp_path / "src", shard="1GB")
+    with Engine.from_pretrained(src, cfg_for(tmp_path)) as eng:
+        eng.export(str(tmp_path / "out"))
+        with pytest.raises(ConfigError, match="--dtype"):
+            eng.export(str(tmp_path / "x"), dtype="int8")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert loaded.dtype == torch.bfloat16
+    assert torch.equal(loaded.state_dict()["lm_head.weight"], model.state_dict()["lm_head.weight"].bfloat16())
+
+
+def test_bad_model_directories(tmp_path):
+    with pytest.raises(ModelFileError, match="no config.json"):
+        Engine.from_pretrained(str(tmp_path), cfg_for(tmp_path))
+    _, model = tiny("llama")
+    src = save(model, tmp_path / "m", shard="1GB")
+    os.unlink(os.path.join(src, "model.safetensors"))
+    with pytest.raises(ModelFileError, match="no model.safetensors"):
+        Engine.from_pretrained(src, cfg_for(tmp_path))
+    with open(os.path.join(src, "model.safetensors"), "wb") as f:
+        f.write(b"garbage, not safetensors")
+    with pytest.raises(ModelFileError, match="missing or corrupt"):
+        Engine.from_pretrained(src, cfg_for(tmp_path))
+
+
+def test_unsupported_architecture_lists_supported(tmp_path):
+    from transformers import BertConfig
+
+    with pytest.raises(ConfigError, match="unsupported architecture.*LlamaForCausalLM.*GPT2LMHeadModel"):
+        Engine.from_state_dict(BertConfig(), {}, cfg_for(tmp_path))

@@ -1,0 +1,49 @@
+"""A non-finite gradient skips the update in both schedules: every stored byte stays as it was."""
+
+import pytest
+import torch
+
+from fuyou.engine import Engine, EngineConfig, Plan
+from tests.integration.tiny_models import batches, reference_steps, tiny
+
+
+def raw_state(eng):
+    eng.flush()
+    out = {}
+    for ext in eng.store.extents:
+        buf = torch.empty(ext.nbytes, dtype=torch.uint8)
+        eng.store.read(ext.name, buf).result()
+        out[ext.name] = buf
+    return out
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+@pytest.mark.parametrize("poison_block", [1, 2])
+def test_nonfinite_step_is_skipped_exactly(tmp_path, clip, poison_block):
+    cfg, model = tiny("llama", layers=3)
+    data = batches(3)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", lr=1e-3, cpu_memory="64MiB", max_grad_norm=clip,
+                      plan=Plan(activation_policy=("keep", "keep", "recompute", "keep", "keep")))
+    with Engine.from_state_dict(cfg, sd, ec) as eng:
+        eng.train_step(*data[0])
+        before, version = raw_state(eng), eng.store.version
+        real = eng.adapter.forward
+
+        def poisoned(b, x, ctx):
+            y, ctx = real(b, x, ctx)
+            return (y * float("nan"), ctx) if b == poison_block else (y, ctx)
+
+        eng.adapter.forward = poisoned
+        st = eng.train_step(*data[1])
+        eng.adapter.forward = real
+        assert not st["applied"] and eng.step == 1
+        after = raw_state(eng)
+        assert eng.store.version == version
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        eng.train_step(*data[2])
+        weights = dict(eng.master_weights())
+    reference_steps(model, [data[0], data[2]], 1, 1e-3, 0.0, clip=clip)
+    for k, w in weights.items():
+        ref = model.state_dict()[k]
+        assert (w - ref).abs().max().item() <= 1e-5 * ref.abs().max().item() + 1e-12, k
