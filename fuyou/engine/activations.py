@@ -4,6 +4,8 @@
 * ``swap_cpu`` — the graph stays, but every saved tensor that is not a weight moves to host memory
   at pack time and back at unpack (saved-tensor hooks). Weights are recognised by their storage
   and left alone: their storage is freed after forward and refilled before backward.
+* ``swap_ssd`` — like ``swap_cpu``, then written to a scratch file on the SSD and read back a block
+  ahead of its backward (``act_ssd.py``).
 * ``recompute`` — only the block input (and the RNG state, for dropout) is kept; backward re-runs
   the forward with gradients enabled.
 """
@@ -16,7 +18,9 @@ from typing import Any
 import torch
 
 from fuyou.device.base import Backend
+from fuyou.engine.act_ssd import ActivationSpace, SSDRecord
 from fuyou.models.adapters import Adapter, MicroBatchContext
+from fuyou.transfer.buffers import HostBufferPool
 
 
 @dataclass
@@ -28,27 +32,43 @@ class Saved:
     y: torch.Tensor | None
     ctx: MicroBatchContext | None
     rng: Any = None
-    host_bytes: int = 0
+    swap: "_Swap | None" = None
+
+    def release(self) -> None:
+        """Return swapped bytes to the host budget (after backward)."""
+        if self.swap is not None:
+            self.swap.release()
 
 
-class _ToHost:
-    """Saved-tensor hooks that park non-weight tensors in host memory."""
+class _Swap:
+    """Saved-tensor hooks that move non-weight tensors to host memory (swap_cpu) or on to SSD (swap_ssd)."""
 
-    def __init__(self, weight_storages: set[int], host: torch.device) -> None:
-        self.weights, self.host, self.nbytes = weight_storages, host, 0
+    def __init__(self, weight_storages: set[int], pool: HostBufferPool, record: SSDRecord | None) -> None:
+        self.weights, self.pool, self.record, self.charged = weight_storages, pool, record, 0
 
     def pack(self, t: torch.Tensor) -> Any:
         if t.untyped_storage().data_ptr() in self.weights or t.numel() == 0:
             return t
-        self.nbytes += t.numel() * t.element_size()
-        return t.device, t.to(self.host, copy=True)
+        if self.record is not None:
+            return self.record.pack(t)
+        n = t.numel() * t.element_size()
+        self.pool.charge(n, "activations swapped to host memory")
+        self.charged += n
+        return t.device, t.to("cpu", copy=True)
 
-    @staticmethod
-    def unpack(packed: Any) -> torch.Tensor:
+    def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, int):
+            return self.record.unpack(packed)
         device, t = packed
         return t.to(device, non_blocking=True)
+
+    def release(self) -> None:
+        if self.record is not None:
+            self.record.release()
+        self.pool.refund(self.charged)
+        self.charged = 0
 
 
 def _input(x: torch.Tensor) -> torch.Tensor:
@@ -57,8 +77,9 @@ def _input(x: torch.Tensor) -> torch.Tensor:
 
 
 def forward(adapter: Adapter, b: int, x: torch.Tensor, ctx: MicroBatchContext | None, policy: str,
-            backend: Backend, weights: list[torch.Tensor]) -> tuple[torch.Tensor, MicroBatchContext | None, Saved]:
-    """Run block ``b`` forward under ``policy``; return (output, context, what backward needs)."""
+            backend: Backend, weights: list[torch.Tensor], space: ActivationSpace, k: int = 0,
+            ) -> tuple[torch.Tensor, MicroBatchContext | None, Saved]:
+    """Run block ``b`` forward (micro-batch ``k``) under ``policy``; return (output, context, what backward needs)."""
     if policy == "recompute":
         rng = backend.rng_state()
         with torch.no_grad():
@@ -66,11 +87,14 @@ def forward(adapter: Adapter, b: int, x: torch.Tensor, ctx: MicroBatchContext | 
         return y, ctx2, Saved(policy, x.detach(), None, ctx, rng)
     x_in = _input(x)
     with torch.enable_grad():
-        if policy == "swap_cpu":
-            hooks = _ToHost({w.untyped_storage().data_ptr() for w in weights}, torch.device("cpu"))
+        if policy in ("swap_cpu", "swap_ssd"):
+            record = SSDRecord(space, b, k) if policy == "swap_ssd" else None
+            hooks = _Swap({w.untyped_storage().data_ptr() for w in weights}, space.pool, record)
             with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
                 y, ctx2 = adapter.forward(b, x_in, ctx)
-            return y.detach(), ctx2, Saved(policy, x_in, y, ctx, host_bytes=hooks.nbytes)
+            if record is not None:
+                record.flush()
+            return y.detach(), ctx2, Saved(policy, x_in, y, ctx, swap=hooks)
         y, ctx2 = adapter.forward(b, x_in, ctx)
     return y.detach(), ctx2, Saved(policy, x_in, y, ctx)
 
@@ -89,4 +113,12 @@ def backward(adapter: Adapter, b: int, saved: Saved, dy: torch.Tensor, backend: 
             y, _ = adapter.forward(b, x_in, saved.ctx)
         backend.set_rng_state(state)
     torch.autograd.backward(y, dy)
+    saved.release()
     return x_in.grad if x_in.requires_grad else None
+
+
+def prefetch(saved: list[Saved]) -> None:
+    """Start reading a block's SSD-swapped activations back (before its backward)."""
+    for s in saved:
+        if s.swap is not None and s.swap.record is not None:
+            s.swap.record.prefetch()

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from fuyou.device import get_backend
+from fuyou.engine.act_ssd import ActivationSpace
 from fuyou.engine.config import EngineConfig
 from fuyou.engine.layout import ModelLayout, elem_size
 from fuyou.engine.optimizer import AdamStage
@@ -60,6 +61,8 @@ class Engine:
         hyper = AdamWHyper(cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
         self.stage = AdamStage(self.store, self.backend, self.pool, self.layout, hyper, self.timeline,
                                self.backend.new_stream(), cfg.adam_threads)
+        self.act_space = ActivationSpace(self.backend, self.pool, self.store.engine, self.store.dirs,
+                                         self.store.direct, self.timeline)
         self.runner = StepRunner(self)
         self._import(tensors)
 
@@ -182,6 +185,7 @@ class Engine:
             self.flush()
         finally:
             self.stage.close()
+            self.act_space.close()
             self.store.close()
 
     def __enter__(self) -> "Engine":

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from fuyou.errors import ConfigError
 
-POLICIES = ("keep", "swap_cpu", "recompute")
+POLICIES = ("keep", "swap_cpu", "swap_ssd", "recompute")
 SCHEDULES = ("overlap_backward", "overlap_next_forward")
 
 
@@ -16,7 +16,7 @@ class Plan:
     """How one training step runs.
 
     ``activation_policy`` has one entry per block (embed, layers…, head): ``keep`` the autograd
-    graph on the device, ``swap_cpu`` its saved tensors to host memory, or ``recompute`` (keep only
+    graph on the device, ``swap_cpu`` its saved tensors to host memory, ``swap_ssd`` on to the SSD, or ``recompute`` (keep only
     the block input, re-run the forward in backward). The head's activations never outlive the
     turnaround, so its entry is ignored.
     """

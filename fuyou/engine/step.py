@@ -107,7 +107,7 @@ class StepRunner:
             st.params[b] = self._bind(st, b)
             with e.timeline.span("compute", f"fwd {e.layout.blocks[b].name}"):
                 out = [activations.forward(e.adapter, b, st.xs[k], st.ctxs[k], policy, e.backend,
-                                           [st.weights[b]]) for k in range(len(st.xs))]
+                                           [st.weights[b]], e.act_space, k) for k in range(len(st.xs))]
             st.xs = [o[0] for o in out]
             st.ctxs = [o[1] for o in out]
             st.saved[b] = [o[2] for o in out]
@@ -148,6 +148,8 @@ class StepRunner:
         H = len(e.layout.blocks) - 1
         for b in range(H - 1, -1, -1):
             policy = e.plan.policy(b, H + 1)
+            for a in (b, b - 1):  # SSD-swapped activations: this block's and, ahead, the next one's
+                activations.prefetch(st.saved.get(a, []))
             st.weights[b] = self._load(st, b, refill=policy != "recompute")
             if policy == "recompute":
                 st.params[b] = self._bind(st, b)

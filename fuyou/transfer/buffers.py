@@ -51,6 +51,7 @@ class HostBufferPool:
         self.backend = backend
         self.budget = budget
         self.reserved = 0
+        self.peak = 0
         self._free: dict[str, list[HostBuffer]] = {}
         self._sizes: dict[str, tuple[int, int]] = {}
         self._cond = threading.Condition()
@@ -76,6 +77,7 @@ class HostBufferPool:
             self._sizes[kind] = (nbytes, count)
             self._free[kind] = bufs
             self.reserved += need
+            self.peak = max(self.peak, self.reserved)
 
     def acquire(self, kind: str, timeout: float | None = None) -> HostBuffer:
         """Take a free buffer of class ``kind``, waiting up to ``timeout`` seconds (None: forever).
@@ -98,6 +100,26 @@ class HostBufferPool:
                 raise ConfigError(f"host buffer {buf.kind}[{buf.index}] released twice")
             free.append(buf)
             self._cond.notify_all()
+
+    def charge(self, nbytes: int, what: str) -> None:
+        """Count a transient host allocation (e.g. swapped activations) against the budget.
+
+        Raises HostMemoryError naming ``what`` if the budget would be passed.
+        """
+        with self._cond:
+            if self.reserved + nbytes > self.budget:
+                raise HostMemoryError(
+                    f"{what} needs {format_size(nbytes)} of host memory beyond the {format_size(self.reserved)} in use; "
+                    f"the host budget is {format_size(self.budget)}; raise --cpu-memory or swap activations to SSD "
+                    "(or recompute them)"
+                )
+            self.reserved += nbytes
+            self.peak = max(self.peak, self.reserved)
+
+    def refund(self, nbytes: int) -> None:
+        """Return a transient allocation counted with ``charge``."""
+        with self._cond:
+            self.reserved -= nbytes
 
     def available(self, kind: str) -> int:
         """Number of free buffers of class ``kind`` right now."""

@@ -62,7 +62,7 @@ def assert_same(ref_model, ref_losses, losses, weights, tol=1e-5):
 
 
 @pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2", "gpt2"])
-@pytest.mark.parametrize("policy", ["keep", "swap_cpu", "recompute"])
+@pytest.mark.parametrize("policy", ["keep", "swap_cpu", "swap_ssd", "recompute"])
 def test_families_and_policies(tmp_path, family, policy):
     cfg, model = tiny(family)
     data = batches(STEPS)
@@ -78,7 +78,7 @@ def test_accumulation_prefetch_stripes_and_schedules(tmp_path, K, depth, ndirs, 
     data = batches(STEPS)
     lrs = [LR * (1 - 0.15 * i) for i in range(STEPS)]  # an LR schedule: changes every step
     losses, weights = run_fuyou(cfg, model, tmp_path, data, K=K, depth=depth, ndirs=ndirs, clip=clip, lrs=lrs,
-                                policy="keep" if K == 2 else "recompute")
+                                policy={2: "keep", 3: "swap_ssd"}.get(K if K == 2 else depth, "recompute"))
     ref_losses = reference_steps(model, data, K, LR, WD, clip=clip, lrs=lrs)
     assert_same(model, ref_losses, losses, weights)
 

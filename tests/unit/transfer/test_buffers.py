@@ -58,3 +58,14 @@ def test_double_release_and_unknown_class():
         pool.release(b)
     with pytest.raises(ConfigError, match="reserve it first"):
         pool.acquire("nope")
+
+
+def test_transient_charges_count_against_the_budget():
+    pool = HostBufferPool(CPUBackend(), budget=64 << 10)
+    pool.reserve("w", 4096, 8)
+    pool.charge(16 << 10, "activations of layer.3")
+    with pytest.raises(HostMemoryError, match="activations of layer.4.*swap activations to SSD"):
+        pool.charge((16 << 10) + 1, "activations of layer.4")
+    pool.refund(16 << 10)
+    pool.charge(32 << 10, "activations of layer.4")
+    assert pool.reserved == 64 << 10 and pool.peak == 64 << 10

@@ -1,0 +1,144 @@
+"""Activations on SSD: saved tensors of one (block, micro-batch) packed into one file, read back ahead.
+
+Forward: the saved-tensor pack hook copies each tensor to host memory; when the block is done,
+``flush`` packs them into one page-aligned staging buffer and writes it (one large, checksummed
+I/O through the store's engine) to a scratch file reused across steps. Backward: ``prefetch``
+reads the file back (issued a block early), and the unpack hook serves views of it. Host bytes
+are charged to the host budget while they exist.
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from fuyou.device.base import Backend
+from fuyou.engine.timeline import Timeline
+from fuyou.storage.dirs import preallocate
+from fuyou.storage.io_base import FileHandle, IOEngine
+from fuyou.storage.layout import TENSOR_ALIGN
+from fuyou.transfer.buffers import HostBufferPool
+from fuyou.units import align_up
+
+
+class ActivationSpace:
+    """Scratch files for swapped activations, striped over the store directories."""
+
+    def __init__(self, backend: Backend, pool: HostBufferPool, io: IOEngine, dirs: list[str], direct: list[bool],
+                 timeline: Timeline) -> None:
+        self.backend, self.pool, self.io, self.timeline = backend, pool, io, timeline
+        self.dirs = [os.path.join(d, "activations") for d in dirs]
+        self.direct = direct
+        self._files: dict[tuple[int, int], tuple[FileHandle, int]] = {}
+        for d in self.dirs:
+            os.makedirs(d, exist_ok=True)
+
+    def handle(self, b: int, k: int, nbytes: int) -> FileHandle:
+        """The scratch file of (block, micro-batch), (re)allocated to hold ``nbytes``."""
+        cur = self._files.get((b, k))
+        if cur is not None and cur[1] >= nbytes:
+            return cur[0]
+        i = b % len(self.dirs)
+        path = os.path.join(self.dirs[i], f"b{b}.k{k}.act")
+        if cur is not None:
+            self.io.close(cur[0])
+        if os.path.exists(path):
+            os.unlink(path)
+        preallocate(path, align_up(max(nbytes, 1), 4096))
+        h = self.io.open(path, self.direct[i])
+        self._files[(b, k)] = (h, nbytes)
+        return h
+
+    def close(self) -> None:
+        """Close and remove the scratch files."""
+        for h, _ in self._files.values():
+            self.io.close(h)
+            os.unlink(h.path)
+        self._files.clear()
+
+
+@dataclass
+class SSDRecord:
+    """The saved tensors of one (block, micro-batch) on their way to and from the SSD."""
+
+    space: ActivationSpace
+    block: int
+    micro: int
+    metas: list[tuple[torch.device, torch.Size, torch.dtype, int, int]] = field(default_factory=list)
+    pending: list[torch.Tensor] = field(default_factory=list)
+    staging: torch.Tensor | None = None
+    io: Future | None = None
+    crcs: list[int] | None = None
+    charged: int = 0
+
+    def _charge(self, n: int) -> None:
+        self.space.pool.charge(n, f"activations of block {self.block}")
+        self.charged += n
+
+    def pack(self, t: torch.Tensor) -> int:
+        """Copy ``t`` to host memory; return its index for ``unpack``."""
+        n = t.numel() * t.element_size()
+        off = align_up(self.metas[-1][3] + self.metas[-1][4], TENSOR_ALIGN) if self.metas else 0
+        self._charge(n)
+        self.metas.append((t.device, t.shape, t.dtype, off, n))
+        self.pending.append(t.detach().to("cpu", copy=True))
+        return len(self.metas) - 1
+
+    @property
+    def nbytes(self) -> int:
+        """Packed size in bytes."""
+        return align_up(self.metas[-1][3] + self.metas[-1][4], TENSOR_ALIGN) if self.metas else 0
+
+    def flush(self) -> None:
+        """Pack the host copies into one buffer and start writing it; memory is returned when written."""
+        if not self.metas:
+            return
+        n = self.nbytes
+        self._charge(n)
+        self.staging = self.space.backend.host_empty(n)
+        for (_, _, _, off, size), t in zip(self.metas, self.pending):
+            self.staging[off : off + size].copy_(t.reshape(-1).view(torch.uint8))
+        self.pending.clear()
+        self.space.pool.refund(self.charged - n)
+        self.charged = n
+        h = self.space.handle(self.block, self.micro, n)
+        fut = self.space.io.write(h, self.staging.numpy())
+        self.io = self.space.timeline.track(fut, "ssd_write", f"act b{self.block} k{self.micro}", n)
+        self.io.add_done_callback(self._written)
+
+    def _written(self, f: Future) -> None:
+        if f.exception() is None:
+            self.crcs = f.result()
+            self.staging = None
+            self.space.pool.refund(self.charged)
+            self.charged = 0
+
+    def prefetch(self) -> None:
+        """Start reading the record back (no-op if already in memory or on its way)."""
+        if not self.metas or self.staging is not None:
+            return
+        self.io.result()  # the write must have landed
+        n = self.nbytes
+        self._charge(n)
+        self.staging = self.space.backend.host_empty(n)
+        h = self.space.handle(self.block, self.micro, n)
+        fut = self.space.io.read(h, self.staging.numpy(), self.crcs, f"activations of block {self.block}")
+        self.io = self.space.timeline.track(fut, "ssd_read", f"act b{self.block} k{self.micro}", n)
+
+    def unpack(self, i: int) -> torch.Tensor:
+        """Tensor ``i`` back on its device (waits for the read)."""
+        self.prefetch()
+        self.io.result()
+        device, shape, dtype, off, size = self.metas[i]
+        return self.staging[off : off + size].view(dtype).view(shape).to(device)
+
+    def release(self) -> None:
+        """After backward: drop the host copy and return its bytes to the budget."""
+        if self.io is not None:
+            self.io.exception()
+        self.staging = None
+        self.space.pool.refund(self.charged)
+        self.charged = 0

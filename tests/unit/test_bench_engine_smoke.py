@@ -1,0 +1,47 @@
+"""The engine benches' --smoke modes run (P1, P2, trace; P5) and print the figures they promise."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_bench(script: str, tmp_path) -> list[dict]:
+    r = subprocess.run([sys.executable, script, "--smoke", "--dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def test_engine_bench_smoke(tmp_path):
+    recs = run_bench("bench/bench_engine.py", tmp_path)
+    kinds = [r["bench"] for r in recs]
+    assert kinds.count("engine_p2") == 2 and kinds.count("engine_trace") == 1  # keep and recompute
+    assert kinds.count("engine_p1") == 3  # compute-bound from each p2 variant, plus the ssd-bound run
+    for r in recs:
+        assert r["hardware"]["cores"] >= 1 and r["smoke"]
+    for r in (r for r in recs if r["bench"] == "engine_p2"):
+        assert r["ratio"] > 0 and math.isfinite(r["ratio"])
+        assert all(math.isfinite(x) for x in r["loss_all"]["fuyou"])
+    # same initial weights and batch: the first Fuyou step's loss is the reference's (fp32)
+    first = next(r for r in recs if r["bench"] == "engine_p2")
+    assert math.isclose(first["loss_first_step"]["fuyou"], first["loss_first_step"]["ref"], rel_tol=1e-5)
+    for r in (r for r in recs if r["bench"] == "engine_p1"):
+        assert r["p1_merged_median"] >= 1.0 - 1e-9 and r["p1_raw_median"] >= r["p1_merged_median"] - 1e-9
+        assert set(r["busy_merged_s_median"]) == {"cpu", "ssd"}
+    trace = next(r for r in recs if r["bench"] == "engine_trace")
+    assert trace["spans"] > 0 and all(trace["spans_per_resource"][k] > 0 for k in ("ssd_read", "ssd_write", "compute", "adam"))
+    assert not os.listdir(tmp_path)  # stores cleaned up
+
+
+def test_scale_bench_smoke(tmp_path):
+    (r,) = run_bench("bench/bench_scale.py", tmp_path)
+    assert r["bench"] == "scale_p5" and r["state_over_budget"] >= 10.0
+    assert len(r["losses"]) == 2 and all(math.isfinite(x) for x in r["losses"])
+    assert all(s["applied"] for s in r["steps"])
+    assert r["rss_peak_ru_maxrss_bytes"] >= r["rss_baseline_after_imports_bytes"] > 0
+    assert r["host_pool_reserved_bytes"] <= r["host_budget_bytes"]
+    assert not os.listdir(tmp_path)
