@@ -10,6 +10,7 @@ are charged to the host budget while they exist.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -71,8 +72,14 @@ class SSDRecord:
     pending: list[torch.Tensor] = field(default_factory=list)
     staging: torch.Tensor | None = None
     io: Future | None = None
+    """The read back from SSD, if one was needed."""
+    wfut: Future | None = None
+    """The write to SSD."""
     crcs: list[int] | None = None
     charged: int = 0
+    wanted: bool = False
+    """Backward has claimed the record: a completing write must not free the host copy."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _charge(self, n: int) -> None:
         self.space.pool.charge(n, f"activations of block {self.block}")
@@ -106,21 +113,29 @@ class SSDRecord:
         self.charged = n
         h = self.space.handle(self.block, self.micro, n)
         fut = self.space.io.write(h, self.staging.numpy())
-        self.io = self.space.timeline.track(fut, "ssd_write", f"act b{self.block} k{self.micro}", n)
-        self.io.add_done_callback(self._written)
+        self.wfut = self.space.timeline.track(fut, "ssd_write", f"act b{self.block} k{self.micro}", n)
+        self.wfut.add_done_callback(self._written)
 
     def _written(self, f: Future) -> None:
-        if f.exception() is None:
-            self.crcs = f.result()
-            self.staging = None
-            self.space.pool.refund(self.charged)
-            self.charged = 0
+        """Write landed: free the host copy, unless backward already claimed it (``wanted``)."""
+        with self.lock:
+            if f.exception() is None:
+                self.crcs = f.result()
+                if not self.wanted:
+                    self.staging = None
+                    self.space.pool.refund(self.charged)
+                    self.charged = 0
 
     def prefetch(self) -> None:
-        """Start reading the record back (no-op if already in memory or on its way)."""
-        if not self.metas or self.staging is not None:
-            return
-        self.io.result()  # the write must have landed
+        """Make the record available for backward: keep the host copy if the write has not freed it
+        yet (no read needed), else start reading it back. Idempotent."""
+        with self.lock:
+            if not self.metas or self.wanted:
+                return
+            self.wanted = True
+            if self.staging is not None:  # still in memory (its write may be in flight)
+                return
+        self.wfut.result()  # raises the write's error, if any
         n = self.nbytes
         self._charge(n)
         self.staging = self.space.backend.host_empty(n)
@@ -129,16 +144,22 @@ class SSDRecord:
         self.io = self.space.timeline.track(fut, "ssd_read", f"act b{self.block} k{self.micro}", n)
 
     def unpack(self, i: int) -> torch.Tensor:
-        """Tensor ``i`` back on its device (waits for the read)."""
+        """Tensor ``i`` back on its device (waits for the read, if one was needed)."""
         self.prefetch()
-        self.io.result()
+        if self.io is not None:
+            self.io.result()
         device, shape, dtype, off, size = self.metas[i]
         return self.staging[off : off + size].view(dtype).view(shape).to(device)
 
     def release(self) -> None:
-        """After backward: drop the host copy and return its bytes to the budget."""
-        if self.io is not None:
-            self.io.exception()
-        self.staging = None
-        self.space.pool.refund(self.charged)
-        self.charged = 0
+        """After backward: drop the host copy and return its bytes to the budget.
+
+        Waits for the record's write, so the next step never writes the same file concurrently.
+        """
+        for f in (self.wfut, self.io):
+            if f is not None:
+                f.exception()
+        with self.lock:
+            self.staging = None
+            self.space.pool.refund(self.charged)
+            self.charged = 0

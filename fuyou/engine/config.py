@@ -38,6 +38,9 @@ class EngineConfig:
     io: str = "auto"
     direct: str = "auto"
     checksums: bool = True
+    state_chunk: int = 1 << 23
+    """Elements per optimizer-state chunk (a multiple of 32): host memory for state is
+    ``state_buffers`` × chunk × 12 bytes, whatever the largest block."""
     adam_threads: int | None = None
     """numba threads for the CPU Adam (default: all cores)."""
 
@@ -52,6 +55,8 @@ class EngineConfig:
                 problems.append(f"--{name.replace('_', '-')} must be one of {allowed}, got {getattr(self, name)!r}")
         if not (math.isfinite(self.lr) and self.lr >= 0):
             problems.append(f"--lr must be a finite number ≥ 0, got {self.lr}")
+        if self.state_chunk <= 0 or self.state_chunk % 32:
+            problems.append(f"state chunk must be a positive multiple of 32 elements, got {self.state_chunk}")
         if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
             problems.append(f"--max-grad-norm must be ≥ 0 (0 = off), got {self.max_grad_norm}")
         try:

@@ -22,6 +22,7 @@ from fuyou.engine.act_ssd import ActivationSpace
 from fuyou.engine.config import EngineConfig
 from fuyou.engine.layout import ModelLayout, elem_size
 from fuyou.engine.optimizer import AdamStage
+from fuyou.engine.rules import fit_host
 from fuyou.engine.step import StepRunner, StepState, gate_for, park_class, settle
 from fuyou.engine.timeline import Timeline
 from fuyou.engine.weights import HOST_CLASS, WeightLoader
@@ -48,7 +49,9 @@ class Engine:
         self.adapter = make_adapter(config)
         self.backend = get_backend(cfg.device, cfg.gpu_bytes)
         self.adapter.prepare(self.backend.device)
-        self.layout = ModelLayout(tuple(self.adapter.blocks), DTYPES[cfg.precision], DTYPES[cfg.state_precision])
+        self.layout = ModelLayout(tuple(self.adapter.blocks), DTYPES[cfg.precision], DTYPES[cfg.state_precision],
+                                  cfg.state_chunk)
+        self.layout, self.plan = fit_host(self.layout, self.plan, cfg.cpu_bytes)
         self._check_device_budget()
         self.pool = HostBufferPool(self.backend, cfg.cpu_bytes)
         self._reserve_host()
@@ -72,7 +75,12 @@ class Engine:
         """Stream a Hugging Face model directory (config.json + safetensors) into a new store."""
         config = load_config(model_dir)
         reader = CheckpointReader(model_dir)
-        return cls(config, cfg, lambda keys: {k: reader.get(k) for k in keys}, source_dir=model_dir)
+        def block_tensors(keys: list[str]) -> dict[str, torch.Tensor]:
+            out = {k: reader.get(k).clone() for k in keys}
+            reader.close()  # one block at a time: never keep the checkpoint mapped
+            return out
+
+        return cls(config, cfg, block_tensors, source_dir=model_dir)
 
     @classmethod
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], cfg: EngineConfig) -> "Engine":
@@ -104,12 +112,13 @@ class Engine:
         lay = self.layout
         for b, blk in enumerate(lay.blocks):
             src = tensors([p.key for p in blk.params])
-            w = lay.flatten(b, src, lay.compute_dtype)
-            s = torch.zeros(lay.s(b).nbytes, dtype=torch.uint8)
-            lay.s(b).views(s)["master"].copy_(lay.flatten(b, src, torch.float32))
-            self.store.write(lay.w(b).name, w.view(torch.uint8)).result()
-            self.store.write(lay.s(b).name, s).result()
-            del src, w, s
+            self.store.write(lay.w(b).name, lay.flatten(b, src, lay.compute_dtype).view(torch.uint8)).result()
+            master = lay.flatten(b, src, torch.float32)
+            del src
+            for c, (lo, hi) in enumerate(lay.chunks(b)):
+                s = torch.zeros(lay.s(b, c).nbytes, dtype=torch.uint8)
+                lay.s(b, c).views(s)["master"].copy_(master[lo:hi])
+                self.store.write(lay.s(b, c).name, s).result()
         self.store.commit(self.commit_meta())
 
     def commit_meta(self) -> dict:
@@ -167,10 +176,13 @@ class Engine:
         self.flush()
         lay = self.layout
         for b in range(len(lay.blocks)):
-            s = torch.empty(lay.s(b).nbytes, dtype=torch.uint8)
-            self.store.read(lay.s(b).name, s).result()
-            for k, t in _as_layout(lay, b, lay.s(b).views(s)["master"]).items():
-                yield k, t.clone()
+            master = torch.empty(lay.numel(b), dtype=torch.float32)
+            for c, (lo, hi) in enumerate(lay.chunks(b)):
+                s = torch.empty(lay.s(b, c).nbytes, dtype=torch.uint8)
+                self.store.read(lay.s(b, c).name, s).result()
+                master[lo:hi] = lay.s(b, c).views(s)["master"]
+            for k, t in _as_layout(lay, b, master).items():
+                yield k, t
 
     def export(self, out_dir: str, dtype: str = "bf16") -> None:
         """Write the current weights as a Hugging Face model directory (sharded safetensors)."""

@@ -2,10 +2,11 @@
 
 * ``w/<block>`` — the compute weights (bf16, or fp32 in fp32 mode), keyed by HF parameter name,
   read in forward and backward, written by Adam.
-* ``s/<block>`` — the optimizer state as three flat vectors ``master`` (fp32), ``m``, ``v`` (fp32
-  or bf16), each with exactly as many elements as the ``w`` extent (the 64-byte gaps between
-  tensors included, and zero), so Adam runs over whole flat buffers and writes the new compute
-  weights straight into a ``w`` buffer.
+* ``s/<block>/<chunk>`` — the optimizer state as three flat vectors ``master`` (fp32), ``m``, ``v``
+  (fp32 or bf16) over the same element positions as the ``w`` extent (the 64-byte gaps between
+  tensors included, and zero), cut into chunks of at most ``state_chunk`` elements. Adam runs chunk
+  by chunk, so host memory for state is bounded by the chunk size, not by the largest block (a
+  150k-token embedding), and writes the new compute weights straight into a ``w`` buffer.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ class ModelLayout:
     blocks: tuple[BlockSpec, ...]
     compute_dtype: torch.dtype = torch.bfloat16
     state_dtype: torch.dtype = torch.float32
+    state_chunk: int = 1 << 23
+    """Elements per optimizer-state chunk (8 Mi: 96 MiB of fp32 master+m+v); a multiple of 32."""
+
+    def __post_init__(self) -> None:
+        if self.state_chunk <= 0 or self.state_chunk % 32:
+            raise ValueError(f"state chunk must be a positive multiple of 32 elements, got {self.state_chunk}")
 
     def w(self, b: int) -> ExtentSpec:
         """The compute-weight extent of block ``b``."""
@@ -39,18 +46,32 @@ class ModelLayout:
         """Elements of block ``b``'s flat vectors (the ``w`` extent in compute-dtype elements)."""
         return -(-self.w(b).nbytes // elem_size(self.compute_dtype))
 
-    def s(self, b: int) -> ExtentSpec:
-        """The optimizer-state extent of block ``b``: master, m, v."""
+    def chunks(self, b: int) -> list[tuple[int, int]]:
+        """Element ranges [lo, hi) of block ``b``'s optimizer-state chunks."""
         n = self.numel(b)
-        return ExtentSpec(f"s/{self.blocks[b].name}", (
+        return [(lo, min(lo + self.state_chunk, n)) for lo in range(0, n, self.state_chunk)] or [(0, 0)]
+
+    def s(self, b: int, c: int) -> ExtentSpec:
+        """Chunk ``c`` of block ``b``'s optimizer state: master, m, v."""
+        lo, hi = self.chunks(b)[c]
+        n = hi - lo
+        return ExtentSpec(f"s/{self.blocks[b].name}/{c}", (
             TensorSpec("master", (n,), torch.float32),
             TensorSpec("m", (n,), self.state_dtype),
             TensorSpec("v", (n,), self.state_dtype),
         ))
 
+    def state_bytes(self) -> int:
+        """Largest state chunk in bytes (the size of one host state buffer)."""
+        return max(self.s(b, c).nbytes for b in range(len(self.blocks)) for c in range(len(self.chunks(b))))
+
     def extents(self) -> list[ExtentSpec]:
         """Every extent, block by block."""
-        return [e for b in range(len(self.blocks)) for e in (self.w(b), self.s(b))]
+        out = []
+        for b in range(len(self.blocks)):
+            out.append(self.w(b))
+            out += [self.s(b, c) for c in range(len(self.chunks(b)))]
+        return out
 
     def index(self, name: str) -> int:
         """Block index of block ``name``."""

@@ -40,7 +40,7 @@ class AdamStage:
         """Host buffer classes this stage needs: (name, bytes each, count)."""
         nb = range(len(layout.blocks))
         grad = max(layout.numel(b) for b in nb) * elem_size(layout.compute_dtype)
-        return [(GRADS, grad, 2), (STATE, max(layout.s(b).nbytes for b in nb), state_buffers),
+        return [(GRADS, grad, 2), (STATE, layout.state_bytes(), state_buffers),
                 (NEW_WEIGHTS, max(layout.w(b).nbytes for b in nb), 2)]
 
     def _timed_step(self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, **kw: object) -> None:
@@ -59,39 +59,51 @@ class AdamStage:
     def update(self, b: int, grad: HostBuffer, ready: Event, lr: float, step: int, scale: float) -> Future:
         """Run AdamW for block ``b`` (1-based ``step``, gradient × ``scale``) and write it back.
 
-        The future completes once ``w/<b>`` and ``s/<b>`` are written; ``grad`` is released after the
-        kernel, the state and weight buffers after the writes.
+        State goes chunk by chunk (read, update, write), each chunk's new compute weights landing in
+        one weight buffer that is written once all chunks are done. The future completes once
+        ``w/<b>`` and every ``s/<b>/<c>`` are written; ``grad`` is released after the last kernel,
+        the state buffers after their writes, the weight buffer after its write.
         """
-        s_ext, w_ext, n = self.layout.s(b), self.layout.w(b), self.layout.numel(b)
-        sbuf, wbuf = self.pool.acquire(STATE), self.pool.acquire(NEW_WEIGHTS)
+        w_ext = self.layout.w(b)
+        wbuf = self.pool.acquire(NEW_WEIGHTS)
+        chunk_writes = [self._chunk(b, c, grad, ready, wbuf, lr, step, scale) for c in range(len(self.layout.chunks(b)))]
+        jobs = gather([j for j, _ in chunk_writes])
+        jobs.add_done_callback(lambda _: self.pool.release(grad))
+
+        def write_weights() -> Future:
+            return self.timeline.track(self.store.write(w_ext.name, wbuf.data), "ssd_write", w_ext.name, w_ext.nbytes)
+
+        ww = chain(jobs, write_weights)
+        ww.add_done_callback(lambda _: self.pool.release(wbuf))
+        return gather([ww] + [w for _, w in chunk_writes])
+
+    def _chunk(self, b: int, c: int, grad: HostBuffer, ready: Event, wbuf: HostBuffer, lr: float, step: int,
+               scale: float) -> tuple[Future, Future]:
+        """Read, update and write state chunk ``c`` of block ``b``: (job future, write future)."""
+        s_ext = self.layout.s(b, c)
+        lo, hi = self.layout.chunks(b)[c]
+        dt = self.layout.compute_dtype
+        sbuf = self.pool.acquire(STATE)
         read = self.timeline.track(self.store.read(s_ext.name, sbuf.data), "ssd_read", s_ext.name, s_ext.nbytes)
-        bf16 = self.layout.compute_dtype == torch.bfloat16
 
         def start_job() -> Future:
             ready.wait()  # the gradient's device→host copy must have landed
             views = s_ext.views(sbuf.data)
-            job = AdamJob(key=self.layout.blocks[b].name, master=views["master"], m=views["m"], v=views["v"],
-                          grad=grad.view(self.layout.compute_dtype, n), lr=lr, step=step, grad_scale=scale,
-                          out=wbuf.view(torch.bfloat16, n) if bf16 else None)
-            on_done = None if bf16 else (lambda j: wbuf.view(torch.float32, n).copy_(j.master))
+            out = wbuf.view(dt, hi)[lo:hi]
+            job = AdamJob(key=s_ext.name, master=views["master"], m=views["m"], v=views["v"],
+                          grad=grad.view(dt, hi)[lo:hi], lr=lr, step=step, grad_scale=scale,
+                          out=out if dt == torch.bfloat16 else None)
+            on_done = None if dt == torch.bfloat16 else (lambda j: out.copy_(j.master))
             return self.worker.submit(job, on_done)
 
         job = chain(read, start_job)
-        job.add_done_callback(lambda _: self.pool.release(grad))
 
-        def write() -> Future:
-            ws = self.timeline.track(self.store.write(s_ext.name, sbuf.data), "ssd_write", s_ext.name, s_ext.nbytes)
-            ww = self.timeline.track(self.store.write(w_ext.name, wbuf.data), "ssd_write", w_ext.name, w_ext.nbytes)
-            return gather([ws, ww])
+        def write_state() -> Future:
+            return self.timeline.track(self.store.write(s_ext.name, sbuf.data), "ssd_write", s_ext.name, s_ext.nbytes)
 
-        written = chain(job, write)
-
-        def release(_: Future) -> None:
-            self.pool.release(sbuf)
-            self.pool.release(wbuf)
-
-        written.add_done_callback(release)
-        return written
+        written = chain(job, write_state)
+        written.add_done_callback(lambda _: self.pool.release(sbuf))
+        return job, written
 
     def close(self) -> None:
         """Finish queued updates and stop the worker thread."""

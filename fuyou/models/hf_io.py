@@ -72,6 +72,10 @@ class CheckpointReader:
     def _keys(self, fname: str) -> list[str]:
         return list(self._handle(fname).keys())
 
+    def close(self) -> None:
+        """Drop the open shards (and their memory maps, whose touched pages count as resident)."""
+        self._open.clear()
+
     def __contains__(self, key: str) -> bool:
         return key in self.where
 

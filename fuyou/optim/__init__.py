@@ -5,7 +5,8 @@ and give bit-identical results; ``AdamWorker`` runs per-layer updates on a threa
 describes how a layer's flat buffers and state extent are laid out.
 """
 
-from fuyou.optim.adam_numba import DEFAULT_CHUNK, adamw_step
+from fuyou.optim.adam_numba import adamw_step
+from fuyou.optim.numba_kernel import DEFAULT_CHUNK
 from fuyou.optim.args import AdamWHyper, StepCoefficients, step_coefficients
 from fuyou.optim.buffers import OptimBufferError
 from fuyou.optim.reference import adamw_step_reference

@@ -50,7 +50,9 @@ def _check_disjoint(named: dict[str, torch.Tensor]) -> None:
     )
     for (_, end_a, name_a), (start_b, _, name_b) in zip(spans, spans[1:]):
         if start_b < end_a:
-            raise OptimBufferError(f"{name_a} and {name_b} overlap in memory; each needs its own buffer")
+            raise OptimBufferError(
+                f"{name_a} and {name_b} overlap in memory; each needs its own buffer"
+            )
 
 
 def check_buffers(
@@ -72,7 +74,7 @@ def check_buffers(
     _check_flat("m", m, STATE_DTYPES, numel)
     _check_flat("v", v, STATE_DTYPES, numel)
     if m.dtype != v.dtype:
-        raise OptimBufferError(f"m is {m.dtype} but v is {v.dtype}; both must share one state dtype")
+        raise OptimBufferError(f"m is {m.dtype} but v is {v.dtype}; they must share one dtype")
     _check_flat("grad", grad, GRAD_DTYPES, numel)
     named = {"master": master, "m": m, "v": v, "grad": grad}
     if out is not None:

@@ -141,7 +141,7 @@ class LayerStateLayout:
         return master, m, v
 
     def param_views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Shaped views of each parameter inside a flat buffer of this layout (any dtype), no copy."""
+        """Shaped views of each parameter in a flat buffer of this layout (any dtype), no copy."""
         return {s.name: flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots}
 
     def flatten(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

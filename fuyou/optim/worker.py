@@ -124,7 +124,9 @@ class AdamWorker:
             AdamWorkerError: if a job failed, or jobs are still pending after ``timeout``.
         """
         with self._cond:
-            done = self._cond.wait_for(lambda: self._pending == 0 or self._error is not None, timeout)
+            done = self._cond.wait_for(
+                lambda: self._pending == 0 or self._error is not None, timeout
+            )
             self._raise_if_failed()
             if not done:
                 raise AdamWorkerError(f"{self._pending} Adam jobs still pending after {timeout} s")
@@ -145,8 +147,11 @@ class AdamWorker:
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             self.close()
-        else:  # an exception is already on its way: stop quickly and do not mask it
+            return
+        try:  # an exception is already on its way: stop quickly and do not mask it
             self._shutdown(cancel_pending=True, timeout=60.0)
+        except AdamWorkerError:
+            pass
 
     @property
     def pending(self) -> int:
@@ -162,6 +167,8 @@ class AdamWorker:
 
     def _shutdown(self, cancel_pending: bool, timeout: float | None) -> None:
         """Mark closed, optionally cancel queued jobs, send the stop marker and join."""
+        if threading.current_thread() is self._thread:
+            raise AdamWorkerError("close() called from the Adam worker thread (e.g. in on_done)")
         with self._cond:
             if not self._closed:
                 self._closed = True
@@ -186,9 +193,12 @@ class AdamWorker:
 
     # ---- worker thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        """Thread body: take jobs until the stop marker."""
-        if self._num_threads is not None:
-            numba.set_num_threads(self._num_threads)
+        """Thread body: take jobs until the stop marker (after a failure, only to skip them)."""
+        try:
+            if self._num_threads is not None:
+                numba.set_num_threads(self._num_threads)
+        except BaseException as err:  # noqa: BLE001 - reported by submit/wait/close
+            self._record_error(err, "<worker start>")
         while (item := self._queue.get()) is not _STOP:
             job, fut, on_done = item  # type: ignore[misc]
             try:
@@ -213,9 +223,14 @@ class AdamWorker:
             if on_done is not None:
                 on_done(job)
         except BaseException as err:  # noqa: BLE001 - every failure must reach the caller
-            with self._cond:
-                if self._error is None:
-                    self._error, self._error_key = err, job.key
+            self._record_error(err, job.key)
             fut.set_exception(err)
         else:
             fut.set_result(job)
+
+    def _record_error(self, err: BaseException, key: Hashable) -> None:
+        """Keep the first failure; wake waiters so they raise it."""
+        with self._cond:
+            if self._error is None:
+                self._error, self._error_key = err, key
+            self._cond.notify_all()

@@ -42,7 +42,9 @@ def make_grads(n: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
     return out
 
 
-def make_state(n: int, state_dtype: torch.dtype = torch.float32, seed: int = 1) -> list[torch.Tensor]:
+def make_state(
+    n: int, state_dtype: torch.dtype = torch.float32, seed: int = 1
+) -> list[torch.Tensor]:
     """(master, m, v): a random fp32 master and zero moments, as at the start of training."""
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(n, generator=gen)
@@ -52,7 +54,7 @@ def make_state(n: int, state_dtype: torch.dtype = torch.float32, seed: int = 1) 
 def torch_adamw(
     master: torch.Tensor, grads: list[torch.Tensor], hyper: AdamWHyper, fused: bool | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run torch.optim.AdamW for len(grads) steps with ``LRS``; return (param, exp_avg, exp_avg_sq)."""
+    """torch.optim.AdamW for len(grads) steps with ``LRS``; return (param, exp_avg, exp_avg_sq)."""
     p = torch.nn.Parameter(master.clone())
     opt = torch.optim.AdamW(
         [p], lr=LRS[0], betas=(hyper.beta1, hyper.beta2), eps=hyper.eps,

@@ -8,7 +8,7 @@ import torch
 from numba import njit
 
 from fuyou.optim import adamw_step, adamw_step_reference
-from fuyou.optim.adam_numba import BF16_NAN_BITS, f32_to_bf16_bits
+from fuyou.optim.numba_kernel import BF16_NAN_BITS, f32_to_bf16_bits
 
 from .helpers import assert_bits_equal
 

@@ -43,7 +43,11 @@ def odd_cuts(n: int) -> list[int]:
 @pytest.mark.parametrize("n", SIZES)
 @pytest.mark.parametrize(
     "state_dtype,grad_dtype",
-    [(torch.float32, torch.bfloat16), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)],
+    [
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+    ],
 )
 def test_pieces_equal_whole(n: int, state_dtype: torch.dtype, grad_dtype: torch.dtype) -> None:
     whole = buffers(n, state_dtype, grad_dtype)

@@ -13,11 +13,14 @@ N = 100_003
 STEPS = 6
 
 
-def run_ours(step_fn, master, grads, hyper, grad_dtype=torch.float32, grad_scale=1.0, out=None):  # type: ignore[no-untyped-def]
+def run_ours(  # type: ignore[no-untyped-def]
+    step_fn, master, grads, hyper, grad_dtype=torch.float32, grad_scale=1.0, out=None
+):
     """Run ``step_fn`` for len(grads) steps on copies; return (master, m, v)."""
     p, m, v = master.clone(), torch.zeros_like(master), torch.zeros_like(master)
     for s, (g, lr) in enumerate(zip(grads, LRS), start=1):
-        step_fn(p, m, v, g.to(grad_dtype), lr=lr, step=s, hyper=hyper, grad_scale=grad_scale, out=out)
+        g = g.to(grad_dtype)
+        step_fn(p, m, v, g, lr=lr, step=s, hyper=hyper, grad_scale=grad_scale, out=out)
     return p, m, v
 
 
@@ -79,7 +82,8 @@ def test_kernel_equals_reference_bitwise(n: int, grad_dtype: torch.dtype) -> Non
     for name, a, r in zip(("master", "m", "v"), ours, ref):
         assert_bits_equal(a, r, name)
     assert_bits_equal(out_k, out_r, "bf16 out")
-    assert_rel_close(ours[0], torch_adamw(master, [g.to(grad_dtype).float() * 0.5 for g in grads], hyper, None)[0])
+    fed = [g.to(grad_dtype).float() * 0.5 for g in grads]
+    assert_rel_close(ours[0], torch_adamw(master, fed, hyper, None)[0])
 
 
 def test_lr_zero_and_wd_zero_leave_master_unchanged() -> None:

@@ -1,4 +1,4 @@
-"""The small-state option: m and v stored in bf16 (rounded to nearest even after the fp32 update)."""
+"""The small-state option: m and v stored in bf16, rounded to nearest even after the update."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from .helpers import assert_bits_equal, make_grads, make_state
 HYPER = AdamWHyper(weight_decay=0.01)
 
 
-def run(step_fn, state_dtype: torch.dtype, grads: list[torch.Tensor], n: int):  # type: ignore[no-untyped-def]
+def run(step_fn, state_dtype, grads, n):  # type: ignore[no-untyped-def]
     master, m, v = make_state(n, state_dtype)
     for s, g in enumerate(grads, start=1):
         step_fn(master, m, v, g.to(torch.bfloat16), lr=1e-3, step=s, hyper=HYPER)
@@ -28,7 +28,7 @@ def test_bf16_state_kernel_equals_reference_bitwise() -> None:
 
 
 def test_bf16_state_is_the_rounded_fp32_update() -> None:
-    """One step from bf16 m, v equals the fp32-state step from their widened values, then rounded."""
+    """A step from bf16 m, v equals the fp32-state step from their widened values, rounded."""
     n = 10_000
     master, m, v = make_state(n, torch.bfloat16)
     adamw_step(master, m, v, make_grads(n, 1)[0], lr=1e-3, step=1)  # non-zero m, v
@@ -49,7 +49,8 @@ def test_bf16_state_tracks_fp32_state_loosely() -> None:
     signal = torch.randn(n, generator=gen)
     grads = [signal + 0.5 * torch.randn(n, generator=gen) for _ in range(steps)]
     start = make_state(n)[0]
-    wide, small = run(adamw_step, torch.float32, grads, n), run(adamw_step, torch.bfloat16, grads, n)
+    wide = run(adamw_step, torch.float32, grads, n)
+    small = run(adamw_step, torch.bfloat16, grads, n)
     d_wide, d_small = wide[0] - start, small[0] - start
     rel = (d_small - d_wide).norm() / d_wide.norm()
     assert rel < 0.03, f"bf16-state update differs by {rel:.3%} from fp32 state"

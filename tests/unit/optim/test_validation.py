@@ -23,12 +23,12 @@ def bufs(**override: torch.Tensor) -> dict[str, torch.Tensor]:
 BAD_BUFFERS = {
     "fp16 master": (bufs(master=torch.ones(N, dtype=torch.float16)), "master: dtype"),
     "fp64 grad": (bufs(grad=torch.ones(N, dtype=torch.float64)), "grad: dtype"),
-    "mixed m/v": (bufs(m=torch.zeros(N, dtype=BF16)), "state dtype"),
+    "mixed m/v": (bufs(m=torch.zeros(N, dtype=BF16)), "share one dtype"),
     "short v": (bufs(v=torch.zeros(N - 1)), "v: 63 elements"),
     "2-D grad": (bufs(grad=torch.ones(8, 8)), "flat contiguous"),
     "strided m": (bufs(m=torch.zeros(2 * N)[::2]), "flat contiguous"),
     "requires grad": (bufs(master=torch.ones(N, requires_grad=True)), "requires_grad"),
-    "numpy grad": (bufs(grad=np.ones(N, dtype=np.float32)), "torch.Tensor"),  # type: ignore[arg-type]
+    "numpy grad": (bufs(grad=np.ones(N, dtype=np.float32)), "torch.Tensor"),  # type: ignore
 }
 
 

@@ -1,4 +1,4 @@
-"""The Adam worker: correct results, order, error propagation, shutdown; every wait has a timeout."""
+"""The Adam worker: results, order, error propagation, shutdown; every wait has a timeout."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class Fake:
         self.gate, self.started = threading.Event(), threading.Event()
         self.calls: list[float] = []
 
-    def __call__(self, master, m, v, grad, *, lr, step, hyper, grad_scale, out):  # type: ignore[no-untyped-def]
+    def __call__(self, master, m, v, grad, *, lr, step, **_):  # type: ignore[no-untyped-def]
         self.calls.append(lr)
         if lr == GATE_LR:
             self.started.set()
@@ -35,8 +35,13 @@ class Fake:
         master.add_(1.0)
 
 
+def thread_name() -> str:
+    return threading.current_thread().name
+
+
 def job(key: int, lr: float = 1e-3, n: int = 8) -> AdamJob:
-    return AdamJob(key, torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.ones(n), lr=lr, step=1)
+    z = torch.zeros
+    return AdamJob(key, z(n), z(n), z(n), torch.ones(n), lr=lr, step=1)
 
 
 def layer_jobs(n_layers: int, n: int, step: int) -> list[AdamJob]:
@@ -65,14 +70,14 @@ def test_jobs_finish_in_submission_order_on_the_worker_thread() -> None:
     seen: list[tuple[int, str]] = []
     with AdamWorker(HYPER, step_fn=Fake(), name="adam-test") as w:
         for k in range(50):
-            w.submit(job(k), on_done=lambda j: seen.append((j.key, threading.current_thread().name)))
+            w.submit(job(k), on_done=lambda j: seen.append((j.key, thread_name())))
     assert seen == [(k, "adam-test") for k in range(50)]
 
 
 def test_failure_reaches_future_submit_wait_and_close() -> None:
     fake = Fake()
     w = AdamWorker(HYPER, step_fn=fake)
-    futs = [w.submit(job(0, lr=GATE_LR)), w.submit(job(1)), w.submit(job(2, lr=BAD_LR)), w.submit(job(3))]
+    futs = [w.submit(j) for j in (job(0, lr=GATE_LR), job(1), job(2, lr=BAD_LR), job(3))]
     fake.gate.set()
     assert isinstance(futs[2].exception(timeout=T), ValueError)
     assert futs[0].result(timeout=T).master[0] == 1.0 and futs[1].result(timeout=T)
@@ -154,7 +159,7 @@ def test_bad_arguments_are_refused_up_front() -> None:
 
 
 def test_kernel_calls_from_two_threads_are_serialised() -> None:
-    """The main thread may call the kernel while the worker does (KERNEL_LOCK); no crash, same bits."""
+    """The main thread may call the kernel while the worker does (KERNEL_LOCK): same bits."""
     jobs, direct = layer_jobs(4, 200_000, step=2), layer_jobs(4, 200_000, step=2)
     with AdamWorker(HYPER) as w:
         for j in jobs:
@@ -164,3 +169,27 @@ def test_kernel_calls_from_two_threads_are_serialised() -> None:
         w.wait(timeout=T)
     for j, d in zip(jobs, direct):
         assert_bits_equal(j.master, d.master)
+
+
+def test_worker_start_failure_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    import fuyou.optim.worker as worker_module
+
+    def broken(n: int) -> None:
+        raise RuntimeError("no threads for you")
+
+    monkeypatch.setattr(worker_module.numba, "set_num_threads", broken)
+    w = AdamWorker(HYPER, num_threads=1, step_fn=Fake())
+    with pytest.raises(AdamWorkerError, match="worker start") as err:
+        w.submit(job(0))
+        w.wait(timeout=T)
+    assert isinstance(err.value.__cause__, RuntimeError)
+    with pytest.raises(AdamWorkerError):
+        w.close(timeout=T)
+
+
+def test_close_from_the_worker_thread_fails_that_job_not_the_process() -> None:
+    w = AdamWorker(HYPER, step_fn=Fake())
+    fut = w.submit(job(0), on_done=lambda j: w.close())
+    assert isinstance(fut.exception(timeout=T), AdamWorkerError)
+    with pytest.raises(AdamWorkerError, match="worker thread"):
+        w.close(timeout=T)
