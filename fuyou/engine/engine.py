@@ -166,6 +166,39 @@ class Engine:
                 "lr": self.lr, "tokens": tokens, "step_time_s": t1 - t0, "tokens_per_s": tokens / (t1 - t0),
                 **self.timeline.summary(t0, t1)}
 
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
+        """Mean loss over the labelled tokens of a ``[B, T]`` batch, forward only (no update).
+
+        Streams the weights block by block like a training step; pending updates are committed first.
+        """
+        self.flush()
+        labels = input_ids if labels is None else labels
+        dev = self.backend.device
+        H = len(self.layout.blocks) - 1
+        borrowed = [self.layout.index(o) for o in self.layout.blocks[H].borrows]
+        self.loader.gate = gate_for(self)
+        self.loader.start(list(range(H + 1)) + borrowed)
+        try:
+            x, ctx = input_ids.to(dev), None
+            for b in range(H):
+                w = self.loader.next(b)
+                self.adapter.bind(b, self.layout.unflatten(b, w.view(self.layout.compute_dtype)))
+                x, ctx = self.adapter.forward(b, x, ctx)
+                self.adapter.unbind(b)
+                del w
+            tensors = self.layout.unflatten(H, self.loader.next(H).view(self.layout.compute_dtype))
+            for o in borrowed:
+                tensors.update(self.layout.unflatten(o, self.loader.next(o).view(self.layout.compute_dtype)))
+            self.adapter.bind(H, tensors)
+            logits, _ = self.adapter.forward(H, x, ctx)
+            self.adapter.unbind(H)
+        finally:
+            self.loader.drain()
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        return ForCausalLMLoss(logits, labels.to(dev), self.adapter.config.vocab_size).item()
+
     def flush(self) -> None:
         """Wait for pending updates (clipping schedule) and commit them."""
         settle(self)

@@ -116,3 +116,18 @@ def test_bf16_mixed_precision_matches_reference_mixed_precision_loop(tmp_path):
         assert d.mean().item() <= 3e-3 * r.abs().mean().item(), k
         assert d.max().item() <= 2 * LR * len(data) + 1e-2 * r.abs().max().item(), k
         assert (d > 1e-4).float().mean().item() <= 0.03, k
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "gpt2"])
+def test_evaluate_matches_model_loss_and_does_not_update(tmp_path, family):
+    cfg, model = tiny(family)
+    ids, labels = batches(1)[0]
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", cpu_memory="64MiB")
+    with Engine.from_state_dict(cfg, sd, ec) as eng:
+        version = eng.store.version
+        loss = eng.evaluate(ids, labels)
+        assert eng.store.version == version and eng.step == 0
+    with torch.no_grad():
+        ref = model(input_ids=ids, labels=labels).loss.item()
+    assert loss == pytest.approx(ref, rel=1e-6)
