@@ -5,3 +5,12 @@ buffers) → ``device`` (the CPU/CUDA backend seam) → ``optim`` (CPU AdamW).
 """
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """``from fuyou import FuyouTrainer, FuyouTrainingArguments`` imports transformers only when asked."""
+    if name in ("FuyouTrainer", "FuyouTrainingArguments"):
+        from fuyou.integrations import hf_trainer
+
+        return getattr(hf_trainer, name)
+    raise AttributeError(f"module 'fuyou' has no attribute {name!r}")

@@ -32,6 +32,8 @@ class EngineConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    no_decay: frozenset[str] = frozenset()
+    """Parameter names (HF keys) without weight decay, e.g. biases and norm weights as Trainer does."""
     max_grad_norm: float = 0.0
     """Global-norm clipping threshold; 0 = off. Set ⇒ the overlap_next_forward schedule."""
     plan: Plan = field(default_factory=Plan)

@@ -63,7 +63,7 @@ class Engine:
                                    self.plan.prefetch_depth, self.backend.new_stream())
         hyper = AdamWHyper(cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
         self.stage = AdamStage(self.store, self.backend, self.pool, self.layout, hyper, self.timeline,
-                               self.backend.new_stream(), cfg.adam_threads)
+                               self.backend.new_stream(), cfg.adam_threads, cfg.no_decay)
         self.act_space = ActivationSpace(self.backend, self.pool, self.store.engine, self.store.dirs,
                                          self.store.direct, self.timeline)
         self.runner = StepRunner(self)
@@ -144,9 +144,22 @@ class Engine:
         if input_ids.dim() != 2 or input_ids.shape[0] % K:
             raise ConfigError(f"batch of shape {tuple(input_ids.shape)} cannot be split into {K} micro-batches")
         labels = input_ids if labels is None else labels
+        return self.train_micro_batches(list(input_ids.chunk(K)), list(labels.chunk(K)))
+
+    def train_micro_batches(self, input_ids: list[torch.Tensor], labels: list[torch.Tensor],
+                            num_items: int | None = None) -> dict:
+        """One optimizer step over micro-batches of ``[b, t]`` token ids (shapes may differ).
+
+        All micro-batches pass each block together (layer-grouped accumulation). ``num_items`` is the
+        number of labelled (shifted) tokens the summed loss is divided by; default: counted here.
+        """
+        if len(input_ids) != len(labels) or not input_ids:
+            raise ConfigError("train_micro_batches needs one labels tensor per input_ids tensor")
         dev = self.backend.device
-        st = StepState(xs=list(input_ids.to(dev).chunk(K)), ctxs=[None] * K, labels=list(labels.to(dev).chunk(K)),
-                       num_items=int((labels[:, 1:] != -100).sum()))
+        if num_items is None:
+            num_items = int(sum((lab[:, 1:] != -100).sum() for lab in labels))
+        st = StepState(xs=[x.to(dev) for x in input_ids], ctxs=[None] * len(input_ids),
+                       labels=[lab.to(dev) for lab in labels], num_items=num_items)
         H = len(self.layout.blocks) - 1
         borrowed = [self.layout.index(o) for o in self.layout.blocks[H].borrows]
         t0 = time.perf_counter()
@@ -161,7 +174,7 @@ class Engine:
         finally:
             self.loader.drain()
         t1 = time.perf_counter()
-        tokens = input_ids.numel()
+        tokens = sum(x.numel() for x in input_ids)
         return {"step": self.step, "loss": st.loss, "grad_norm": math.sqrt(st.norm_sq), "applied": applied,
                 "lr": self.lr, "tokens": tokens, "step_time_s": t1 - t0, "tokens_per_s": tokens / (t1 - t0),
                 **self.timeline.summary(t0, t1)}

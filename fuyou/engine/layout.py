@@ -86,6 +86,25 @@ class ModelLayout:
             out[off // size : off // size + t.nbytes // size] = tensors[t.name].reshape(-1).to(dtype)
         return out
 
+    def decay_runs(self, b: int, no_decay: frozenset[str]) -> list[tuple[int, int, bool]]:
+        """Element ranges [lo, hi) of block ``b`` with whether weight decay applies (tensors in
+        ``no_decay`` get none; the gaps between tensors, always zero, count as decayed)."""
+        ext, size = self.w(b), elem_size(self.compute_dtype)
+        runs: list[tuple[int, int, bool]] = []
+        pos = 0
+        for t, off in zip(ext.tensors, ext.offsets):
+            lo, hi, decay = off // size, (off + t.nbytes) // size, t.name not in no_decay
+            for a, z, d in ((pos, lo, True), (lo, hi, decay)):
+                if z > a:
+                    if runs and runs[-1][2] == d and runs[-1][1] == a:
+                        runs[-1] = (runs[-1][0], z, d)
+                    else:
+                        runs.append((a, z, d))
+            pos = hi
+        if pos < self.numel(b):
+            runs.append((pos, self.numel(b), True))
+        return runs
+
     def unflatten(self, b: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of each parameter in a flat vector laid out like block ``b``'s ``w`` extent."""
         ext = self.w(b)

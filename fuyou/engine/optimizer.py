@@ -30,8 +30,10 @@ class AdamStage:
     """Offload, update and write back one block at a time; see the module docstring."""
 
     def __init__(self, store: TensorStore, backend: Backend, pool: HostBufferPool, layout: ModelLayout,
-                 hyper: AdamWHyper, timeline: Timeline, d2h_stream: object, num_threads: int | None = None) -> None:
+                 hyper: AdamWHyper, timeline: Timeline, d2h_stream: object, num_threads: int | None = None,
+                 no_decay: frozenset[str] = frozenset()) -> None:
         self.store, self.backend, self.pool, self.layout = store, backend, pool, layout
+        self.no_decay = no_decay
         self.timeline, self.stream = timeline, d2h_stream
         self.worker = AdamWorker(hyper, step_fn=self._timed_step, num_threads=num_threads)
 
@@ -42,6 +44,11 @@ class AdamStage:
         grad = max(layout.numel(b) for b in nb) * elem_size(layout.compute_dtype)
         return [(GRADS, grad, 2), (STATE, layout.state_bytes(), state_buffers),
                 (NEW_WEIGHTS, max(layout.w(b).nbytes for b in nb), 2)]
+
+    def _runs(self, b: int, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+        """Decay runs of block ``b`` clipped to the chunk [lo, hi)."""
+        out = [(max(a, lo), min(z, hi), d) for a, z, d in self.layout.decay_runs(b, self.no_decay)]
+        return [(a, z, d) for a, z, d in out if z > a]
 
     def _timed_step(self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, **kw: object) -> None:
         t0 = time.perf_counter()
@@ -89,12 +96,16 @@ class AdamStage:
         def start_job() -> Future:
             ready.wait()  # the gradient's device→host copy must have landed
             views = s_ext.views(sbuf.data)
-            out = wbuf.view(dt, hi)[lo:hi]
-            job = AdamJob(key=s_ext.name, master=views["master"], m=views["m"], v=views["v"],
-                          grad=grad.view(dt, hi)[lo:hi], lr=lr, step=step, grad_scale=scale,
-                          out=out if dt == torch.bfloat16 else None)
-            on_done = None if dt == torch.bfloat16 else (lambda j: out.copy_(j.master))
-            return self.worker.submit(job, on_done)
+            jobs = []
+            for a, z, decay in self._runs(b, lo, hi):  # one job per run of equal weight decay
+                out = wbuf.view(dt, z)[a:z]
+                job = AdamJob(key=f"{s_ext.name}[{a}:{z}]", master=views["master"][a - lo : z - lo],
+                              m=views["m"][a - lo : z - lo], v=views["v"][a - lo : z - lo],
+                              grad=grad.view(dt, z)[a:z], lr=lr, step=step, grad_scale=scale,
+                              out=out if dt == torch.bfloat16 else None, weight_decay=None if decay else 0.0)
+                on_done = None if dt == torch.bfloat16 else (lambda j, out=out: out.copy_(j.master))
+                jobs.append(self.worker.submit(job, on_done))
+            return gather(jobs)
 
         job = chain(read, start_job)
 

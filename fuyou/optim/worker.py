@@ -21,7 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Hashable, Protocol
 
 import numba
@@ -63,6 +63,8 @@ class AdamJob:
     """Gradient multiplier (clipping coefficient)."""
     out: torch.Tensor | None = None
     """Optional bf16 buffer for the new weights."""
+    weight_decay: float | None = None
+    """Overrides the worker's weight decay for this job (e.g. 0 for biases and norm weights)."""
 
 
 OnDone = Callable[[AdamJob], None]
@@ -216,8 +218,9 @@ class AdamWorker:
             fut.set_exception(AdamWorkerError(f"job {job.key!r} skipped: an earlier job failed"))
             return
         try:
+            hyper = self._hyper if job.weight_decay is None else replace(self._hyper, weight_decay=job.weight_decay)
             self._step_fn(
-                job.master, job.m, job.v, job.grad, lr=job.lr, step=job.step, hyper=self._hyper,
+                job.master, job.m, job.v, job.grad, lr=job.lr, step=job.step, hyper=hyper,
                 grad_scale=job.grad_scale, out=job.out,
             )  # fmt: skip
             if on_done is not None:
