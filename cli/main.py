@@ -56,5 +56,76 @@ def doctor(ssd_dirs: tuple[str, ...]) -> None:
         sys.exit(1)
 
 
+def _pairs(text: str | None) -> tuple[float, float] | None:
+    if text is None:
+        return None
+    try:
+        a, b = (float(x) for x in text.split(","))
+    except ValueError:
+        raise click.BadParameter(f"expected two numbers like 0.9,0.999, got {text!r}", param_hint="--betas") from None
+    return a, b
+
+
+@main.command()
+@click.argument("model_dir", required=False)
+@click.option("--data", type=click.Path(), help="JSONL training data (text / prompt+completion / messages).")
+@click.option("--output", type=click.Path(), help="Run directory (model/, metrics.jsonl, run.json).")
+@click.option("--ssd", multiple=True, type=click.Path(), help="Store directory; repeat once per SSD.")
+@click.option("--cpu-memory", help="Host-memory budget, e.g. 64GiB.")
+@click.option("--gpu-memory", help="Device-memory budget, e.g. 20GiB.")
+@click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]))
+@click.option("--seq-len", type=int)
+@click.option("--micro-batch-size", type=int)
+@click.option("--grad-accum", type=int)
+@click.option("--steps", type=int)
+@click.option("--epochs", type=float)
+@click.option("--lr", type=float)
+@click.option("--weight-decay", type=float)
+@click.option("--betas", help="beta1,beta2 (e.g. 0.9,0.999).")
+@click.option("--eps", type=float)
+@click.option("--lr-schedule", type=click.Choice(["constant", "linear", "cosine"]))
+@click.option("--warmup-steps", type=int)
+@click.option("--max-grad-norm", type=float, help="Global-norm clipping (0 = off).")
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]))
+@click.option("--seed", type=int)
+@click.option("--metrics", type=click.Path(), help="Per-step metrics JSONL (default OUTPUT/metrics.jsonl).")
+@click.option("--trace", type=click.Path(), help="Write a Perfetto trace of the last step here.")
+@click.option("--data-format", type=click.Choice(["auto", "text", "prompt_completion", "messages"]))
+@click.option("--eval-fraction", type=float, help="Share of the data held out for evaluation.")
+@click.option("--config", "config_file", type=click.Path(), help="YAML file whose keys mirror these flags.")
+@click.option("--no-progress", is_flag=True, help="No live progress bar or final table.")
+def finetune(model_dir: str | None, config_file: str | None, no_progress: bool, betas: str | None, **flags: object) -> None:
+    """Fine-tune MODEL_DIR (a Hugging Face directory) out of core; without one, run the built-in demo."""
+    from fuyou.finetune import finetune as run
+    from fuyou.finetune_config import load_yaml, merge
+
+    given = {k: v for k, v in flags.items() if v is not None and v != ()}
+    if model_dir:
+        given["model"] = model_dir
+    if betas:
+        given["betas"] = _pairs(betas)
+    if "ssd" in given:
+        given["ssd"] = tuple(given["ssd"])  # type: ignore[arg-type]
+    if no_progress:
+        given["progress"] = False
+    cfg = merge(load_yaml(config_file) if config_file else {}, given)
+    summary = run(cfg)
+    if not cfg.progress:
+        click.echo(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} → {summary['last_loss']:.4f}, "
+                   f"model in {summary['output']}")
+
+
+@main.command()
+@click.argument("store_dirs", nargs=-1, required=True)
+@click.argument("out_dir")
+@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+def export(store_dirs: tuple[str, ...], out_dir: str, dtype: str) -> None:
+    """Write the current weights of a run's store (STORE_DIRS…) as a Hugging Face directory OUT_DIR."""
+    from fuyou.engine.export import export_store
+
+    export_store(list(store_dirs), out_dir, dtype)
+    click.echo(f"exported to {out_dir}")
+
+
 if __name__ == "__main__":
     main()

@@ -13,9 +13,11 @@ import glob
 import importlib.util
 import os
 import shutil
+import subprocess
+import sys
 import warnings
 
-from fuyou.errors import FuyouWarning
+from fuyou.errors import FuyouError, FuyouWarning
 
 DEMO_NAME = "SmolLM2-135M-Instruct"
 
@@ -50,7 +52,12 @@ def demo_model_dir(cache: str | None = None) -> tuple[str, bool]:
         return _random_model(os.path.join(cache, "random-llama")), False
     out = os.path.join(cache, DEMO_NAME)
     if not os.path.isfile(os.path.join(out, "config.json")):
-        _convert_gguf(gguf, out)
+        # In a child process: dequantising holds the whole fp32 model in RAM, which must not count
+        # against (or stay in) the training process.
+        code = "import sys; from fuyou.demo import _convert_gguf; _convert_gguf(sys.argv[1], sys.argv[2])"
+        r = subprocess.run([sys.executable, "-c", code, gguf, out], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise FuyouError(f"converting the demo model {gguf} failed: {r.stderr.strip().splitlines()[-1:]}")
     return out, True
 
 

@@ -11,6 +11,8 @@ compute copy + fp32 master + zeroed m/v) and never sit whole in RAM.
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator
@@ -28,7 +30,8 @@ from fuyou.engine.timeline import Timeline
 from fuyou.engine.weights import HOST_CLASS, WeightLoader
 from fuyou.errors import ConfigError, DeviceMemoryError
 from fuyou.models.adapters import make_adapter
-from fuyou.models.hf_io import CheckpointReader, load_config, save_streamed
+from fuyou.engine.export import HF_FILES, export_layout, iter_master
+from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config
 from fuyou.optim import AdamWHyper
 from fuyou.storage.store import TensorStore
 from fuyou.transfer.buffers import HostBufferPool
@@ -67,6 +70,7 @@ class Engine:
         self.act_space = ActivationSpace(self.backend, self.pool, self.store.engine, self.store.dirs,
                                          self.store.direct, self.timeline)
         self.runner = StepRunner(self)
+        self._save_model_files()
         self._import(tensors)
 
     # ------------------------------------------------------------------ construction
@@ -122,8 +126,20 @@ class Engine:
         self.store.commit(self.commit_meta())
 
     def commit_meta(self) -> dict:
-        """What each committed store version records about training progress."""
-        return {"step": self.step, "lr": self.lr}
+        """What each committed store version records: progress, and the layout facts export needs."""
+        lay = self.layout
+        return {"step": self.step, "lr": self.lr, "compute_dtype": str(lay.compute_dtype).removeprefix("torch."),
+                "state_dtype": str(lay.state_dtype).removeprefix("torch."), "state_chunk": lay.state_chunk}
+
+    def _save_model_files(self) -> None:
+        """Keep the HF config (and tokenizer files) with the store, so ``fuyou export`` needs nothing else."""
+        d = os.path.join(self.store.dirs[0], HF_FILES)
+        os.makedirs(d, exist_ok=True)
+        self.adapter.config.save_pretrained(d)
+        if self.source_dir:
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(self.source_dir, name)):
+                    shutil.copy2(os.path.join(self.source_dir, name), d)
 
     # ------------------------------------------------------------------ training
     def set_lr(self, lr: float) -> None:
@@ -220,22 +236,14 @@ class Engine:
     def master_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF key, fp32 master tensor) for every parameter, one block at a time."""
         self.flush()
-        lay = self.layout
-        for b in range(len(lay.blocks)):
-            master = torch.empty(lay.numel(b), dtype=torch.float32)
-            for c, (lo, hi) in enumerate(lay.chunks(b)):
-                s = torch.empty(lay.s(b, c).nbytes, dtype=torch.uint8)
-                self.store.read(lay.s(b, c).name, s).result()
-                master[lo:hi] = lay.s(b, c).views(s)["master"]
-            for k, t in _as_layout(lay, b, master).items():
-                yield k, t
+        yield from iter_master(self.store, self.layout)
 
     def export(self, out_dir: str, dtype: str = "bf16") -> None:
         """Write the current weights as a Hugging Face model directory (sharded safetensors)."""
         if dtype not in DTYPES:
             raise ConfigError(f"--dtype must be bf16 or fp32, got {dtype!r}")
-        gen = ((k, t.to(DTYPES[dtype])) for k, t in self.master_weights())
-        save_streamed(out_dir, gen, self.adapter.config, DTYPES[dtype], copy_from=self.source_dir)
+        self.flush()
+        export_layout(self.store, self.layout, self.adapter.config, out_dir, dtype, self.source_dir)
 
     def close(self) -> None:
         """Commit pending updates, stop the Adam worker, close the store."""
@@ -252,9 +260,3 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _as_layout(lay: ModelLayout, b: int, master: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-parameter fp32 views of a master vector laid out in compute-dtype element positions."""
-    ext = lay.w(b)
-    size = elem_size(lay.compute_dtype)
-    return {t.name: master[off // size : off // size + t.nbytes // size].view(t.shape) for t, off in zip(ext.tensors, ext.offsets)}

@@ -11,7 +11,7 @@ from fuyou.optim import AdamWHyper, OptimBufferError, adamw_step, adamw_step_ref
 from fuyou.optim.args import step_coefficients
 
 N = 64
-F32, BF16 = torch.float32, torch.bfloat16
+BF16 = torch.bfloat16
 
 
 def bufs(**override: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -1,0 +1,73 @@
+"""Reading trained weights back out of a store: fp32 masters per parameter, and HF directories.
+
+``export_store`` needs only the store directories (or a run directory): the engine keeps the model's
+config and tokenizer files in ``<first store dir>/hf-model-files`` and the layout facts (dtypes,
+state chunk) in every commit's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator
+
+import torch
+
+from fuyou.engine.layout import ModelLayout, elem_size
+from fuyou.errors import ConfigError, ManifestError
+from fuyou.models.hf_io import load_config, save_streamed
+from fuyou.storage.layout import dtype_from_name
+from fuyou.storage.store import TensorStore
+
+HF_FILES = "hf-model-files"
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def iter_master(store: TensorStore, layout: ModelLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF key, fp32 master tensor) for every parameter, one block at a time (latest writes)."""
+    for b in range(len(layout.blocks)):
+        master = torch.empty(layout.numel(b), dtype=torch.float32)
+        for c, (lo, hi) in enumerate(layout.chunks(b)):
+            s = torch.empty(layout.s(b, c).nbytes, dtype=torch.uint8)
+            store.read(layout.s(b, c).name, s).result()
+            master[lo:hi] = layout.s(b, c).views(s)["master"]
+        ext, size = layout.w(b), elem_size(layout.compute_dtype)
+        for t, off in zip(ext.tensors, ext.offsets):
+            yield t.name, master[off // size : off // size + t.nbytes // size].view(t.shape)
+
+
+def export_layout(store: TensorStore, layout: ModelLayout, config: Any, out_dir: str, dtype: str,
+                  copy_from: str | None) -> None:
+    """Write the store's current weights as a Hugging Face model directory in ``dtype``."""
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be bf16 or fp32, got {dtype!r}")
+    gen = ((k, t.to(DTYPES[dtype])) for k, t in iter_master(store, layout))
+    save_streamed(out_dir, gen, config, DTYPES[dtype], copy_from=copy_from)
+
+
+def _store_dirs(paths: list[str]) -> list[str]:
+    """Store directories from a run directory (its run.json) or as given."""
+    if len(paths) == 1 and os.path.isfile(os.path.join(paths[0], "run.json")):
+        with open(os.path.join(paths[0], "run.json")) as f:
+            return list(json.load(f)["store_dirs"])
+    return paths
+
+
+def export_store(paths: list[str], out_dir: str, dtype: str = "bf16") -> None:
+    """``fuyou export``: a run directory or store directories → a Hugging Face model directory.
+
+    Raises ManifestError if the store lacks the model files or layout facts (not a Fuyou run store).
+    """
+    from fuyou.models.adapters import make_adapter
+
+    dirs = _store_dirs(paths)
+    files = os.path.join(dirs[0], HF_FILES)
+    with TensorStore.open(dirs) as store:
+        meta = store.meta
+        if not os.path.isdir(files) or "compute_dtype" not in meta:
+            raise ManifestError(f"{dirs[0]} is not a Fuyou training store (no model files or layout); pass a run "
+                                "directory or the --ssd directories of a run")
+        config = load_config(files)
+        layout = ModelLayout(tuple(make_adapter(config).blocks), dtype_from_name(meta["compute_dtype"]),
+                             dtype_from_name(meta["state_dtype"]), meta["state_chunk"])
+        export_layout(store, layout, config, out_dir, dtype, files)

@@ -1,0 +1,132 @@
+"""FinetuneConfig: every ``fuyou finetune`` setting, validated at once; YAML files mirror the flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+from fuyou.errors import ConfigError
+from fuyou.lr import SCHEDULES
+from fuyou.units import parse_size
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """Settings of one fine-tuning run; the names are the CLI flags with ``-`` → ``_``."""
+
+    model: str | None = None
+    """Hugging Face model directory; None: the built-in demo model."""
+    data: str | None = None
+    """JSONL file; None: the built-in demo text."""
+    output: str = "fuyou-run"
+    """Run directory: model/, metrics.jsonl, run.json."""
+    ssd: tuple[str, ...] = ()
+    """Store directories (one per SSD); empty: OUTPUT/store."""
+    cpu_memory: str | int = "2GiB"
+    gpu_memory: str | int | None = None
+    device: str = "auto"
+    seq_len: int = 256
+    micro_batch_size: int = 1
+    grad_accum: int = 1
+    steps: int | None = None
+    epochs: float | None = None
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    precision: str = "bf16"
+    seed: int = 0
+    metrics: str | None = None
+    """Per-step metrics JSONL; None: OUTPUT/metrics.jsonl."""
+    trace: str | None = None
+    """Perfetto trace of the last step, if set."""
+    data_format: str = "auto"
+    eval_fraction: float = 0.05
+    """Share of the data held out for the before/after evaluation loss."""
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        p = []
+        ints = {"seq_len": 2, "micro_batch_size": 1, "grad_accum": 1}
+        for name, low in ints.items():
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < low:
+                p.append(f"--{name.replace('_', '-')} must be an integer ≥ {low}, got {v!r}")
+        if self.steps is None and self.epochs is None:
+            object.__setattr__(self, "steps", 20)
+        if self.steps is not None and (not isinstance(self.steps, int) or self.steps < 1):
+            p.append(f"--steps must be an integer ≥ 1, got {self.steps!r}")
+        if self.epochs is not None and not (self.epochs > 0):
+            p.append(f"--epochs must be > 0, got {self.epochs!r}")
+        if self.steps is not None and self.epochs is not None:
+            p.append("give --steps or --epochs, not both")
+        for name in ("lr", "weight_decay", "eps", "max_grad_norm"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                p.append(f"--{name.replace('_', '-')} must be a finite number ≥ 0, got {v!r}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            p.append(f"--betas must be two numbers in [0, 1), got {self.betas!r}")
+        if self.lr_schedule not in SCHEDULES:
+            p.append(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            p.append(f"--warmup-steps must be an integer ≥ 0, got {self.warmup_steps!r}")
+        if self.precision not in ("bf16", "fp32"):
+            p.append(f"--precision must be bf16 or fp32, got {self.precision!r}")
+        if self.device not in ("auto", "cuda", "cpu"):
+            p.append(f"--device must be auto, cuda or cpu, got {self.device!r}")
+        if not 0 <= self.eval_fraction < 1:
+            p.append(f"--eval-fraction must be in [0, 1), got {self.eval_fraction!r}")
+        for flag, v in (("--cpu-memory", self.cpu_memory), ("--gpu-memory", self.gpu_memory)):
+            if v is not None:
+                try:
+                    parse_size(v, flag)
+                except ConfigError as e:
+                    p.append(str(e))
+        if p:
+            raise ConfigError("; ".join(p))
+
+    @property
+    def store_dirs(self) -> tuple[str, ...]:
+        """The SSD directories, or OUTPUT/store when none were given."""
+        return self.ssd or (os.path.join(self.output, "store"),)
+
+
+FIELDS = {f.name for f in dataclasses.fields(FinetuneConfig)}
+
+
+def load_yaml(path: str) -> dict:
+    """Read a YAML config whose keys mirror the flags (``seq-len`` or ``seq_len``).
+
+    Raises ConfigError for a missing or unreadable file, a non-mapping, or unknown keys.
+    """
+    import yaml
+
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"--config {path}: cannot read it as YAML ({e})") from e
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--config {path}: expected a mapping of flag names to values")
+    out = {str(k).replace("-", "_"): v for k, v in doc.items()}
+    unknown = sorted(set(out) - FIELDS)
+    if unknown:
+        raise ConfigError(f"--config {path}: unknown keys {unknown}; keys mirror the finetune flags")
+    for key in ("ssd", "betas"):
+        if key in out and isinstance(out[key], (list, str)):
+            out[key] = tuple(out[key]) if isinstance(out[key], list) else tuple(out[key].split(","))
+    if "betas" in out:
+        out["betas"] = tuple(float(b) for b in out["betas"])
+    return out
+
+
+def merge(file_values: dict, flag_values: dict) -> FinetuneConfig:
+    """Flags override the file; both override the defaults."""
+    return FinetuneConfig(**{**file_values, **flag_values})

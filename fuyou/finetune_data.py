@@ -1,0 +1,59 @@
+"""Glue between ``fuyou finetune`` and ``fuyou.data``: the run's batches and held-out batches."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from fuyou.finetune_config import FinetuneConfig
+
+EVAL_BATCHES = 8
+"""Held-out batches evaluated before and after training (at most)."""
+
+
+@dataclass
+class RunData:
+    """What the training loop needs from the data."""
+
+    loader: Any
+    eval_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    total_steps: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Batches in one epoch."""
+        return max(1, self.loader.dataset.sequences_per_epoch // self.loader.batch_size)
+
+    def train_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(input_ids, labels) per step, ``total_steps`` of them."""
+        for b in self.loader.batches(steps=self.total_steps):
+            yield b["input_ids"], b["labels"]
+
+
+def build_data(cfg: FinetuneConfig, tokenizer: Any, config: Any) -> RunData:
+    """Index the JSONL (or write the demo text), split off held-out data, make the batch loader.
+
+    Raises DataError / ConfigError (from ``fuyou.data``) for bad data or a too-long ``--seq-len``.
+    """
+    from fuyou.data import BatchLoader, build_datasets, write_demo_dataset
+
+    max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if cfg.data is None:
+        train_path, eval_path = write_demo_dataset(os.path.join(cfg.output, "demo-data"), cfg.eval_fraction or 0.05)
+        train, held = build_datasets(train_path, tokenizer, cfg.seq_len, data_format="text", seed=cfg.seed,
+                                     max_positions=max_pos, eval_path=eval_path)
+    else:
+        train, held = build_datasets(cfg.data, tokenizer, cfg.seq_len, data_format=cfg.data_format, seed=cfg.seed,
+                                     max_positions=max_pos, eval_fraction=cfg.eval_fraction)
+    loader = BatchLoader(train, batch_size=cfg.micro_batch_size * cfg.grad_accum)
+    total = loader.total_steps(steps=cfg.steps, epochs=cfg.epochs if cfg.steps is None else None)
+    evals = []
+    if held is not None:
+        for i, b in enumerate(held.batches_once(cfg.micro_batch_size)):
+            if i >= EVAL_BATCHES:
+                break
+            evals.append((b["input_ids"], b["labels"]))
+    return RunData(loader, evals, total)
