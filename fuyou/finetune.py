@@ -68,13 +68,18 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from fuyou.finetune_data import build_data
-    from fuyou.models.hf_io import load_config
+    from fuyou.models.adapters import architecture_of
+    from fuyou.models.hf_io import ModelFileError, load_config
 
     out = prepare_output(cfg.output)
     cfg_store = FinetuneConfig(**{**cfg.__dict__, "output": out})
     model_dir, pretrained = _model(cfg)
     config = load_config(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    architecture_of(config)  # unsupported models fail before any data is read
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelFileError(f"cannot load the tokenizer of {model_dir}: {e}; the directory needs tokenizer files") from e
     data = build_data(cfg_store, tokenizer, config)
     engine = Engine.from_pretrained(model_dir, _engine_config(cfg_store))
     metrics_path = cfg.metrics or os.path.join(out, "metrics.jsonl")

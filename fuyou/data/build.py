@@ -57,8 +57,8 @@ def build_datasets(
     encoder = Encoder(tokenizer)
     index = build_index(path, encoder, data_format)
     train_ids, eval_ids = split_records(index.n_records, eval_fraction, split_seed, index.path)
-    train = PackedDataset(index, encoder, seq_len, train_ids, shuffle=True, seed=seed,
-                          name=index.path if eval_fraction <= 0 else f"{index.path} (training split)")
+    name = index.path if eval_fraction <= 0 else f"{index.path} (training split)"
+    train = PackedDataset(index, encoder, seq_len, train_ids, shuffle=True, seed=seed, name=name)
     held_out: PackedDataset | None = None
     if len(eval_ids):
         held_out = PackedDataset(index, encoder, seq_len, eval_ids, shuffle=False,

@@ -10,6 +10,8 @@ import json
 import os
 import zlib
 
+from fuyou.errors import ConfigError
+
 
 def _topics() -> dict[str, str]:
     """The standard library's help topics, name → text."""
@@ -24,10 +26,10 @@ def split_topics(eval_fraction: float = 0.05) -> tuple[list[str], list[str]]:
     Topics are taken in the order of the CRC-32 of their names (stable across runs and
     platforms) into the held-out set until it holds at least ``eval_fraction`` of all characters,
     skipping any topic that would take it past 1.5 times that.
-    Raises ValueError unless ``0 < eval_fraction < 0.5``.
+    Raises ConfigError unless ``0 < eval_fraction < 0.5``.
     """
     if not 0.0 < eval_fraction < 0.5:
-        raise ValueError(f"eval_fraction must be in (0, 0.5), got {eval_fraction}")
+        raise ConfigError(f"demo eval fraction must be in (0, 0.5), got {eval_fraction}")
     topics = _topics()
     total = sum(len(v) for v in topics.values())
     target = eval_fraction * total
@@ -56,7 +58,8 @@ def write_demo_dataset(out_dir: str | os.PathLike[str],
     """Write ``train.jsonl`` and ``eval.jsonl`` (one text record per help topic) into ``out_dir``.
 
     The held-out file gets about ``eval_fraction`` of the characters (see :func:`split_topics`).
-    Returns the two paths. Raises OSError when ``out_dir`` cannot be created or written.
+    Returns the two paths. Raises ConfigError for a bad ``eval_fraction`` and OSError when
+    ``out_dir`` cannot be created or written.
     """
     d = os.fspath(out_dir)
     os.makedirs(d, exist_ok=True)

@@ -72,7 +72,9 @@ def parse_line(raw: bytes, path: str, line_no: int) -> dict[str, Any] | None:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(f"{path}:{line_no}: not valid UTF-8 (byte {e.start}); save the file as UTF-8") from None
+        raise DataError(
+            f"{path}:{line_no}: not valid UTF-8 (byte {e.start}); save the file as UTF-8"
+        ) from None
     text = text.rstrip("\r\n")
     if not text.strip():
         return None
@@ -116,7 +118,8 @@ def read_record_at(f: BinaryIO, offset: int, path: str, line_no: int) -> dict[st
     f.seek(offset)
     record = parse_line(f.readline(), path, line_no)
     if record is None:
-        raise DataError(f"{path}:{line_no}: line is blank now; the data file changed during the run")
+        raise DataError(
+            f"{path}:{line_no}: line is blank now; the data file changed during the run")
     return record
 
 
@@ -141,7 +144,8 @@ def _need_str(record: dict[str, Any], key: str, fmt: str, path: str, line_no: in
     """Raise DataError unless ``record[key]`` exists and is a string."""
     if key not in record:
         raise DataError(
-            f"{path}:{line_no}: the {fmt!r} format needs key {key!r}; record has keys {sorted(record)}"
+            f"{path}:{line_no}: the {fmt!r} format needs key {key!r}; "
+            f"record has keys {sorted(record)}"
         )
     if not isinstance(record[key], str):
         raise DataError(
@@ -152,7 +156,8 @@ def _need_str(record: dict[str, Any], key: str, fmt: str, path: str, line_no: in
 def _check_messages(messages: Any, path: str, line_no: int) -> None:
     """Raise DataError unless ``messages`` is a non-empty list of {role: str, content: str}."""
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"{path}:{line_no}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise DataError(
+            f"{path}:{line_no}: 'messages' must be a non-empty list of {{role, content}} objects")
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
                 or not isinstance(m.get("content"), str):

@@ -63,10 +63,11 @@ class PackedDataset:
         """Record numbers in the order epoch ``epoch`` visits them (int64)."""
         if not self.shuffle:
             return self.records
-        return self.records[np.random.default_rng([self.seed, epoch]).permutation(len(self.records))]
+        rng = np.random.default_rng([self.seed, epoch])
+        return self.records[rng.permutation(len(self.records))]
 
     def sequences(self, epoch: int, start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield epoch ``epoch``'s sequences from number ``start`` on, as int64 ``[seq_len]`` pairs."""
+        """Yield epoch ``epoch``'s sequences from number ``start`` on: int64 ``[seq_len]`` pairs."""
         if not 0 <= start < self.sequences_per_epoch:
             return
         order = self.order(epoch)
@@ -75,7 +76,7 @@ class PackedDataset:
         yield from islice(pack(docs, self.seq_len, skip), self.sequences_per_epoch - start)
 
     def _encoded(self, records: np.ndarray) -> Iterator[tuple[list[int], list[int]]]:
-        """Re-read and tokenize ``records`` in order; DataError if the file changed since indexing."""
+        """Re-read and tokenize ``records`` in order; DataError if the file changed meanwhile."""
         idx, path = self.index, self.index.path
         st = os.stat(path) if os.path.isfile(path) else None
         if st is None or (st.st_size, st.st_mtime_ns) != (idx.file_size, idx.mtime_ns):
@@ -150,7 +151,8 @@ class BatchLoader:
 
     def __init__(self, dataset: PackedDataset, batch_size: int) -> None:
         if batch_size < 1:
-            raise ConfigError(f"batch size (--micro-batch-size x --grad-accum) must be >= 1, got {batch_size}")
+            raise ConfigError(
+                f"batch size (--micro-batch-size x --grad-accum) must be >= 1, got {batch_size}")
         self.dataset, self.batch_size = dataset, batch_size
         self.epoch = self.index = self.step = 0
 
@@ -172,7 +174,8 @@ class BatchLoader:
                 f"{s.batch_size}, {s.fingerprint} but this run has {mine[0]}, {mine[1]}, {mine[2]}"
             )
         if not 0 <= s.index < self.dataset.sequences_per_epoch or s.epoch < 0 or s.step < 0:
-            raise DataError(f"cannot resume: position epoch {s.epoch} index {s.index} is out of range")
+            raise DataError(
+                f"cannot resume: position epoch {s.epoch} index {s.index} is out of range")
         self.epoch, self.index, self.step = s.epoch, s.index, s.step
 
     def total_steps(self, steps: int | None = None, epochs: float | None = None) -> int:

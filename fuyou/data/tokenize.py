@@ -42,7 +42,8 @@ class Encoder:
         self.tokenizer = tokenizer
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
-            raise DataError("the tokenizer has no EOS token; set tokenizer.eos_token before training")
+            raise DataError(
+                "the tokenizer has no EOS token; set tokenizer.eos_token before training")
         self.eos_id: int = int(eos)
         bos = getattr(tokenizer, "bos_token_id", None)
         first = _ids(tokenizer("a"))[:1]
@@ -85,7 +86,9 @@ class Encoder:
             out = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=gen)
         except Exception as e:  # jinja errors, template-raised exceptions
-            raise DataError(f"{path}:{line_no}: the chat template failed on this record: {e}") from None
+            raise DataError(
+                f"{path}:{line_no}: the chat template failed on this record: "
+                f"{' '.join(str(e).split())}") from None
         return str(out)
 
     def _assistant_spans(self, messages: list[dict[str, Any]], full: str, path: str,
@@ -99,9 +102,9 @@ class Encoder:
             end = self._render(messages[: k + 1], False, path, line_no)
             if not (end.startswith(start) and full.startswith(end)):
                 raise DataError(
-                    f"{path}:{line_no}: cannot locate assistant turn messages[{k}] in the chat template "
-                    "output (rendering a prefix of the conversation does not give a prefix of "
-                    "the whole); this template is not supported for loss masking"
+                    f"{path}:{line_no}: cannot locate assistant turn messages[{k}] in the chat "
+                    "template output (rendering a prefix of the conversation does not give a "
+                    "prefix of the whole); this template is not supported for loss masking"
                 )
             spans.append((len(start), len(end)))
         return spans

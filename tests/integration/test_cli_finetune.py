@@ -1,0 +1,125 @@
+"""``fuyou finetune`` / ``fuyou export`` on a tiny model: formats, YAML, export, and bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from fuyou.cli.main import main
+from fuyou.demo import _random_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _random_model(str(tmp_path_factory.mktemp("m") / "tiny"))
+
+
+def write_jsonl(path, records):
+    with open(path, "w") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+TEXT = [{"text": f"def f{i}(x):\n    return x * {i} + {i * i}  # some python {i}"} for i in range(40)]
+PC = [{"prompt": f"Question {i}: what is {i}+{i}?", "completion": f" The answer is {2 * i}."} for i in range(40)]
+CHAT = [{"messages": [{"role": "user", "content": f"Say {i}"}, {"role": "assistant", "content": f"{i} {i} {i}"}]}
+        for i in range(40)]
+
+
+def run(args, **kw):
+    return CliRunner().invoke(main, args, catch_exceptions=False, **kw)
+
+
+@pytest.mark.parametrize("records", [TEXT, PC, CHAT], ids=["text", "prompt_completion", "messages"])
+def test_finetune_each_format_then_export(tmp_path, model_dir, records):
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    out = tmp_path / "run"
+    r = run(["finetune", model_dir, "--data", data, "--output", str(out), "--steps", "3", "--seq-len", "32",
+             "--micro-batch-size", "2", "--grad-accum", "2", "--lr", "1e-3", "--cpu-memory", "256MiB",
+             "--no-progress", "--trace", str(tmp_path / "t.json")])
+    assert r.exit_code == 0, r.output
+    summary = json.loads((out / "run.json").read_text())
+    assert summary["steps"] == 3 and summary["eval_loss_before"] is not None
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3]
+    for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tflops", "flop_formula", "busy_frac",
+                "ssd_read_gb", "ssd_write_gb", "bottleneck"):
+        assert key in lines[0], key
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    tok = AutoTokenizer.from_pretrained(out / "model")
+    assert model.generate(**tok("def f", return_tensors="pt"), max_new_tokens=3, do_sample=False).shape[1] >= 3
+    r = run(["export", str(out), str(tmp_path / "exported"), "--dtype", "fp32"])
+    assert r.exit_code == 0, r.output
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
+    for k, v in model.state_dict().items():
+        assert (v.float() - again.state_dict()[k]).abs().max() <= 1e-2 * v.float().abs().max() + 1e-6, k
+
+
+def test_yaml_config_and_flag_override(tmp_path, model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", TEXT)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"data: {data}\nseq-len: 32\nsteps: 4\nlr: 0.5\ncpu_memory: 256MiB\nbetas: [0.8, 0.95]\n")
+    out = tmp_path / "run"
+    r = run(["finetune", model_dir, "--config", str(cfg), "--output", str(out), "--steps", "2", "--lr", "1e-4", "--no-progress",
+             "--lr-schedule", "constant"])
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and lines[0]["lr"] == pytest.approx(1e-4)  # flags override the file
+
+
+def cli_error(args):
+    """Run the real console script: one line on stderr, exit 1, no traceback."""
+    r = subprocess.run([sys.executable, "-m", "fuyou.cli.main", *args], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    assert r.returncode != 0, r.stdout
+    assert "Traceback" not in r.stderr, r.stderr
+    return r.stderr.strip()
+
+
+def test_bad_inputs_give_one_line_errors(tmp_path, model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", TEXT)
+    out = tmp_path / "run"
+    common = ["--output", str(out), "--steps", "1", "--seq-len", "32", "--cpu-memory", "256MiB", "--no-progress"]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [TEXT[0], '{"text": "unterminated'])
+    empty = write_jsonl(tmp_path / "empty.jsonl", [])
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertForMaskedLM"]}))
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    for f in os.listdir(model_dir):
+        if not f.endswith(".safetensors"):
+            with open(os.path.join(model_dir, f), "rb") as src, open(corrupt / f, "wb") as dst:
+                dst.write(src.read())
+    (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
+    cases = [
+        ([str(tmp_path / "nope"), "--data", data], "no config.json"),
+        ([str(bert), "--data", data], "unsupported architecture"),
+        ([str(corrupt), "--data", data], "missing or corrupt"),
+        ([model_dir, "--data", str(tmp_path / "missing.jsonl")], "missing.jsonl"),
+        ([model_dir, "--data", bad], "bad.jsonl:2"),
+        ([model_dir, "--data", empty], "empty.jsonl"),
+        ([model_dir, "--data", data, "--seq-len", "999999"], "--seq-len"),
+        ([model_dir, "--data", data, "--cpu-memory", "1MiB"], "--cpu-memory"),
+        ([model_dir, "--data", data, "--cpu-memory", "lots"], "--cpu-memory"),
+        ([model_dir, "--data", data, "--ssd", str(tmp_path / "no-such-ssd")], "does not exist"),
+        ([model_dir, "--data", data, "--steps", "0"], "--steps"),
+    ]
+    for args, match in cases:
+        msg = cli_error(["finetune", *common, *args])
+        assert match in msg, (args, msg)
+        assert len(msg.splitlines()) == 1 or msg.startswith("Usage"), msg
+        assert not (out / "run.json").exists() and not (out / "model").exists()
+    if os.geteuid() != 0:
+        os.chmod(tmp_path, 0o500)
+        assert "not writable" in cli_error(["finetune", model_dir, "--data", data, "--output", str(tmp_path / "x")])
+        os.chmod(tmp_path, 0o700)
