@@ -56,6 +56,9 @@ def doctor(ssd_dirs: tuple[str, ...]) -> None:
         sys.exit(1)
 
 
+DEMO_DEFAULTS = {"lr": 1e-4, "micro_batch_size": 2, "grad_accum": 2, "warmup_steps": 2, "steps": 20}
+
+
 def _pairs(text: str | None) -> tuple[float, float] | None:
     if text is None:
         return None
@@ -108,7 +111,12 @@ def finetune(model_dir: str | None, config_file: str | None, no_progress: bool, 
         given["ssd"] = tuple(given["ssd"])  # type: ignore[arg-type]
     if no_progress:
         given["progress"] = False
-    cfg = merge(load_yaml(config_file) if config_file else {}, given)
+    file_values = load_yaml(config_file) if config_file else {}
+    if "model" not in given and "model" not in file_values:  # the built-in demo: settings that show learning
+        given = {**{k: v for k, v in DEMO_DEFAULTS.items() if k not in file_values}, **given}
+        click.echo("demo: fine-tuning SmolLM2-135M-Instruct out of core on Python's documentation "
+                   "(pass MODEL_DIR and --data for your own run)", err=True)
+    cfg = merge(file_values, given)
     summary = run(cfg)
     if not cfg.progress:
         click.echo(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} → {summary['last_loss']:.4f}, "
