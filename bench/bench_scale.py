@@ -1,0 +1,233 @@
+"""P5 — scale: a Llama-shape model of ≥ 1.5B parameters trained for 2 steps with a host budget of
+≤ 1/10 of its fp32 optimizer state (master + m + v = 12 B/param), peak RSS measured.
+
+The model is random-init and never whole in RAM: the Hugging Face skeleton lives on the meta device
+(the engine builds its own), and the engine's import pulls tensors from a lazy mapping whose
+``__getitem__`` makes each one on demand (normal(0, initializer_range) for matrices, ones for
+norms, from a generator seeded by the tensor's name), one block at a time. bf16 compute weights,
+fp32 master/m/v, every decoder layer ``recompute``, store under ``--dir``.
+
+Memory is measured two ways: ``ru_maxrss`` (the kernel's peak for the process) and a thread that
+samples ``VmRSS`` from /proc/self/status every 10 ms, kept per phase (imports, engine build +
+import into the store, each step). On the CPU backend the "device" is host RAM too, so the fake
+device capacity (``--gpu-memory``) is memory the process uses besides the host budget; both are
+reported.
+
+    python bench/bench_scale.py                       # ≥ 1.5B params (~45 GB of store on --dir)
+    python bench/bench_scale.py --smoke               # tiny (40 small layers), same 1/10 rule; seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from collections.abc import Mapping
+from typing import Any, Iterator
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.common import emit, hardware_info  # noqa: E402
+from bench.bench_engine import ForeignLoad, llama_config  # noqa: E402
+from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
+
+STATE_BYTES_PER_PARAM = 12  # fp32 master + m + v
+
+
+def vm_rss() -> int:
+    """Current resident set size in bytes (VmRSS)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def ru_maxrss() -> int:
+    """Peak RSS of this process so far, bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class RssSampler:
+    """Samples VmRSS every ``period`` s in a thread; keeps the peak per named phase."""
+
+    def __init__(self, period: float = 0.01) -> None:
+        self.period, self.phase, self.peaks = period, "start", {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            r = vm_rss()
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), r)
+            time.sleep(self.period)
+
+    def set_phase(self, name: str) -> None:
+        r = vm_rss()
+        self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), r)
+        self.phase = name
+        self.peaks[name] = max(self.peaks.get(name, 0), r)
+
+    def __enter__(self) -> "RssSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+class LazyInit(Mapping):
+    """A state dict whose tensors are made on demand (seeded by name), never all at once."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], std: float, seed: int = 0) -> None:
+        self.shapes, self.std, self.seed = shapes, std, seed
+        self.made = 0
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        shape = self.shapes[key]
+        self.made += 1
+        if key.endswith("norm.weight"):
+            return torch.ones(shape)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
+        return torch.empty(shape).normal_(0.0, self.std, generator=g)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def meta_shapes(cfg: Any) -> dict[str, tuple[int, ...]]:
+    """HF parameter names and shapes, from a skeleton on the meta device (no memory)."""
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    return {k: tuple(p.shape) for k, p in model.named_parameters()}
+
+
+PRESETS = {
+    # Qwen2-1.5B widths (hidden 1536, MLP 8960, 12 heads / 2 KV heads) with a 32k Llama vocabulary,
+    # 30 layers: 1.50B parameters. The largest block (embedding, 49M) sets the host buffers.
+    "full": dict(hidden=1536, inter=8960, heads=12, kv_heads=2, layers=30, vocab=32000, batch=1, seq=128),
+    # 40 equal small layers: the same 1/10 rule holds (host buffers ≈ 36 B × largest block).
+    "smoke": dict(hidden=64, inter=128, heads=4, kv_heads=4, layers=40, vocab=64, batch=1, seq=16),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=None, help="store directory parent (default: a temp dir in /work or /tmp)")
+    for k in ("hidden", "inter", "heads", "kv_heads", "layers", "vocab", "batch", "seq"):
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--budget-frac", type=float, default=0.1, help="host budget ÷ fp32 state (≤ 0.1 for P5)")
+    ap.add_argument("--gpu-memory", default=None, help="fake device capacity (CPU backend); default 1GiB (smoke 64MiB)")
+    ap.add_argument("--depth", type=int, default=1, help="prefetch depth")
+    ap.add_argument("--keep-store", action="store_true", help="leave the store on disk")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None, help="also append JSON lines to this file")
+    a = ap.parse_args()
+    for k, v in PRESETS["smoke" if a.smoke else "full"].items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.gpu_memory is None:
+        a.gpu_memory = "64MiB" if a.smoke else "1GiB"
+    with RssSampler() as rss:
+        rss.set_phase("imports")
+        # every module the run will import (transformers' Llama, its loss, the numba Adam kernel), and
+        # the meta skeleton: after this the baseline holds the libraries, not the model
+        import transformers.loss.loss_utils  # noqa: F401
+        import transformers.models.llama.modeling_llama  # noqa: F401
+
+        import fuyou.optim.adam_numba  # noqa: F401
+
+        cfg = llama_config(a.hidden, a.layers, a.inter, a.heads, a.kv_heads, a.vocab, a.seq)
+        shapes = meta_shapes(cfg)
+        baseline = vm_rss()
+        run(a, rss, baseline, cfg, shapes)
+
+
+def run(a: argparse.Namespace, rss: RssSampler, baseline: int, cfg: Any, shapes: dict[str, tuple[int, ...]]) -> None:
+    params = sum(int(torch.Size(s).numel()) for s in shapes.values())
+    state = STATE_BYTES_PER_PARAM * params
+    budget = int(state * a.budget_frac)
+    base = a.dir or ("/work" if os.path.isdir("/work") else tempfile.gettempdir())
+    need_disk = 2 * 14 * params  # bf16 weights + fp32 master/m/v, current and next version
+    free = shutil.disk_usage(base).free
+    if free < need_disk * 1.05:
+        sys.exit(f"{base} has {free / 1e9:.1f} GB free; the store needs ~{need_disk / 1e9:.1f} GB (2 × 14 B/param)")
+    work = tempfile.mkdtemp(prefix="fuyou-bench-scale-", dir=base)
+    hw = hardware_info([work])
+    nblocks = a.layers + 2
+    plan = Plan(prefetch_depth=a.depth, activation_policy=("keep",) + ("recompute",) * a.layers + ("keep",))
+    ec = EngineConfig(ssd_dirs=(work,), precision="bf16", cpu_memory=budget, gpu_memory=a.gpu_memory, lr=1e-4,
+                      weight_decay=0.01, plan=plan)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
+    steps: list[dict] = []
+    eng = None
+    load = ForeignLoad()
+    try:
+        rss.set_phase("build")
+        t = time.perf_counter()
+        lazy = LazyInit(shapes, std=cfg.initializer_range)
+        eng = Engine.from_state_dict(cfg, lazy, ec)
+        build_s = time.perf_counter() - t
+        pool_reserved = eng.pool.reserved
+        effective = {"prefetch_depth": eng.plan.prefetch_depth, "state_buffers": eng.plan.state_buffers,
+                     "state_chunk_elems": eng.layout.state_chunk}
+        for i in range(a.steps):
+            rss.set_phase(f"step{i + 1}")
+            st = eng.train_step(ids)
+            steps.append({"step": i + 1, "loss": st["loss"], "grad_norm": st["grad_norm"], "applied": st["applied"],
+                          "step_time_s": st["step_time_s"], "tokens_per_s": st["tokens_per_s"],
+                          "busy_s": st["busy_s"], "bottleneck": st["bottleneck"],
+                          "ssd_read_bytes": st["ssd_read_bytes"], "ssd_write_bytes": st["ssd_write_bytes"],
+                          "vmrss_peak_bytes": None})
+        rss.set_phase("close")
+        dev = eng.backend.memory()
+        eng.close()
+        eng = None
+    finally:
+        if eng is not None:
+            eng.close()
+        if not a.keep_store:
+            shutil.rmtree(work, ignore_errors=True)
+    rss.set_phase("done")
+    for s in steps:
+        s["vmrss_peak_bytes"] = rss.peaks.get(f"step{s['step']}")
+    peak_sampled = max(rss.peaks.values())
+    train_peak = max(rss.peaks.get(f"step{i + 1}", 0) for i in range(a.steps))
+    gpu_bytes = ec.gpu_bytes or 0
+    emit({"bench": "scale_p5", "smoke": a.smoke,
+          "model": {"arch": "LlamaForCausalLM (untied)", "hidden": a.hidden, "intermediate": a.inter, "heads": a.heads,
+                    "kv_heads": a.kv_heads, "layers": a.layers, "vocab": a.vocab, "params": params, "blocks": nblocks},
+          "batch": a.batch, "seq": a.seq, "precision": "bf16 compute, fp32 master/m/v",
+          "plan": {"activation_policy": f"keep(embed), recompute × {a.layers}, keep(head)", "prefetch_depth": a.depth,
+                   "schedule": plan.schedule, "state_buffers": plan.state_buffers, "effective": effective},
+          "fp32_state_bytes": state, "host_budget_bytes": budget, "state_over_budget": state / budget,
+          "target_state_over_budget": 10.0, "met_ratio": state / budget >= 10.0,
+          "host_pool_reserved_bytes": pool_reserved,
+          "device_capacity_bytes": gpu_bytes, "device_peak_bytes": dev.peak,
+          "rss_baseline_after_imports_bytes": baseline,
+          "rss_peak_ru_maxrss_bytes": ru_maxrss(), "rss_peak_sampled_bytes": peak_sampled,
+          "rss_peak_training_bytes": train_peak, "rss_peak_by_phase_bytes": rss.peaks,
+          "rss_training_minus_baseline_bytes": train_peak - baseline,
+          "rss_training_within_budget_plus_device": train_peak - baseline <= budget + dev.peak,
+          "build_and_import_s": build_s, "steps": steps, "losses": [s["loss"] for s in steps],
+          "step_times_s": [s["step_time_s"] for s in steps], "store_dir": work, "machine_load": load.result(), "hardware": hw}, a.out)
+
+
+if __name__ == "__main__":
+    main()
