@@ -36,7 +36,7 @@ def prepare_output(path: str) -> str:
             pass
         os.unlink(probe)
     except OSError as e:
-        raise ConfigError(f"--output {path} is not writable ({e.strerror}); pass a writable directory") from e
+        raise ConfigError(f"--output {path} is not writable ({e.strerror}); pass a writable directory") from None
     for stale in ("run.json", "model"):
         p = os.path.join(path, stale)
         if os.path.isdir(p):

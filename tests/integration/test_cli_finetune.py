@@ -123,3 +123,13 @@ def test_bad_inputs_give_one_line_errors(tmp_path, model_dir):
         os.chmod(tmp_path, 0o500)
         assert "not writable" in cli_error(["finetune", model_dir, "--data", data, "--output", str(tmp_path / "x")])
         os.chmod(tmp_path, 0o700)
+
+
+def test_unwritable_output_and_ssd(tmp_path, model_dir, readonly_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", TEXT)
+    common = ["--steps", "1", "--seq-len", "32", "--cpu-memory", "256MiB", "--no-progress", "--data", data]
+    msg = cli_error(["finetune", model_dir, "--output", os.path.join(readonly_dir, "run"), *common])
+    assert "not writable" in msg and "--output" in msg
+    msg = cli_error(["finetune", model_dir, "--output", str(tmp_path / "run"), "--ssd", readonly_dir, *common])
+    assert "not writable" in msg and readonly_dir in msg
+    assert not (tmp_path / "run" / "run.json").exists()
