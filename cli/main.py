@@ -95,6 +95,9 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 @click.option("--trace", type=click.Path(), help="Write a Perfetto trace of the last step here.")
 @click.option("--data-format", type=click.Choice(["auto", "text", "prompt_completion", "messages"]))
 @click.option("--eval-fraction", type=float, help="Share of the data held out for evaluation.")
+@click.option("--save-every", type=int, help="Checkpoint every N steps (copy-free hard links); 0 = never.")
+@click.option("--keep-checkpoints", type=int, help="Checkpoints to keep (default 2).")
+@click.option("--resume", help="auto (newest intact checkpoint, else start fresh) or a checkpoint directory.")
 @click.option("--config", "config_file", type=click.Path(), help="YAML file whose keys mirror these flags.")
 @click.option("--no-progress", is_flag=True, help="No live progress bar or final table.")
 def finetune(model_dir: str | None, config_file: str | None, no_progress: bool, betas: str | None, **flags: object) -> None:

@@ -8,7 +8,6 @@ run. The store lives under ``--ssd`` (default ``OUTPUT/store``).
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time
@@ -72,7 +71,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     from fuyou.models.hf_io import ModelFileError, load_config
 
     out = prepare_output(cfg.output)
-    cfg_store = FinetuneConfig(**{**cfg.__dict__, "output": out})
+    cfg = FinetuneConfig(**{**cfg.__dict__, "output": out})
     model_dir, pretrained = _model(cfg)
     config = load_config(model_dir)
     architecture_of(config)  # unsupported models fail before any data is read
@@ -80,11 +79,11 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError) as e:
         raise ModelFileError(f"cannot load the tokenizer of {model_dir}: {e}; the directory needs tokenizer files") from e
-    data = build_data(cfg_store, tokenizer, config)
-    engine = Engine.from_pretrained(model_dir, _engine_config(cfg_store))
+    data = build_data(cfg, tokenizer, config)
+    engine, state = _start(cfg, model_dir)
     metrics_path = cfg.metrics or os.path.join(out, "metrics.jsonl")
     try:
-        summary = _train(cfg_store, engine, data, metrics_path)
+        summary = _train(cfg, engine, data, metrics_path, state)
         engine.export(os.path.join(out, "model"), dtype=cfg.precision)
     finally:
         engine.close()
@@ -97,49 +96,106 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     return summary
 
 
+def _start(cfg: FinetuneConfig, model_dir: str) -> tuple[Engine, dict | None]:
+    """A fresh engine from the model, or one restored from a checkpoint (``--resume``) with its trainer state."""
+    from fuyou.checkpoint import prune, restore
+    from fuyou.checkpoint.resume import resume_point
+
+    stripes = [os.path.abspath(d) for d in cfg.store_dirs]
+    for d in stripes:
+        if d.startswith(os.path.abspath(cfg.output)):
+            os.makedirs(d, exist_ok=True)
+    point = resume_point(stripes, cfg.resume) if cfg.resume else None
+    if point is None:
+        engine = Engine.from_pretrained(model_dir, _engine_config(cfg))
+        prune(stripes, 0)  # a fresh run: checkpoints of an earlier run in these directories are stale
+        return engine, None
+    name, state = point
+    restore(stripes, name)
+    return Engine.resume(_engine_config(cfg)), state
+
+
 def _evaluate(engine: Engine, batches: list) -> float | None:
     if not batches:
         return None
     return sum(engine.evaluate(ids, labels) for ids, labels in batches) / len(batches)
 
 
-def _train(cfg: FinetuneConfig, engine: Engine, data: Any, metrics_path: str) -> dict[str, Any]:
+def _checkpoint(cfg: FinetuneConfig, engine: Engine, data: Any, step: int, counters: dict) -> float:
+    """Save a checkpoint after ``step`` steps; return the training stall in seconds."""
+    from fuyou.checkpoint import prune, take
+    from fuyou.checkpoint.resume import checkpoint_name, encode_rng
+
+    t0 = time.perf_counter()
+    engine.flush()  # only committed state is checkpointed
+    state = {"step": step, "loader": data.loader.state_dict(), "rng": encode_rng(engine.backend.rng_state()),
+             "engine_step": engine.step, "counters": counters}
+    take(engine.store, checkpoint_name(step), state)
+    prune(list(engine.store.dirs), cfg.keep_checkpoints)
+    return time.perf_counter() - t0
+
+
+def _train(cfg: FinetuneConfig, engine: Engine, data: Any, metrics_path: str, state: dict | None) -> dict[str, Any]:
+    from fuyou.checkpoint.resume import decode_rng
+
     total = data.total_steps
     blocks = engine.layout.blocks
-    width = engine.adapter.hidden
-    layers = len(blocks) - 2
-    fpt = train_flops_per_token(list(blocks), layers, width, cfg.seq_len)
-    eval_before = _evaluate(engine, data.eval_batches)
+    fpt = train_flops_per_token(list(blocks), len(blocks) - 2, engine.adapter.hidden, cfg.seq_len)
+    c = {"tokens": 0, "written": 0, "read": 0, "first_loss": None, "loss": None, "wall": 0.0, "stall": 0.0,
+         "eval_before": None}
+    start = 0
+    if state is None:
+        c["eval_before"] = _evaluate(engine, data.eval_batches)
+        open(metrics_path, "w").close()
+    else:
+        start, c = state["step"], state["counters"]
+        data.loader.load_state_dict(state["loader"])
+        engine.backend.set_rng_state(decode_rng(state["rng"]))
+        _truncate_lines(metrics_path, start)
     batches: Iterator = data.train_batches()
     progress = Progress(total, enabled=cfg.progress)
-    t_start, tokens, written, read, first_loss, loss = time.perf_counter(), 0, 0, 0, None, None
-    with open(metrics_path, "w") as mf, progress:
-        for step in range(total):
+    with open(metrics_path, "a") as mf, progress:
+        progress.advance_to(start)
+        for step in range(start, total):
+            t0 = time.perf_counter()
             ids, labels = next(batches)
             engine.set_lr(lr_at(step, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, total))
             engine.timeline.clear()
             st = engine.train_step(ids, labels)
-            tflops = fpt * st["tokens"] / st["step_time_s"] / 1e12
-            rec = {"step": step + 1, "loss": st["loss"], "lr": st["lr"], "grad_norm": st["grad_norm"],
-                   "applied": st["applied"], "tokens": st["tokens"], "step_time_s": st["step_time_s"],
-                   "tokens_per_s": st["tokens_per_s"], "tflops": tflops, "flop_formula": FORMULA,
-                   "flops_per_token": fpt, "busy_frac": st["busy_frac"], "bottleneck": st["bottleneck"],
-                   "ssd_read_gb": st["ssd_read_bytes"] / 1e9, "ssd_write_gb": st["ssd_write_bytes"] / 1e9}
+            rec = _record(step, st, fpt)
             mf.write(json.dumps(rec) + "\n")
             mf.flush()
-            tokens += st["tokens"]
-            written += st["ssd_write_bytes"]
-            read += st["ssd_read_bytes"]
-            first_loss = st["loss"] if first_loss is None else first_loss
-            loss = st["loss"]
+            c["tokens"] += st["tokens"]
+            c["written"] += st["ssd_write_bytes"]
+            c["read"] += st["ssd_read_bytes"]
+            c["first_loss"] = st["loss"] if c["first_loss"] is None else c["first_loss"]
+            c["loss"] = st["loss"]
+            c["wall"] += time.perf_counter() - t0
+            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total:
+                c["stall"] += _checkpoint(cfg, engine, data, step + 1, c)
             progress.update(rec)
     if cfg.trace:
         engine.timeline.to_chrome_trace(cfg.trace)
-    wall = time.perf_counter() - t_start
-    eval_after = _evaluate(engine, data.eval_batches)
-    summary = {"steps": total, "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-               "first_loss": first_loss, "last_loss": loss, "eval_loss_before": eval_before,
-               "eval_loss_after": eval_after, "peak_rss_bytes": peak_rss(), "ssd_write_bytes": written,
-               "ssd_read_bytes": read, "cpu_memory_bytes": parse_size(cfg.cpu_memory), "flop_formula": FORMULA,
-               "store_dirs": list(cfg.store_dirs)}
-    return summary
+    return {"steps": total, "tokens": c["tokens"], "wall_s": c["wall"], "tokens_per_s": c["tokens"] / max(c["wall"], 1e-9),
+            "first_loss": c["first_loss"], "last_loss": c["loss"], "eval_loss_before": c["eval_before"],
+            "eval_loss_after": _evaluate(engine, data.eval_batches), "peak_rss_bytes": peak_rss(),
+            "ssd_write_bytes": c["written"], "ssd_read_bytes": c["read"], "checkpoint_stall_s": c["stall"],
+            "resumed_from_step": start, "cpu_memory_bytes": parse_size(cfg.cpu_memory), "flop_formula": FORMULA,
+            "store_dirs": list(cfg.store_dirs)}
+
+
+def _record(step: int, st: dict, fpt: int) -> dict:
+    """One metrics.jsonl line."""
+    return {"step": step + 1, "loss": st["loss"], "lr": st["lr"], "grad_norm": st["grad_norm"],
+            "applied": st["applied"], "tokens": st["tokens"], "step_time_s": st["step_time_s"],
+            "tokens_per_s": st["tokens_per_s"], "tflops": fpt * st["tokens"] / st["step_time_s"] / 1e12,
+            "flop_formula": FORMULA, "flops_per_token": fpt, "busy_frac": st["busy_frac"],
+            "bottleneck": st["bottleneck"], "ssd_read_gb": st["ssd_read_bytes"] / 1e9,
+            "ssd_write_gb": st["ssd_write_bytes"] / 1e9}
+
+
+def _truncate_lines(path: str, n: int) -> None:
+    """Keep the first ``n`` lines of ``path`` (metrics of steps a resumed run will not redo)."""
+    lines = open(path).readlines()[:n] if os.path.exists(path) else []
+    with open(path, "w") as f:
+        f.writelines(lines)

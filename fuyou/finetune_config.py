@@ -48,6 +48,12 @@ class FinetuneConfig:
     data_format: str = "auto"
     eval_fraction: float = 0.05
     """Share of the data held out for the before/after evaluation loss."""
+    save_every: int = 0
+    """Checkpoint every N steps (hard links to the committed state: seconds, not a copy); 0 = never."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept (older ones are deleted)."""
+    resume: str | None = None
+    """``auto`` (newest intact checkpoint, else a fresh start) or a checkpoint path."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -79,6 +85,10 @@ class FinetuneConfig:
             p.append(f"--precision must be bf16 or fp32, got {self.precision!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             p.append(f"--device must be auto, cuda or cpu, got {self.device!r}")
+        if not isinstance(self.save_every, int) or self.save_every < 0:
+            p.append(f"--save-every must be an integer ≥ 0, got {self.save_every!r}")
+        if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
+            p.append(f"--keep-checkpoints must be an integer ≥ 1, got {self.keep_checkpoints!r}")
         if not 0 <= self.eval_fraction < 1:
             p.append(f"--eval-fraction must be in [0, 1), got {self.eval_fraction!r}")
         for flag, v in (("--cpu-memory", self.cpu_memory), ("--gpu-memory", self.gpu_memory)):

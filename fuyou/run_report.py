@@ -39,6 +39,11 @@ class Progress:
             self._task = self._bar.add_task("train", total=self.total, info="loading first blocks…")
         return self
 
+    def advance_to(self, step: int) -> None:
+        """Start the bar at ``step`` (a resumed run)."""
+        if self._bar and step:
+            self._bar.update(self._task, completed=step)
+
     def update(self, rec: dict) -> None:
         """Advance one step with its metrics record."""
         if not self._bar:

@@ -28,7 +28,7 @@ from fuyou.engine.rules import fit_host
 from fuyou.engine.step import StepRunner, StepState, gate_for, park_class, settle
 from fuyou.engine.timeline import Timeline
 from fuyou.engine.weights import HOST_CLASS, WeightLoader
-from fuyou.errors import ConfigError, DeviceMemoryError
+from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
 from fuyou.models.adapters import make_adapter
 from fuyou.engine.export import HF_FILES, export_layout, iter_master
 from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config
@@ -43,8 +43,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 class Engine:
     """Out-of-core trainer for one causal LM; see the module docstring."""
 
-    def __init__(self, config: Any, cfg: EngineConfig, tensors: Callable[[list[str]], dict[str, torch.Tensor]],
-                 source_dir: str | None = None) -> None:
+    def __init__(self, config: Any, cfg: EngineConfig, tensors: Callable[[list[str]], dict[str, torch.Tensor]] | None,
+                 source_dir: str | None = None, store: TensorStore | None = None) -> None:
+        """Build the engine; with ``store`` (an opened store of an earlier run) resume from it, else
+        create a new store in ``cfg.ssd_dirs`` and import ``tensors`` block by block."""
         self.cfg, self.source_dir = cfg, source_dir
         self.plan = cfg.plan
         self.lr, self.step, self.max_grad_norm = cfg.lr, 0, cfg.max_grad_norm
@@ -52,15 +54,19 @@ class Engine:
         self.adapter = make_adapter(config)
         self.backend = get_backend(cfg.device, cfg.gpu_bytes)
         self.adapter.prepare(self.backend.device)
-        self.layout = ModelLayout(tuple(self.adapter.blocks), DTYPES[cfg.precision], DTYPES[cfg.state_precision],
-                                  cfg.state_chunk)
-        self.layout, self.plan = fit_host(self.layout, self.plan, cfg.cpu_bytes)
+        blocks = tuple(self.adapter.blocks)
+        if store is None:
+            layout = ModelLayout(blocks, DTYPES[cfg.precision], DTYPES[cfg.state_precision], cfg.state_chunk)
+            self.layout, self.plan = fit_host(layout, self.plan, cfg.cpu_bytes)
+        else:
+            self.layout, self.plan = fit_host(_stored_layout(blocks, store, cfg), self.plan, cfg.cpu_bytes, fixed_chunk=True)
+            self.step = int(store.meta.get("step", 0))
         self._check_device_budget()
         self.pool = HostBufferPool(self.backend, cfg.cpu_bytes)
         self._reserve_host()
         self.timeline = Timeline()
-        self.store = TensorStore.create(list(cfg.ssd_dirs), self.layout.extents(), io=cfg.io, direct=cfg.direct,
-                                        checksums=cfg.checksums, overwrite=True)
+        self.store = store or TensorStore.create(list(cfg.ssd_dirs), self.layout.extents(), io=cfg.io,
+                                                 direct=cfg.direct, checksums=cfg.checksums, overwrite=True)
         self.compute_stream = None if self.backend.name == "cpu" else self.backend.new_stream()
         self.loader = WeightLoader(self.store, self.backend, self.pool, self.layout, self.timeline,
                                    self.plan.prefetch_depth, self.backend.new_stream())
@@ -70,8 +76,9 @@ class Engine:
         self.act_space = ActivationSpace(self.backend, self.pool, self.store.engine, self.store.dirs,
                                          self.store.direct, self.timeline)
         self.runner = StepRunner(self)
-        self._save_model_files()
-        self._import(tensors)
+        if store is None:
+            self._save_model_files()
+            self._import(tensors)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -85,6 +92,24 @@ class Engine:
             return out
 
         return cls(config, cfg, block_tensors, source_dir=model_dir)
+
+    @classmethod
+    def resume(cls, cfg: EngineConfig) -> "Engine":
+        """Reopen the store in ``cfg.ssd_dirs`` at its last committed step and continue from there.
+
+        The model config comes from the store; precision and state layout are the store's (a
+        different ``precision`` in ``cfg`` raises ConfigError). Raises ManifestError if the
+        directories hold no Fuyou training store.
+        """
+        store = TensorStore.open(list(cfg.ssd_dirs), io=cfg.io, direct=cfg.direct, checksums=cfg.checksums)
+        files = os.path.join(store.dirs[0], HF_FILES)
+        try:
+            if not os.path.isdir(files) or "compute_dtype" not in store.meta:
+                raise ManifestError(f"{store.dirs[0]} holds no Fuyou training state to resume from")
+            return cls(load_config(files), cfg, None, source_dir=files, store=store)
+        except BaseException:
+            store.close()
+            raise
 
     @classmethod
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], cfg: EngineConfig) -> "Engine":
@@ -260,3 +285,14 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+
+def _stored_layout(blocks: tuple, store: TensorStore, cfg: EngineConfig) -> ModelLayout:
+    """The layout a store was created with (dtypes and state chunk from its metadata)."""
+    from fuyou.storage.layout import dtype_from_name
+
+    meta = store.meta
+    compute = dtype_from_name(meta["compute_dtype"])
+    if compute != DTYPES[cfg.precision]:
+        raise ConfigError(f"the store in {store.dirs[0]} was trained with --precision "
+                          f"{'bf16' if compute == torch.bfloat16 else 'fp32'}; resume with the same precision")
+    return ModelLayout(blocks, compute, dtype_from_name(meta["state_dtype"]), meta["state_chunk"])

@@ -28,13 +28,14 @@ def host_need(layout: ModelLayout, plan: Plan) -> int:
     return need
 
 
-def fit_host(layout: ModelLayout, plan: Plan, budget: int) -> tuple[ModelLayout, Plan]:
-    """Shrink the state chunk, then the prefetch depth, until the host buffers fit ``budget``.
+def fit_host(layout: ModelLayout, plan: Plan, budget: int, fixed_chunk: bool = False) -> tuple[ModelLayout, Plan]:
+    """Shrink the state chunk (unless ``fixed_chunk``: a store's layout), then the prefetch depth,
+    until the host buffers fit ``budget``.
 
     Returns the (possibly) adjusted layout and plan; if nothing fits, returns the smallest, and the
     pool's reservation then fails with a message naming every buffer class.
     """
-    while host_need(layout, plan) > budget and layout.state_chunk > MIN_CHUNK:
+    while not fixed_chunk and host_need(layout, plan) > budget and layout.state_chunk > MIN_CHUNK:
         layout = dataclasses.replace(layout, state_chunk=max(MIN_CHUNK, layout.state_chunk // 2))
     while host_need(layout, plan) > budget and plan.prefetch_depth > 1:
         plan = dataclasses.replace(plan, prefetch_depth=plan.prefetch_depth - 1)

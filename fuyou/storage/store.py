@@ -297,6 +297,20 @@ class TensorStore:
                 "ndirs": len(self.dirs), "stripe_min": self.stripe_min, "extents": [e.spec.to_json() for e in self._ext.values()],
                 "files": files, "meta": meta}
 
+    def committed(self) -> tuple[dict, list[tuple[int, str]]]:
+        """The manifest body of the last committed version and the files it names: (stripe, name).
+
+        Those files are immutable until a later commit retires them; one that has been hard-linked
+        elsewhere (a checkpoint) is then unlinked, never recycled, so the link keeps its data.
+        """
+        with self._lock:
+            files = {n: [[f.dir_index, f.name, checksum.encode(f.crcs or [])] for f in e.committed]
+                     for n, e in self._ext.items() if e.committed is not None}
+            body = {"store_id": self.store_id, "version": self.version, "block_bytes": self.block_bytes,
+                    "ndirs": len(self.dirs), "stripe_min": self.stripe_min,
+                    "extents": [e.spec.to_json() for e in self._ext.values()], "files": files, "meta": self.meta}
+            return body, [(d, name) for entry in files.values() for d, name, _ in entry]
+
     def _retire(self, e: _Extent) -> None:
         old, e.committed, e.pending, e.write_future = e.committed, e.pending, None, None
         if old is None:

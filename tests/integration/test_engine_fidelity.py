@@ -131,3 +131,23 @@ def test_evaluate_matches_model_loss_and_does_not_update(tmp_path, family):
     with torch.no_grad():
         ref = model(input_ids=ids, labels=labels).loss.item()
     assert loss == pytest.approx(ref, rel=1e-6)
+
+
+def test_resume_from_store_continues_bit_identically(tmp_path):
+    cfg, model = tiny("llama_tied")
+    data = batches(4)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ec = lambda d: EngineConfig(ssd_dirs=(str(d),), precision="fp32", lr=LR, cpu_memory="64MiB", max_grad_norm=1.0)  # noqa: E731
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with Engine.from_state_dict(cfg, sd, ec(tmp_path / "a")) as eng:
+        straight = [eng.train_step(*d)["loss"] for d in data]
+        w_straight = dict(eng.master_weights())
+    with Engine.from_state_dict(cfg, sd, ec(tmp_path / "b")) as eng:
+        first = [eng.train_step(*d)["loss"] for d in data[:2]]
+    with Engine.resume(ec(tmp_path / "b")) as eng:
+        assert eng.step == 2
+        rest = [eng.train_step(*d)["loss"] for d in data[2:]]
+        w_resumed = dict(eng.master_weights())
+    assert first + rest == straight
+    assert all(torch.equal(w_straight[k], w_resumed[k]) for k in w_straight)

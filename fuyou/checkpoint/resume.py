@@ -1,0 +1,62 @@
+"""What a run saves besides tensors, and how ``--resume auto|PATH`` picks a checkpoint."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from fuyou.checkpoint.snapshot import CKPT, list_checkpoints, validate
+from fuyou.errors import ConfigError, FuyouWarning, StoreError
+
+
+def encode_rng(state: Any) -> list[str]:
+    """RNG state (a tensor or tuple of tensors from ``Backend.rng_state``) as base64 strings."""
+    parts = state if isinstance(state, tuple) else (state,)
+    out = []
+    for t in parts:
+        buf = io.BytesIO()
+        torch.save(t, buf)
+        out.append(base64.b64encode(buf.getvalue()).decode("ascii"))
+    return out
+
+
+def decode_rng(parts: list[str]) -> Any:
+    """Inverse of ``encode_rng``."""
+    ts = tuple(torch.load(io.BytesIO(base64.b64decode(p)), weights_only=True) for p in parts)
+    return ts[0] if len(ts) == 1 else ts
+
+
+def checkpoint_name(step: int) -> str:
+    """Directory name of the checkpoint after ``step`` completed steps."""
+    return f"step-{step:08d}"
+
+
+def resume_point(stripes: list[str], resume: str) -> tuple[str, dict] | None:
+    """The checkpoint to resume from and its trainer state.
+
+    ``auto``: the newest checkpoint that passes a full check (manifest, files, every checksum);
+    damaged ones are skipped with a warning naming the problem; None if there is none (fresh start).
+    A path: that checkpoint (``…/checkpoints/<name>`` in the first --ssd directory), or ConfigError.
+    """
+    if resume == "auto":
+        for name in list_checkpoints(stripes):
+            try:
+                return name, validate(stripes, name)
+            except (StoreError, OSError) as e:
+                warnings.warn(f"checkpoint {name} is damaged ({e}); trying an older one", FuyouWarning, stacklevel=2)
+        return None
+    path = os.path.abspath(resume)
+    name = os.path.basename(path.rstrip("/"))
+    expected = os.path.join(stripes[0], CKPT, name)
+    if os.path.abspath(expected) != path:
+        raise ConfigError(f"--resume {resume}: not a checkpoint of this run's store (expected under "
+                          f"{os.path.join(stripes[0], CKPT)}); pass one of {list_checkpoints(stripes) or 'none'}")
+    try:
+        return name, validate(stripes, name)
+    except (StoreError, OSError) as e:
+        raise ConfigError(f"--resume {resume}: the checkpoint is damaged ({e}); use --resume auto to fall back") from e

@@ -1,0 +1,149 @@
+"""The cost model: (model shape, Plan, StepConfig, profile) → step time, busy time per resource,
+memory per tier, SSD traffic and wear. Pure Python, no torch.
+
+Step time comes from simulating the step's operations with their dependencies (``graph.py``), not
+from a sum or a max. Memory per tier:
+
+* device — block inputs kept for backward (one ``tokens×hidden`` bf16 tensor per block and step,
+  whatever the policy), ``keep`` activations, and the larger of a layer's working set (weights +
+  gradients + two micro-batches' activations) and the head's (its weights, the tied embedding,
+  gradients and ~12 bytes per logit: bf16 logits, fp32 upcast, fp32 and bf16 gradients);
+* host — the engine's buffer pool (``engine/rules.py`` ``host_need``, recomputed here without
+  torch), ``swap_cpu`` activations (all alive at the turnaround), transient ``swap_ssd`` staging,
+  and not-yet-executable RAM tiers;
+* SSD — two versions of the store (crash-safe commits) plus ``swap_ssd`` scratch files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from fuyou.planner.graph import StepConfig, StepGraph, simulate
+from fuyou.planner.profile import HardwareProfile
+from fuyou.planner.shapes import ModelShape
+
+DAY_S = 86400.0
+FLOP_FORMULA = "model FLOPs = tokens × (6·N_matmul + 12·L·d·T); recompute not counted (fuyou/flops.py)"
+
+
+def _align(n: int, a: int = 4096) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Peak bytes per tier."""
+
+    device: int
+    host_buffers: int
+    """The engine's pre-reserved host buffers (pinned on CUDA)."""
+    host_activations: int
+    """``swap_cpu`` activations at the turnaround plus ``swap_ssd`` staging in flight."""
+    host_ram_tiers: int = 0
+    """NOT YET EXECUTABLE: weights/state kept in RAM instead of on SSD."""
+    ssd: int = 0
+    """Store (two versions) plus activation scratch files."""
+
+    @property
+    def host(self) -> int:
+        """Everything counted against ``--cpu-memory``."""
+        return self.host_buffers + self.host_activations + self.host_ram_tiers
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicts for one steady-state step (seconds, bytes, FLOP/s)."""
+
+    step_s: float
+    busy_s: dict[str, float]
+    """Busy seconds per resource kind: ssd_read, ssd_write, h2d, d2h, compute, adam, thread."""
+    bottleneck: str
+    tokens: int
+    tokens_per_s: float
+    model_flops: float
+    """Model FLOPs per step (``FLOP_FORMULA``)."""
+    tflops: float
+    mfu: float
+    """tflops ÷ the profile's device peak (0 if unknown)."""
+    memory: Memory
+    ssd_read_bytes: int
+    ssd_write_bytes: int
+    dwpd: float
+    """Drive writes per day at this step rate (store capacity ÷ bytes written per day)."""
+    flop_formula: str = FLOP_FORMULA
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        """Plain data."""
+        d = asdict(self)
+        d["memory"]["host"] = self.memory.host
+        return d
+
+
+def host_buffers(shape: ModelShape, plan: object, cfg: StepConfig) -> int:
+    """Bytes of host buffers the engine reserves (same formula as ``engine.rules.host_need``)."""
+    numel = [b.numel for b in shape.blocks]
+    w = _align(2 * max(numel))
+    g = _align(2 * max(numel))
+    chunk = min(cfg.state_chunk, max(numel))
+    state = _align(_state_extent_bytes(chunk, cfg.state_bytes_per_param))
+    need = (plan.prefetch_depth + 1) * w + 2 * g + 2 * w + plan.state_buffers * state
+    if plan.schedule == "overlap_next_forward":
+        need += sum(_align(2 * n) for n in numel)
+    return need
+
+
+def _state_extent_bytes(n: int, per_param: int) -> int:
+    """master (4 B) + m + v at 64-byte tensor alignment, as ``ModelLayout.s``."""
+    mv = (per_param - 4) // 2
+    return _align(4 * n, 64) + _align(mv * n, 64) + mv * n
+
+
+def memory(shape: ModelShape, plan: object, cfg: StepConfig, prof: HardwareProfile) -> Memory:
+    """Peak bytes per tier (see the module docstring)."""
+    g = StepGraph(shape, plan, cfg, prof)
+    H, K, mbt = g.H, g.K, g.mb_tokens
+    T = K * mbt
+    pol = [g._policy(b) for b in range(H)]
+    boundary = 0 if cfg.boundary_offload else H * T * shape.hidden * 2
+    keep = sum(g.act_bytes(b) for b in range(1, H) if pol[b] == "keep")
+    layer_ws = max(4 * blk.numel + 2 * g.act_bytes(b) / K for b, blk in enumerate(shape.blocks[:H]))
+    head = shape.blocks[H]
+    tied = sum(4 * blk.numel for blk in shape.blocks if blk.name in head.borrows)
+    head_ws = 4 * head.numel + tied + 12 * mbt * shape.vocab
+    device = int(boundary + keep + max(layer_ws, head_ws))
+    swap_cpu = sum(g.act_bytes(b) for b in range(H) if pol[b] == "swap_cpu")
+    ssd_blocks = [b for b in range(H) if pol[b] == "swap_ssd"]
+    staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)
+    if cfg.boundary_offload:
+        swap_cpu += H * T * shape.hidden * 2
+    ram = sum(2 * b.numel for b in shape.blocks[: cfg.ram_weight_blocks])
+    ram += sum(cfg.state_bytes_per_param * b.numel for b in shape.blocks[: cfg.ram_state_blocks])
+    store = sum(2 * b.numel + cfg.state_bytes_per_param * b.numel for b in shape.blocks)
+    store -= ram
+    return Memory(device=device, host_buffers=host_buffers(shape, plan, cfg), host_activations=int(swap_cpu + staging),
+                  host_ram_tiers=int(ram), ssd=int(2 * store + sum(g.act_bytes(b) for b in ssd_blocks)))
+
+
+def predict(shape: ModelShape, plan: object, cfg: StepConfig, prof: HardwareProfile) -> Prediction:
+    """Predict one steady-state step of ``plan`` (an engine ``Plan``) under ``cfg`` on ``prof``."""
+    step_s, busy = simulate(shape, plan, cfg, prof)
+    busy = {k: v for k, v in busy.items() if k != "sync"}
+    tokens = plan.micro_batches * cfg.micro_batch_size * cfg.seq_len
+    flops = float(tokens * shape.train_flops_per_token(cfg.seq_len))
+    rb = round(busy.get("ssd_read", 0.0) * prof.ssd_read_Bps)
+    wb = round(busy.get("ssd_write", 0.0) * prof.ssd_write_Bps)
+    view = dict(busy)
+    if prof.device == "cpu":  # compute, copies and Adam share the cores: one resource
+        view = {"ssd": busy.get("ssd_read", 0.0) + busy.get("ssd_write", 0.0),
+                "cpu": sum(v for k, v in busy.items() if k not in ("ssd_read", "ssd_write"))}
+    else:
+        view["ssd"] = view.pop("ssd_read", 0.0) + view.pop("ssd_write", 0.0)
+    bottleneck = max(view, key=view.__getitem__)
+    tflops = flops / step_s / 1e12
+    dwpd = wb * (DAY_S / step_s) / prof.ssd_capacity_bytes
+    return Prediction(step_s=step_s, busy_s=busy, bottleneck=bottleneck, tokens=tokens, tokens_per_s=tokens / step_s,
+                      model_flops=flops, tflops=tflops,
+                      mfu=tflops * 1e12 / prof.device_peak_flops if prof.device_peak_flops else 0.0,
+                      memory=memory(shape, plan, cfg, prof), ssd_read_bytes=rb, ssd_write_bytes=wb, dwpd=dwpd,
+                      extra={"resource_busy_s": view})

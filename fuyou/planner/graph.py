@@ -1,0 +1,271 @@
+"""One training step as the engine executes it (``fuyou/engine/step.py``), as a graph for ``sim.Sim``.
+
+What is modelled, by engine phase (resources: ``ssd`` read and write share one server; ``h2d``,
+``d2h``, ``compute``, ``adam`` and ``thread`` — the Python training thread; on a ``cpu`` device
+all but ``ssd`` are one server, the cores):
+
+* loader — forward 0…H−1, the head (+ the tied embedding), backward H−1…0; block p+depth+1's SSD
+  read is issued once block p's host→device copy is done (depth+1 host weight buffers); the thread
+  waits for each read; compute waits for the copy.
+* activations — ``swap_cpu``: saved tensors copied out in forward and back in backward, synchronously
+  on the compute stream (pageable copies); ``swap_ssd``: also packed by the thread and written to the
+  SSD, read back one block ahead in backward; ``recompute``: forward again before backward.
+* hand-off — the gradient norm syncs the thread with compute; gradient device→host copy; Adam per
+  state chunk: SSD read → Adam (one worker, FIFO) → SSD write; the new weights written after the
+  last chunk. The thread blocks acquiring buffers: 2 gradient buffers, 2 new-weight buffers and
+  ``state_buffers`` state buffers (so a block with more chunks than buffers holds the thread until
+  most of its chunks are written).
+* ``overlap_backward`` waits for every write and commits; ``overlap_next_forward`` parks gradients,
+  submits Adam(0…H) after backward, and the next step's forward reads of block b wait for Adam(b)'s
+  weight write; the next step's turnaround waits for every write (``settle``).
+
+Not-yet-executable options (``StepConfig.ram_*``, ``boundary_offload``) remove SSD operations for
+blocks whose state lives in RAM and add copies for offloaded block boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fuyou.planner.profile import HardwareProfile
+from fuyou.planner.shapes import ModelShape
+from fuyou.planner.sim import Sim
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What one step runs besides the engine ``Plan``: batch shape, state layout, tiers."""
+
+    micro_batch_size: int
+    seq_len: int
+    state_chunk: int = 1 << 23
+    """Elements per optimizer-state chunk (``EngineConfig.state_chunk``)."""
+    state_bytes_per_param: int = 12
+    """fp32 master + m + v = 12; bf16 m, v = 8."""
+    ram_weight_blocks: int = 0
+    """NOT YET EXECUTABLE: blocks (from the first) whose bf16 weights live in host RAM, not on SSD."""
+    ram_state_blocks: int = 0
+    """NOT YET EXECUTABLE: blocks (from the first) whose master/m/v live in host RAM, not on SSD."""
+    boundary_offload: bool = False
+    """NOT YET EXECUTABLE: block inputs kept for backward go to host RAM instead of device memory."""
+
+    @property
+    def executable(self) -> bool:
+        """Whether today's engine can run this configuration."""
+        return not (self.ram_weight_blocks or self.ram_state_blocks or self.boundary_offload)
+
+
+class StepGraph:
+    """Builds ``steps`` consecutive steps of one plan into a ``Sim``; see the module docstring."""
+
+    def __init__(self, shape: ModelShape, plan: object, cfg: StepConfig, prof: HardwareProfile) -> None:
+        self.m, self.p, self.c, self.hw = shape, plan, cfg, prof
+        self.cpu = prof.device == "cpu"
+        merge = {r: "cpu" for r in ("h2d", "d2h", "compute", "adam", "thread")} if self.cpu else {}
+        self.sim = Sim(merge)
+        H = len(shape.blocks) - 1
+        self.H = H
+        tied = [i for i, b in enumerate(shape.blocks) for o in shape.blocks[H].borrows if b.name == o]
+        self.order = list(range(H)) + [H] + tied + list(range(H - 1, -1, -1))
+        self.K = plan.micro_batches
+        self.mb_tokens = cfg.micro_batch_size * cfg.seq_len
+        self.thread: int | None = None
+        self.compute: int | None = None
+        self.prev_writes: dict[int, int] = {}
+        self.prev_all: list[int] = []
+        self.ends: list[int] = []
+
+    # ------------------------------------------------------------------ durations (s)
+    def _w_bytes(self, b: int) -> int:
+        return 2 * self.m.blocks[b].numel
+
+    def _fwd_s(self, b: int) -> float:
+        blk, hw = self.m.blocks[b], self.hw
+        if blk.kind == "embed":
+            return self.K * self.mb_tokens * self.m.hidden * 2 / hw.device_mem_Bps
+        f = blk.fwd_flops_per_token(self.m.hidden, self.c.seq_len) * self.mb_tokens
+        return self.K * f / hw.flops_per_s(self.mb_tokens, head=blk.kind == "head")
+
+    def _bwd_s(self, b: int) -> float:
+        blk, hw = self.m.blocks[b], self.hw
+        zero = 2 * blk.numel / hw.device_mem_Bps  # the flat gradient buffer is zeroed
+        if blk.kind == "embed":
+            return zero + self.K * self.mb_tokens * self.m.hidden * 2 / hw.device_mem_Bps
+        f = 2 * blk.fwd_flops_per_token(self.m.hidden, self.c.seq_len) * self.mb_tokens
+        return zero + self.K * f / hw.flops_per_s(self.mb_tokens, backward=True, head=blk.kind == "head")
+
+    def act_bytes(self, b: int) -> float:
+        """Bytes block ``b`` saves for backward over all micro-batches of a step."""
+        blk = self.m.blocks[b]
+        per = self.hw.layer_act_bytes_per_token if (blk.kind == "layer" and self.hw.layer_act_bytes_per_token) \
+            else blk.act_bytes_per_token
+        return per * self.K * self.mb_tokens
+
+    def _policy(self, b: int) -> str:
+        return "keep" if b == self.H else self.p.policy(b, self.H + 1)
+
+    # ------------------------------------------------------------------ building blocks
+    def _t(self, *deps: int | None) -> int:
+        """Advance the training thread past ``deps``."""
+        self.thread = self.sim.op(None, 0.0, (self.thread,) + deps)
+        return self.thread
+
+    def _next(self, pos: int) -> int:
+        """Loader ``next(pos)``: wait for the read, copy to the device, issue the read depth+1 ahead."""
+        b = self.order[pos]
+        self._t(self.reads[pos])
+        cp = self.sim.op("h2d", self._w_bytes(b) / self.hw.h2d_Bps, (self.thread,))
+        if self.cpu:
+            self._t(cp)
+        self._issue(pos + self.p.prefetch_depth + 1, (cp, self.thread))
+        return cp
+
+    def _issue(self, pos: int, deps: tuple[int | None, ...]) -> None:
+        if pos >= len(self.order):
+            return
+        b = self.order[pos]
+        gate = self.prev_writes.get(b)  # overlap_next_forward: Adam(b) of the last step wrote w(b)
+        if b < self.c.ram_weight_blocks:  # NOT YET EXECUTABLE: pinned RAM → device, no SSD read
+            self.reads[pos] = self.sim.op(None, 0.0, deps + (gate,))
+        else:
+            self.reads[pos] = self.sim.op("ssd", self._w_bytes(b) / self.hw.ssd_read_Bps, deps + (gate,), "ssd_read")
+
+    def _compute(self, dur: float, *deps: int | None, sync: bool = False) -> int:
+        self.compute = self.sim.op("compute", dur, (self.compute, self.thread) + deps)
+        if self.cpu or sync:
+            self._t(self.compute)
+        return self.compute
+
+    # ------------------------------------------------------------------ phases
+    def step(self, start: int | None) -> None:
+        """Append one step; ``start`` is the op the step begins after."""
+        self.first_op = len(self.sim.res)
+        self.thread, self.reads, self.act_ssd = start, {}, {}
+        self.grad_rel: list[int] = []
+        self.ww_rel: list[int] = []
+        self.state_rel: list[int] = []
+        self.writes: dict[int, int] = {}
+        self.all_writes: list[int] = []
+        self.parked: dict[int, int] = {}
+        for pos in range(min(self.p.prefetch_depth + 1, len(self.order))):
+            self._issue(pos, (start,))
+        self.forward()
+        if self.prev_all:  # settle: the previous step's updates must be written and committed
+            self._t(*self.prev_all)
+            self.thread = self.sim.op("thread", self.hw.commit_s, (self.thread,))
+        self.turnaround()
+        self.backward()
+        self.finish()
+
+    def forward(self) -> None:
+        swap_out = self.hw.swap_Bps[0]
+        for b in range(self.H):
+            cp = self._next(b)
+            pol = self._policy(b)
+            a = self.act_bytes(b)
+            extra = a / swap_out if pol in ("swap_cpu", "swap_ssd") else 0.0
+            extra += self.c.boundary_offload * self.K * self.mb_tokens * self.m.hidden * 2 / self.hw.d2h_Bps
+            self._compute(self._fwd_s(b) + extra, cp, sync=pol in ("swap_cpu", "swap_ssd"))
+            if pol == "swap_ssd":
+                self.thread = self.sim.op("thread", a / self.hw.host_mem_Bps, (self.thread,))
+                self.act_ssd[b] = self.sim.op("ssd", a / self.hw.ssd_write_Bps, (self.thread,), "ssd_write")
+
+    def turnaround(self) -> None:
+        H = self.H
+        cps = [self._next(pos) for pos in range(H, H + 1 + len(self.m.blocks[H].borrows))]
+        bwd = self._compute(self._fwd_s(H) + self._bwd_s(H), *cps, sync=True)
+        self.hand_off(H, bwd)
+
+    def backward(self) -> None:
+        swap_in = self.hw.swap_Bps[1]
+        first = self.H + 1 + len(self.m.blocks[self.H].borrows)
+        act_reads: dict[int, int] = {}
+        for i, b in enumerate(range(self.H - 1, -1, -1)):
+            for a in (b, b - 1):
+                if a in self.act_ssd and a not in act_reads:
+                    act_reads[a] = self.sim.op("ssd", self.act_bytes(a) / self.hw.ssd_read_Bps,
+                                               (self.thread, self.act_ssd[a]), "ssd_read")
+            cp = self._next(first + i)
+            pol = self._policy(b)
+            dur = self._bwd_s(b) + (self._fwd_s(b) if pol == "recompute" else 0.0)
+            dur += self.act_bytes(b) / swap_in if pol in ("swap_cpu", "swap_ssd") else 0.0
+            dur += self.c.boundary_offload * self.K * self.mb_tokens * self.m.hidden * 2 / self.hw.h2d_Bps
+            self.hand_off(b, self._compute(dur, cp, act_reads.get(b)))
+
+    # ------------------------------------------------------------------ optimizer
+    def _acquire(self, released: list[int], count: int) -> None:
+        if len(released) >= count:
+            self._t(released[len(released) - count])
+
+    def hand_off(self, b: int, bwd: int) -> None:
+        """Gradient norm (sync), device→host copy, then Adam now (overlap_backward) or parked."""
+        self._t(bwd)
+        if self.p.schedule == "overlap_next_forward":
+            d = self.sim.op("d2h", 2 * self.m.blocks[b].numel / self.hw.d2h_Bps, (self.thread, bwd))
+            self.parked[b] = d
+            if self.cpu:
+                self._t(d)
+            return
+        self._acquire(self.grad_rel, 2)
+        d = self.sim.op("d2h", 2 * self.m.blocks[b].numel / self.hw.d2h_Bps, (self.thread, bwd))
+        if self.cpu:
+            self._t(d)
+        self.update(b, d)
+
+    def update(self, b: int, grad: int) -> None:
+        """Adam for block ``b``, chunk by chunk, and the new weights' write."""
+        hw, n = self.hw, self.m.blocks[b].numel
+        self._acquire(self.ww_rel, 2)
+        in_ram = b < self.c.ram_state_blocks
+        jobs, writes = [], []
+        for lo in range(0, max(n, 1), self.c.state_chunk):
+            k = min(self.c.state_chunk, n - lo)
+            nbytes = k * self.c.state_bytes_per_param
+            if in_ram:  # NOT YET EXECUTABLE: state updated in place in RAM
+                jobs.append(self.sim.op("adam", k / hw.adam_params_per_s, (self.thread, grad)))
+                continue
+            self._acquire(self.state_rel, self.p.state_buffers)
+            rd = self.sim.op("ssd", nbytes / hw.ssd_read_Bps, (self.thread,), "ssd_read")
+            jobs.append(self.sim.op("adam", k / hw.adam_params_per_s, (rd, grad)))
+            writes.append(self.sim.op("ssd", nbytes / hw.ssd_write_Bps, (jobs[-1],), "ssd_write"))
+            self.state_rel.append(writes[-1])
+        done = self.sim.op(None, 0.0, jobs)
+        self.grad_rel.append(done)
+        if b < self.c.ram_weight_blocks:
+            ww = self.sim.op("thread", 2 * n / hw.host_mem_Bps, (done,))
+        else:
+            ww = self.sim.op("ssd", 2 * n / hw.ssd_write_Bps, (done,), "ssd_write")
+        self.ww_rel.append(ww)
+        self.writes[b] = ww
+        self.all_writes += writes + [ww]
+
+    def finish(self) -> None:
+        if self.p.schedule == "overlap_backward":
+            self._t(*self.all_writes)
+            self.thread = self.sim.op("thread", self.hw.commit_s, (self.thread,))
+            self.prev_writes, self.prev_all = {}, []
+        else:
+            for b in range(self.H + 1):
+                self.update(b, self.parked[b])
+            self.prev_writes, self.prev_all = dict(self.writes), list(self.all_writes)
+        self.ends.append(self._t())
+
+
+def simulate(shape: ModelShape, plan: object, cfg: StepConfig, prof: HardwareProfile) -> tuple[float, dict[str, float]]:
+    """Steady-state step time (s) and busy seconds per resource kind of that step.
+
+    ``overlap_backward`` steps are independent: one is simulated. ``overlap_next_forward`` overlaps
+    a step's Adam with the next forward: two are simulated and the second is timed.
+    """
+    g = StepGraph(shape, plan, cfg, prof)
+    n = 2 if plan.schedule == "overlap_next_forward" else 1
+    start = None
+    for _ in range(n):
+        g.step(start)
+        start = g.ends[-1]
+    ends = g.sim.run()
+    t = ends[g.ends[-1]] - (ends[g.ends[-2]] if n == 2 else 0.0)
+    busy: dict[str, float] = {}
+    for k, d in zip(g.sim.kind[g.first_op:], g.sim.dur[g.first_op:]):
+        busy[k] = busy.get(k, 0.0) + d
+    return t, busy

@@ -1,0 +1,71 @@
+"""The planner's answer: a frozen, JSON-serialisable result holding the engine ``Plan``.
+
+``to_json``/``from_json`` round-trip exactly (tuples stay tuples). ``engine_settings`` gives the
+``EngineConfig`` fields the plan needs besides ``plan`` (today: ``state_chunk``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fuyou.engine.plan import Plan
+from fuyou.planner.cost import Memory, Prediction
+from fuyou.planner.graph import StepConfig
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """What the plan must fit in, bytes."""
+
+    cpu_memory: int
+    """Host budget for Fuyou's buffers and swapped activations (``--cpu-memory``)."""
+    gpu_memory: int
+    """Device budget (``--gpu-memory``)."""
+    ssd_bytes: int = 0
+    """Free space for the store and activation scratch files; 0: not checked."""
+
+
+@dataclass(frozen=True)
+class PlannerResult:
+    """A chosen plan with its prediction; ``executable`` is False if it needs an engine change."""
+
+    model: str
+    profile: str
+    plan: Plan
+    step: StepConfig
+    prediction: Prediction
+    budgets: Budgets
+    executable: bool = True
+    needs: tuple[str, ...] = ()
+    """Engine changes this plan needs (empty when executable)."""
+    alternative: "PlannerResult | None" = None
+    """A faster plan that needs an engine change (RAM tiers), if one exists."""
+    considered: int = 0
+    """Candidate plans the search evaluated."""
+
+    @property
+    def engine_settings(self) -> dict:
+        """``EngineConfig`` keyword arguments for this plan (``plan`` and ``state_chunk``)."""
+        return {"plan": self.plan, "state_chunk": self.step.state_chunk}
+
+    def to_json(self) -> dict:
+        """Plain data (inverse of ``from_json``)."""
+        return {"model": self.model, "profile": self.profile, "plan": self.plan.to_json(),
+                "step": dataclasses.asdict(self.step), "prediction": self.prediction.to_json(),
+                "budgets": dataclasses.asdict(self.budgets), "executable": self.executable,
+                "needs": list(self.needs), "considered": self.considered,
+                "alternative": self.alternative.to_json() if self.alternative else None}
+
+    @staticmethod
+    def from_json(d: dict) -> "PlannerResult":
+        """Rebuild a result written by ``to_json``."""
+        plan = dict(d["plan"])
+        plan["activation_policy"] = tuple(plan.get("activation_policy", ()))
+        pred = dict(d["prediction"])
+        mem = {k: v for k, v in pred.pop("memory").items() if k != "host"}
+        return PlannerResult(
+            model=d["model"], profile=d["profile"], plan=Plan(**plan), step=StepConfig(**d["step"]),
+            prediction=Prediction(memory=Memory(**mem), **pred), budgets=Budgets(**d["budgets"]),
+            executable=d["executable"], needs=tuple(d["needs"]), considered=d.get("considered", 0),
+            alternative=PlannerResult.from_json(d["alternative"]) if d.get("alternative") else None)

@@ -1,0 +1,170 @@
+"""A model as the planner sees it: per block, parameter count, FLOPs and activation bytes per token.
+
+Pure Python (no torch, no transformers), so ``fuyou plan`` runs in milliseconds for any model size
+from a ``config.json`` alone. The block list mirrors ``fuyou.models.adapters`` (embed, one block per
+decoder layer, head; a tied LM head borrows the embedding); ``tests/unit/planner`` checks the
+parameter counts and FLOPs against the adapter on small configs.
+
+Units: parameters in elements, FLOPs per token (2 per multiply-add), bytes per token in bf16.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from fuyou.errors import ConfigError
+
+TENSOR_ALIGN_ELEMS = 32
+"""The store packs each tensor at 64-byte alignment: 32 bf16 elements."""
+
+NAMED = {
+    # LoHan's GPT-3 13B shape (GPT-2 architecture: LayerNorm, GELU MLP 4h, tied head, learned positions)
+    "gpt3-13b": {"model_type": "gpt2", "n_layer": 40, "n_embd": 5120, "n_head": 40, "vocab_size": 50257,
+                 "n_positions": 2048},
+    "gpt3-175b": {"model_type": "gpt2", "n_layer": 96, "n_embd": 12288, "n_head": 96, "vocab_size": 50257,
+                  "n_positions": 2048},
+    "llama-2-7b": {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 11008,
+                   "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000},
+    "llama-2-13b": {"model_type": "llama", "num_hidden_layers": 40, "hidden_size": 5120, "intermediate_size": 13824,
+                    "num_attention_heads": 40, "num_key_value_heads": 40, "vocab_size": 32000},
+    "llama-3-8b": {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
+                   "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
+    "llama-3-70b": {"model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192, "intermediate_size": 28672,
+                    "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256},
+}
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """One streamed block: owned parameter elements (store layout, with alignment gaps) and costs."""
+
+    name: str
+    kind: str
+    """``embed`` | ``layer`` | ``head``."""
+    numel: int
+    """Elements of the block's flat vectors (as ``ModelLayout.numel``)."""
+    matmul_flops_per_token: int
+    """Forward FLOPs per token of the matmuls (2 per multiply-add; a tied head counted here)."""
+    act_bytes_per_token: int = 0
+    """Bytes the block saves for backward per token (bf16), what ``keep``/``swap_*`` hold or move."""
+    borrows: tuple[str, ...] = ()
+
+    def fwd_flops_per_token(self, hidden: int, seq_len: int) -> int:
+        """Forward FLOPs per token including attention scores for layers (4·d·T, no causal halving)."""
+        return self.matmul_flops_per_token + (4 * hidden * seq_len if self.kind == "layer" else 0)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's blocks and the dimensions the cost model needs."""
+
+    name: str
+    blocks: tuple[BlockShape, ...]
+    hidden: int
+    layers: int
+    vocab: int
+
+    @property
+    def params(self) -> int:
+        """Trainable elements (store layout)."""
+        return sum(b.numel for b in self.blocks)
+
+    def train_flops_per_token(self, seq_len: int) -> int:
+        """Model FLOPs per token, ``fuyou.flops`` formula: 6·N_matmul + 12·L·d·T (no recompute)."""
+        n_matmul = sum(b.matmul_flops_per_token for b in self.blocks) // 2
+        return 6 * n_matmul + 12 * self.layers * self.hidden * seq_len
+
+
+def _aligned(*shapes: tuple[int, ...]) -> int:
+    """Elements of tensors packed at 32-element alignment (the last one unpadded)."""
+    sizes = [_prod(s) for s in shapes]
+    return sum(-(-n // TENSOR_ALIGN_ELEMS) * TENSOR_ALIGN_ELEMS for n in sizes[:-1]) + sizes[-1]
+
+
+def _prod(s: tuple[int, ...]) -> int:
+    out = 1
+    for x in s:
+        out *= x
+    return out
+
+
+def _llama(cfg: dict, name: str) -> ModelShape:
+    h, L, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    i = cfg.get("intermediate_size", 4 * h)
+    nh = cfg.get("num_attention_heads", max(1, h // 128))
+    kvh = cfg.get("num_key_value_heads") or nh
+    hd = cfg.get("head_dim") or h // nh
+    mt = cfg.get("model_type", "llama")
+    qkv_bias = mt == "qwen2" or bool(cfg.get("attention_bias", False))
+    o_bias, mlp_bias = bool(cfg.get("attention_bias", False)) and mt != "qwen2", bool(cfg.get("mlp_bias", False))
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    q, kv = nh * hd, kvh * hd
+    attn = [(q, h)] + ([(q,)] if qkv_bias else []) + [(kv, h)] + ([(kv,)] if qkv_bias else [])
+    attn += [(kv, h)] + ([(kv,)] if qkv_bias else []) + [(h, q)] + ([(h,)] if o_bias else [])
+    if mt == "qwen3":
+        attn += [(hd,), (hd,)]
+    mlp = [(i, h)] + ([(i,)] if mlp_bias else []) + [(i, h)] + ([(i,)] if mlp_bias else []) + [(h, i)]
+    mlp += [(h,)] if mlp_bias else []
+    layer = _aligned(*attn, *mlp, (h,), (h,))
+    mm = 2 * (2 * q * h + 2 * kv * h + 3 * i * h)
+    act = 2 * (10 * h + 2 * kv + 4 * i)
+    blocks = [BlockShape("embed", "embed", v * h, 0, 0)]
+    blocks += [BlockShape(f"layer.{k}", "layer", layer, mm, act) for k in range(L)]
+    head = _aligned((h,)) if tied else _aligned((h,), (v, h))
+    blocks.append(BlockShape("head", "head", head, 2 * v * h, 0, ("embed",) if tied else ()))
+    return ModelShape(name, tuple(blocks), h, L, v)
+
+
+def _gpt2(cfg: dict, name: str) -> ModelShape:
+    h, L, v = cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"]
+    i = cfg.get("n_inner") or 4 * h
+    npos = cfg.get("n_positions", 1024)
+    layer = _aligned((h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, i), (i,), (i, h), (h,))
+    mm = 2 * (4 * h * h + 2 * h * i)
+    act = 2 * (13 * h + 2 * i) + 2 * h  # ≈ 34·h bytes at i = 4h (Korthikanti et al., no attention scores)
+    blocks = [BlockShape("embed", "embed", _aligned((v, h), (npos, h)), 0, 0)]
+    blocks += [BlockShape(f"layer.{k}", "layer", layer, mm, act) for k in range(L)]
+    blocks.append(BlockShape("head", "head", _aligned((h,), (h,)), 2 * v * h, 0, ("embed",)))
+    return ModelShape(name, tuple(blocks), h, L, v)
+
+
+def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
+    """The ModelShape of a Hugging Face config dict (Llama, Mistral, Qwen2, Qwen3, GPT-2).
+
+    Raises ConfigError for another architecture or a config missing its dimensions.
+    """
+    mt = cfg.get("model_type", "")
+    archs = cfg.get("architectures") or []
+    try:
+        if mt == "gpt2" or "GPT2LMHeadModel" in archs:
+            return _gpt2(cfg, name)
+        if mt in ("llama", "mistral", "qwen2", "qwen3") or any(a.startswith(("Llama", "Mistral", "Qwen")) for a in archs):
+            return _llama(cfg, name)
+    except KeyError as e:
+        raise ConfigError(f"model config {name!r} lacks {e.args[0]!r}; pass a complete Hugging Face config.json") from None
+    raise ConfigError(f"cannot plan for model_type {mt or '?'!r}; supported: llama, mistral, qwen2, qwen3, gpt2")
+
+
+def load_shape(source: str) -> ModelShape:
+    """A ModelShape from a model directory, a ``config.json`` path, or a named shape.
+
+    Named shapes: ``gpt3-13b`` (40 layers, hidden 5120, LoHan's testbed), ``gpt3-175b``, ``llama-2-7b``,
+    ``llama-2-13b``, ``llama-3-8b``, ``llama-3-70b`` (case-insensitive; ``GPT-3-13B`` works).
+    Raises ConfigError if ``source`` is neither an existing path nor a known name.
+    """
+    key = source.lower().replace("_", "-")
+    if not os.path.exists(source) and key in NAMED:
+        return shape_from_config(NAMED[key], key)
+    path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+    if not os.path.isfile(path):
+        raise ConfigError(f"{source!r} is not a model directory, a config.json or a named shape "
+                          f"({', '.join(sorted(NAMED))})")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read model config {path}: {e}") from None
+    return shape_from_config(cfg, os.path.basename(os.path.dirname(os.path.abspath(path))) or path)
