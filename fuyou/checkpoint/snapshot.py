@@ -31,14 +31,15 @@ def _dirs(stripes: list[str], name: str, suffix: str = "") -> list[str]:
     return [os.path.join(d, CKPT, name + suffix) for d in stripes]
 
 
-def take(store: TensorStore, name: str, trainer_state: dict) -> dict:
+def take(store: TensorStore, name: str, trainer_state: dict, replace: bool = False) -> dict:
     """Checkpoint the store's last committed version as ``name``; return timing and size facts.
 
-    ``trainer_state`` (JSON data) is saved with it. Raises StoreError if ``name`` exists.
+    ``trainer_state`` (JSON data) is saved with it. Raises StoreError if ``name`` exists, unless
+    ``replace`` (the old one stays valid until the new one is published).
     """
     t0 = time.perf_counter()
     final, partial = _dirs(store.dirs, name), _dirs(store.dirs, name, ".partial")
-    if os.path.exists(final[0]):
+    if os.path.exists(final[0]) and not replace:
         raise StoreError(f"checkpoint {final[0]} exists already")
     body, files = store.committed()
     for p in partial:

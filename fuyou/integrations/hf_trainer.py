@@ -18,6 +18,8 @@ Supported: AdamW (``adamw_torch``, ``adamw_torch_fused``), LR schedulers, warm-u
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from fuyou.engine import Engine, EngineConfig, Plan
 from fuyou.errors import ConfigError
 
 SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
+FUYOU_CKPT = "fuyou_checkpoint.json"
 
 
 @dataclasses.dataclass
@@ -148,7 +151,39 @@ class FuyouTrainer(Trainer):
         return out
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Optimizer state lives in the SSD store; checkpointing it is the store's job, not Trainer's."""
+        """Checkpoint the SSD state copy-free (hard links) and save the LR scheduler as Trainer does."""
+        from fuyou.checkpoint import take
+
+        self.engine.flush()
+        name = f"hf-{os.path.basename(os.path.normpath(output_dir))}-{self.engine.store.version}"
+        take(self.engine.store, name, {"hf_checkpoint": os.path.abspath(output_dir)}, replace=True)
+        with open(os.path.join(output_dir, FUYOU_CKPT), "w") as f:
+            json.dump({"stripes": list(self.engine.store.dirs), "name": name}, f)
+        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """``resume_from_checkpoint``: restore the SSD state (weights, master, m, v, step) and the scheduler."""
+        if checkpoint is None:
+            return
+        from fuyou.checkpoint import restore, validate
+
+        path = os.path.join(checkpoint, FUYOU_CKPT)
+        if not os.path.isfile(path):
+            raise ConfigError(f"{checkpoint} has no {FUYOU_CKPT}: it was not written by FuyouTrainer")
+        with open(path) as f:
+            ref = json.load(f)
+        validate(ref["stripes"], ref["name"])
+        cfg = self.engine.cfg
+        self.engine.close()
+        restore(ref["stripes"], ref["name"])
+        self.engine = Engine.resume(cfg)
+        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+        # Trainer gets the current lr back from the optimizer's saved param_groups; ours come from the scheduler.
+        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+            group["lr"] = lr
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """The weights come back with the SSD state in ``_load_optimizer_and_scheduler``."""
 
 
 def _micro_batch(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:

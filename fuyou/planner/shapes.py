@@ -155,7 +155,7 @@ def load_shape(source: str) -> ModelShape:
     ``llama-2-13b``, ``llama-3-8b``, ``llama-3-70b`` (case-insensitive; ``GPT-3-13B`` works).
     Raises ConfigError if ``source`` is neither an existing path nor a known name.
     """
-    key = source.lower().replace("_", "-")
+    key = source.lower().replace("_", "-").replace("gpt-3", "gpt3")
     if not os.path.exists(source) and key in NAMED:
         return shape_from_config(NAMED[key], key)
     path = os.path.join(source, "config.json") if os.path.isdir(source) else source

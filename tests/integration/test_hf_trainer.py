@@ -80,3 +80,31 @@ def test_plain_training_arguments_and_missing_ssd_are_refused(tmp_path):
         FuyouTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch", report_to=[]))
     with pytest.raises(ConfigError, match="ssd_dirs is empty"):
         FuyouTrainer(model=model, args=FuyouTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch", report_to=[]))
+
+
+def test_resume_from_checkpoint_matches_uninterrupted(tmp_path):
+    data = dataset()
+    _, model = tiny("llama_tied", layers=2)
+    init = copy.deepcopy(model.state_dict())
+
+    def trainer(name, save_steps=None, max_steps=6):
+        ssd = tmp_path / f"ssd-{name}"
+        ssd.mkdir(exist_ok=True)
+        _, m = tiny("llama_tied", layers=2)
+        m.load_state_dict(init)
+        kw = {**COMMON, "max_steps": max_steps}
+        if save_steps:
+            kw.update(save_strategy="steps", save_steps=save_steps)
+        args = FuyouTrainingArguments(output_dir=str(tmp_path / name), optim="adamw_torch", ssd_dirs=[str(ssd)],
+                                      cpu_memory="64MiB", **kw)
+        return FuyouTrainer(model=m, args=args, train_dataset=data)
+
+    straight = trainer("straight")
+    straight.train()
+    first = trainer("resumed", save_steps=3)
+    first.train()  # runs all 6, leaving checkpoint-3 (and checkpoint-6) behind
+    second = trainer("resumed", save_steps=3)
+    second.train(resume_from_checkpoint=str(tmp_path / "resumed" / "checkpoint-3"))
+    assert losses(second)[-3:] == pytest.approx(losses(straight)[-3:], rel=1e-6)
+    a, b = straight.model.state_dict(), second.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,266 @@
+"""Plan search: the fastest predicted plan that fits the budgets, or an error naming the binding one.
+
+Stages (every candidate is scored by ``cost.predict``; the best seen wins):
+
+1. micro-batch size — every divisor of the step's sequences (``tokens_per_step / seq_len``) whose
+   device working set fits; accumulation K = sequences ÷ micro-batch.
+2. activations — layers ordered by benefit per byte (recompute FLOPs ÷ saved bytes, highest first;
+   ties: later layers first, their activations are needed first in backward); the first n of them
+   are saved — kept on the device while it has room, then swapped to host RAM while the host budget
+   has room, then to SSD — the rest recomputed. n is scanned over a fixed grid 0…L (the same grid
+   for any budget, so more memory can only turn a swap into a cheaper one).
+3. prefetch depth, then state chunk × state buffers, under the host budget; then n again.
+4. schedule — clipping forces ``overlap_next_forward``; otherwise the faster of the two.
+5. alternative — spare host RAM filled with bf16 weights, then optimizer state (RAM absorbs the
+   most-read/written bytes first), marked NOT YET EXECUTABLE (the engine has no RAM tier).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from fuyou.engine.plan import Plan
+from fuyou.errors import ConfigError
+from fuyou.planner.cost import Prediction, host_buffers, memory, predict
+from fuyou.planner.graph import StepConfig
+from fuyou.planner.profile import HardwareProfile
+from fuyou.planner.result import Budgets, PlannerResult
+from fuyou.planner.shapes import ModelShape
+from fuyou.units import format_size as fs
+
+CHUNKS = (1 << 20, 1 << 22, 1 << 23, 1 << 25)
+DEPTHS = (1, 2, 3, 4)
+NEED_RAM_TIER = ("host-RAM tier for weights/optimizer state: the store keeps chosen extents in pinned host "
+                 "memory (reads become H2D copies, Adam updates them in place, no SSD write)")
+NEED_BOUNDARY = ("offload of block inputs saved for backward (activations.Saved.x / y) to host RAM, copied "
+                 "back before each block's backward")
+
+
+class InfeasibleError(ConfigError):
+    """No plan fits the budgets; the message names the binding constraint, numbers and a fix."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """What to plan for, and any choice the user fixed."""
+
+    seq_len: int = 1024
+    tokens_per_step: int = 8192
+    clip: bool = False
+    """Global-norm clipping wanted (forces ``overlap_next_forward``)."""
+    state_precision: str = "fp32"
+    micro_batch_size: int | None = None
+    schedule: str | None = None
+    prefetch_depth: int | None = None
+    activations: str | None = None
+    """One policy for every layer instead of searching (keep|swap_cpu|swap_ssd|recompute)."""
+    allow_engine_changes: bool = False
+    """Let the chosen plan need an engine change (block-input offload) when nothing else fits."""
+
+
+class _Search:
+    def __init__(self, shape: ModelShape, prof: HardwareProfile, bud: Budgets, req: Request) -> None:
+        self.m, self.hw, self.b, self.r = shape, prof, bud, req
+        self.H = len(shape.blocks) - 1
+        self.seqs = max(1, math.ceil(req.tokens_per_step / req.seq_len))
+        self.spp = 12 if req.state_precision == "fp32" else 8
+        self.evals = 0
+        layers = [b for b in range(1, self.H)]
+        ob = {b: shape.blocks[b].fwd_flops_per_token(shape.hidden, req.seq_len) / max(shape.blocks[b].act_bytes_per_token, 1)
+              for b in layers}
+        self.order = sorted(layers, key=lambda b: (-ob[b], -b))
+        grid = set(range(min(len(layers), 8) + 1)) | {len(layers)}
+        x = 8.0
+        while x < len(layers):
+            grid.add(int(round(x)))
+            x *= 1.3
+        self.grid = sorted(grid)
+
+    # ------------------------------------------------------------------ candidates
+    def plan(self, mb: int, pol: tuple[str, ...], depth: int, bufs: int, sched: str) -> Plan:
+        return Plan(micro_batches=self.seqs // mb, prefetch_depth=depth, activation_policy=pol, schedule=sched,
+                    state_buffers=bufs)
+
+    def cfg(self, mb: int, chunk: int, boundary: bool = False, ram_w: int = 0, ram_s: int = 0) -> StepConfig:
+        return StepConfig(mb, self.r.seq_len, chunk, self.spp, ram_w, ram_s, boundary)
+
+    def fits(self, plan: Plan, cfg: StepConfig) -> bool:
+        mem = memory(self.m, plan, cfg, self.hw)
+        return mem.device <= self.b.gpu_memory and mem.host <= self.b.cpu_memory
+
+    def assign(self, mb: int, n: int, depth: int, bufs: int, sched: str, cfg: StepConfig) -> tuple[str, ...] | None:
+        """Policies with the first ``n`` layers (benefit order) saved in the cheapest tier that fits."""
+        pol = ["keep"] + ["recompute"] * (self.H - 1) + ["keep"]
+        if self.r.activations:
+            pol[1:self.H] = [self.r.activations] * (self.H - 1)
+            return tuple(pol) if self.fits(self.plan(mb, tuple(pol), depth, bufs, sched), cfg) else None
+        if not self.fits(self.plan(mb, tuple(pol), depth, bufs, sched), cfg):
+            return None
+        for b in self.order[:n]:
+            for kind in ("keep", "swap_cpu", "swap_ssd"):
+                pol[b] = kind
+                if self.fits(self.plan(mb, tuple(pol), depth, bufs, sched), cfg):
+                    break
+            else:
+                pol[b] = "recompute"
+        return tuple(pol)
+
+    def score(self, plan: Plan, cfg: StepConfig) -> Prediction:
+        self.evals += 1
+        return predict(self.m, plan, cfg, self.hw)
+
+    def knobs(self, sched: str, chunk: int) -> tuple[int, int, int]:
+        """Default depth/buffers/chunk shrunk like ``engine.rules.fit_host`` until the buffers fit."""
+        depth = self.r.prefetch_depth or 2
+        while True:
+            need = host_buffers(self.m, Plan(prefetch_depth=depth, schedule=sched), self.cfg(1, chunk))
+            if need <= self.b.cpu_memory or (chunk <= CHUNKS[0] and (depth == 1 or self.r.prefetch_depth)):
+                return depth, 2, chunk
+            if chunk > CHUNKS[0]:
+                chunk //= 2
+            else:
+                depth -= 1
+
+    # ------------------------------------------------------------------ the search
+    def run(self) -> PlannerResult:
+        sched = self._schedules()[0]
+        self._check_static(sched)
+        depth, bufs, chunk = self.knobs(sched, 1 << 23)
+        mbs = [d for d in range(self.seqs, 0, -1) if self.seqs % d == 0]
+        if self.r.micro_batch_size:
+            if self.seqs % self.r.micro_batch_size:
+                raise ConfigError(f"--micro-batch-size {self.r.micro_batch_size} does not divide the "
+                                  f"{self.seqs} sequences of a step (--tokens-per-step / --seq-len)")
+            mbs = [self.r.micro_batch_size]
+        boundary = False
+        feasible = [mb for mb in mbs if self.assign(mb, 0, depth, bufs, sched, self.cfg(mb, chunk)) is not None]
+        if not feasible:
+            self._device_error(mbs[-1], depth, bufs, sched, chunk)
+            boundary = True
+            feasible = [mb for mb in mbs if self.assign(mb, 0, depth, bufs, sched, self.cfg(mb, chunk, True))]
+        best: tuple[float, Plan, StepConfig, Prediction] | None = None
+        for mb in feasible:
+            best = self._scan(mb, depth, bufs, sched, self.cfg(mb, chunk, boundary), best)
+        _, plan, cfg, _ = best
+        mb = cfg.micro_batch_size
+        for d in ([self.r.prefetch_depth] if self.r.prefetch_depth else DEPTHS):
+            best = self._try(dataclasses.replace(plan, prefetch_depth=d), cfg, best)
+        _, plan, cfg, _ = best
+        for c in CHUNKS:
+            nchunks = -(-max(b.numel for b in self.m.blocks) // c)
+            for s in sorted({2, 4, nchunks + 1}):
+                best = self._try(dataclasses.replace(plan, state_buffers=s), dataclasses.replace(cfg, state_chunk=c), best)
+        _, plan, cfg, _ = best
+        best = self._scan(mb, plan.prefetch_depth, plan.state_buffers, plan.schedule, cfg, best)
+        for s in self._schedules()[1:]:
+            _, plan, cfg, _ = best
+            pol = self.assign(mb, sum(p != "recompute" for p in plan.activation_policy[1:-1]), plan.prefetch_depth,
+                              plan.state_buffers, s, cfg)
+            if pol is not None:
+                best = self._try(dataclasses.replace(plan, schedule=s, activation_policy=pol), cfg, best)
+        return self._result(best)
+
+    def _schedules(self) -> list[str]:
+        if self.r.clip:
+            if self.r.schedule == "overlap_backward":
+                raise ConfigError("clipping needs the overlap_next_forward schedule; drop --schedule or --max-grad-norm")
+            return ["overlap_next_forward"]
+        return [self.r.schedule] if self.r.schedule else ["overlap_backward", "overlap_next_forward"]
+
+    def _try(self, plan: Plan, cfg: StepConfig, best: tuple | None) -> tuple:
+        if not self.fits(plan, cfg):
+            return best
+        p = self.score(plan, cfg)
+        return (p.step_s, plan, cfg, p) if best is None or p.step_s < best[0] * (1 - 1e-9) else best
+
+    def _scan(self, mb: int, depth: int, bufs: int, sched: str, cfg: StepConfig, best: tuple | None) -> tuple:
+        seen = set()
+        for n in ([0] if self.r.activations else self.grid):
+            pol = self.assign(mb, n, depth, bufs, sched, cfg)
+            if pol is None or pol in seen:
+                continue
+            seen.add(pol)
+            best = self._try(self.plan(mb, pol, depth, bufs, sched), cfg, best)
+        return best
+
+    # ------------------------------------------------------------------ errors
+    def _check_static(self, sched: str) -> None:
+        m, spp = self.m, self.spp
+        store = 2 * sum((2 + spp) * b.numel for b in m.blocks)
+        if self.b.ssd_bytes and store > self.b.ssd_bytes:
+            raise InfeasibleError(f"SSD space: the store needs {fs(store)} (two versions of {2 + spp} B/param × "
+                                  f"{m.params / 1e9:.2f} B params), {fs(self.b.ssd_bytes)} is free; add --ssd "
+                                  f"directories or use --state-precision bf16")
+        need = host_buffers(m, Plan(prefetch_depth=1, schedule=sched), self.cfg(1, CHUNKS[0]))
+        if need > self.b.cpu_memory:
+            big = max(b.numel for b in m.blocks)
+            park = " + parked gradients of every block for clipping (2 B/param)" if sched == "overlap_next_forward" else ""
+            raise InfeasibleError(
+                f"host memory: the smallest buffer set needs {fs(need)} (2 weight + 2 gradient + 2 new-weight buffers "
+                f"of the largest block, {fs(2 * big)} each, + 2 state chunks{park}); --cpu-memory is "
+                f"{fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(need)}")
+
+    def _device_error(self, mb: int, depth: int, bufs: int, sched: str, chunk: int) -> None:
+        pol = ("keep",) + ("recompute",) * (self.H - 1) + ("keep",)
+        plan, cfg = self.plan(mb, pol, depth, bufs, sched), self.cfg(mb, chunk)
+        mem = memory(self.m, plan, cfg, self.hw)
+        per_tok = self.H * self.m.hidden * 2
+        boundary = per_tok * self.seqs * self.r.seq_len
+        work = mem.device - boundary
+        fit_tokens = max(0, (self.b.gpu_memory - work) // per_tok // self.r.seq_len * self.r.seq_len)
+        msg = (f"device memory: block inputs kept for backward need {fs(boundary)} ({self.H} blocks × "
+               f"{self.seqs * self.r.seq_len} tokens × {self.m.hidden} × 2 B) plus a working set of {fs(work)} at "
+               f"micro-batch {mb}; --gpu-memory is {fs(self.b.gpu_memory)}. Lower --tokens-per-step to ≤ {fit_tokens} "
+               f"(or --seq-len), or raise --gpu-memory to ≥ {fs(mem.device)}")
+        if work > self.b.gpu_memory:
+            raise InfeasibleError(f"device memory: one micro-batch of {self.r.seq_len} tokens needs a working set of "
+                                  f"{fs(work)} (weights, gradients, activations of one block, logits); --gpu-memory is "
+                                  f"{fs(self.b.gpu_memory)}. Lower --seq-len or raise --gpu-memory")
+        ok = self.assign(mb, 0, depth, bufs, sched, self.cfg(mb, chunk, True)) is not None
+        if not (self.r.allow_engine_changes and ok):
+            hint = "; offloading block inputs to host RAM (an engine change) would fit: --allow-engine-changes" if ok else ""
+            raise InfeasibleError(msg + hint)
+
+    # ------------------------------------------------------------------ result
+    def _result(self, best: tuple) -> PlannerResult:
+        _, plan, cfg, pred = best
+        needs = () if cfg.executable else (NEED_BOUNDARY,)
+        alt = self._ram_tiers(plan, cfg, pred)
+        return PlannerResult(self.m.name, self.hw.name, plan, cfg, pred, self.b, cfg.executable, needs, alt, self.evals)
+
+    def _ram_tiers(self, plan: Plan, cfg: StepConfig, pred: Prediction) -> PlannerResult | None:
+        spare = self.b.cpu_memory - pred.memory.host
+        w = s = 0
+        for blk in self.m.blocks:
+            if 2 * blk.numel > spare:
+                break
+            spare -= 2 * blk.numel
+            w += 1
+        for blk in (self.m.blocks if w == len(self.m.blocks) else ()):
+            if self.spp * blk.numel > spare:
+                break
+            spare -= self.spp * blk.numel
+            s += 1
+        if not w:
+            return None
+        alt_cfg = dataclasses.replace(cfg, ram_weight_blocks=w, ram_state_blocks=s)
+        p = self.score(plan, alt_cfg)
+        if p.step_s >= pred.step_s * 0.99:
+            return None
+        needs = (NEED_RAM_TIER,) + (() if cfg.executable else (NEED_BOUNDARY,))
+        return PlannerResult(self.m.name, self.hw.name, plan, alt_cfg, p, self.b, False, needs, None, 0)
+
+
+def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Request = Request()) -> PlannerResult:
+    """The fastest predicted plan for ``shape`` on ``prof`` within ``budgets``.
+
+    Raises InfeasibleError naming the binding budget (device memory, host memory or SSD space) with
+    the numbers and what to change; ConfigError for inconsistent fixed choices.
+    """
+    if req.seq_len < 1 or req.tokens_per_step < 1:
+        raise ConfigError(f"--seq-len and --tokens-per-step must be ≥ 1, got {req.seq_len} and {req.tokens_per_step}")
+    if req.state_precision not in ("fp32", "bf16"):
+        raise ConfigError(f"--state-precision must be fp32 or bf16, got {req.state_precision!r}")
+    return _Search(shape, prof, budgets, req).run()
