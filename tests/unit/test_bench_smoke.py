@@ -23,3 +23,11 @@ def test_store_bench_smoke(tmp_path):
         assert ops["read"]["ratio"] > 0
     else:
         pytest.skip("fio not installed: ratio not measured")
+
+
+def test_checkpoint_bench_smoke(tmp_path):
+    r = subprocess.run([sys.executable, "bench/bench_checkpoint.py", "--smoke", "--dir", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout.splitlines()[-1])
+    assert rec["link_s_median"] > 0 and len(rec["disk_bytes_after_each"]) == 2
