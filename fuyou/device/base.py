@@ -154,6 +154,10 @@ class Backend(ABC):
         """Restore a state from ``rng_state``."""
         torch.set_rng_state(state)
 
+    def current_stream(self) -> Any:
+        """The stream torch issues work on right now (where the model's compute runs); None on CPU."""
+        return None
+
     @abstractmethod
     def new_stream(self) -> Any:
         """A new stream for copies that should overlap compute (a null stream on CPU)."""

@@ -103,6 +103,10 @@ class CUDABackend(Backend):
         torch.set_rng_state(state[0])
         torch.cuda.set_rng_state(state[1], self.device)
 
+    def current_stream(self) -> torch.cuda.Stream:
+        """torch's current stream on this device: where forward/backward are issued."""
+        return torch.cuda.current_stream(self.device)
+
     def new_stream(self) -> torch.cuda.Stream:
         """A new non-default stream on this device."""
         return torch.cuda.Stream(self.device)

@@ -1,6 +1,7 @@
 """Activations on SSD: saved tensors of one (block, micro-batch) packed into one file, read back ahead.
 
-Forward: the saved-tensor pack hook copies each tensor to host memory; when the block is done,
+Staging buffers are page-aligned (O_DIRECT) but not pinned: pinning per record would cost more than
+it saves. Forward: the saved-tensor pack hook copies each tensor to host memory; when the block is done,
 ``flush`` packs them into one page-aligned staging buffer and writes it (one large, checksummed
 I/O through the store's engine) to a scratch file reused across steps. Backward: ``prefetch``
 reads the file back (issued a block early), and the unpack hook serves views of it. Host bytes
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fuyou.device.base import Backend
+from fuyou.device.base import Backend, host_aligned_empty
 from fuyou.engine.timeline import Timeline
 from fuyou.storage.dirs import preallocate
 from fuyou.storage.io_base import FileHandle, IOEngine
@@ -105,7 +106,7 @@ class SSDRecord:
             return
         n = self.nbytes
         self._charge(n)
-        self.staging = self.space.backend.host_empty(n)
+        self.staging = host_aligned_empty(n)
         for (_, _, _, off, size), t in zip(self.metas, self.pending):
             self.staging[off : off + size].copy_(t.reshape(-1).view(torch.uint8))
         self.pending.clear()
@@ -138,7 +139,7 @@ class SSDRecord:
         self.wfut.result()  # raises the write's error, if any
         n = self.nbytes
         self._charge(n)
-        self.staging = self.space.backend.host_empty(n)
+        self.staging = host_aligned_empty(n)
         h = self.space.handle(self.block, self.micro, n)
         fut = self.space.io.read(h, self.staging.numpy(), self.crcs, f"activations of block {self.block}")
         self.io = self.space.timeline.track(fut, "ssd_read", f"act b{self.block} k{self.micro}", n)

@@ -67,7 +67,7 @@ class Engine:
         self.timeline = Timeline()
         self.store = store or TensorStore.create(list(cfg.ssd_dirs), self.layout.extents(), io=cfg.io,
                                                  direct=cfg.direct, checksums=cfg.checksums, overwrite=True)
-        self.compute_stream = None if self.backend.name == "cpu" else self.backend.new_stream()
+        self.compute_stream = self.backend.current_stream()  # forward/backward run on torch's current stream
         self.loader = WeightLoader(self.store, self.backend, self.pool, self.layout, self.timeline,
                                    self.plan.prefetch_depth, self.backend.new_stream())
         hyper = AdamWHyper(cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
@@ -237,6 +237,7 @@ class Engine:
             x, ctx = input_ids.to(dev), None
             for b in range(H):
                 w = self.loader.next(b)
+                self.loader.ready_event().wait(self.compute_stream)  # hazard: compute reading weights mid-copy
                 self.adapter.bind(b, self.layout.unflatten(b, w.view(self.layout.compute_dtype)))
                 x, ctx = self.adapter.forward(b, x, ctx)
                 self.adapter.unbind(b)
@@ -244,6 +245,7 @@ class Engine:
             tensors = self.layout.unflatten(H, self.loader.next(H).view(self.layout.compute_dtype))
             for o in borrowed:
                 tensors.update(self.layout.unflatten(o, self.loader.next(o).view(self.layout.compute_dtype)))
+            self.loader.ready_event().wait(self.compute_stream)  # hazard: compute reading weights mid-copy
             self.adapter.bind(H, tensors)
             logits, _ = self.adapter.forward(H, x, ctx)
             self.adapter.unbind(H)

@@ -59,8 +59,10 @@ class AdamStage:
         """Copy block ``b``'s flat device gradient into a host buffer of class ``cls``."""
         buf = self.pool.acquire(cls)
         n = grad.numel()
+        self.backend.record().wait(self.stream)  # hazard: copying the gradient before backward finished writing it
         with self.timeline.span("d2h", self.layout.blocks[b].name, n * grad.element_size()), self.backend.on(self.stream):
             buf.view(grad.dtype, n).copy_(grad, non_blocking=True)
+            self.backend.keep_alive(grad, self.stream)  # hazard: the caller frees grad while the copy still reads it
         return buf, self.backend.record(self.stream)
 
     def update(self, b: int, grad: HostBuffer, ready: Event, lr: float, step: int, scale: float) -> Future:

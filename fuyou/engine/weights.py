@@ -88,6 +88,8 @@ class WeightLoader:
             alias = into
         else:
             alias = self.backend.restore_storage(into, n, what)
+        # hazard: a restored/new device buffer may still be in use by compute queued before it was freed
+        self.backend.record().wait(self.stream)
         with self.timeline.span("h2d", self.layout.blocks[b].name, n), self.backend.on(self.stream):
             alias.copy_(buf.data[:n], non_blocking=True)
         self._copies.append((buf, self.backend.record(self.stream)))

@@ -48,11 +48,20 @@ class StepConfig:
     """NOT YET EXECUTABLE: blocks (from the first) whose master/m/v live in host RAM, not on SSD."""
     boundary_offload: bool = False
     """NOT YET EXECUTABLE: block inputs kept for backward go to host RAM instead of device memory."""
+    async_swap: bool = False
+    """NOT YET EXECUTABLE: swapped activations move on the copy streams (pinned buffers) overlapped
+    with compute, read back a block ahead, instead of synchronous pageable copies on the compute stream."""
+
+    @property
+    def needs(self) -> tuple[str, ...]:
+        """The engine changes this configuration needs (empty: executable today)."""
+        return tuple(n for n, on in (("ram_tier", self.ram_weight_blocks or self.ram_state_blocks),
+                                     ("boundary_offload", self.boundary_offload), ("async_swap", self.async_swap)) if on)
 
     @property
     def executable(self) -> bool:
         """Whether today's engine can run this configuration."""
-        return not (self.ram_weight_blocks or self.ram_state_blocks or self.boundary_offload)
+        return not self.needs
 
 
 class StepGraph:
@@ -97,8 +106,8 @@ class StepGraph:
     def act_bytes(self, b: int) -> float:
         """Bytes block ``b`` saves for backward over all micro-batches of a step."""
         blk = self.m.blocks[b]
-        per = self.hw.layer_act_bytes_per_token if (blk.kind == "layer" and self.hw.layer_act_bytes_per_token) \
-            else blk.act_bytes_per_token
+        measured = self.hw.layer_act_bytes_per_token and self.hw.model_signature == self.m.signature
+        per = self.hw.layer_act_bytes_per_token if (blk.kind == "layer" and measured) else blk.act_bytes_per_token
         return per * self.K * self.mb_tokens
 
     def _policy(self, b: int) -> str:
@@ -163,9 +172,16 @@ class StepGraph:
             cp = self._next(b)
             pol = self._policy(b)
             a = self.act_bytes(b)
-            extra = a / swap_out if pol in ("swap_cpu", "swap_ssd") else 0.0
-            extra += self.c.boundary_offload * self.K * self.mb_tokens * self.m.hidden * 2 / self.hw.d2h_Bps
-            self._compute(self._fwd_s(b) + extra, cp, sync=pol in ("swap_cpu", "swap_ssd"))
+            swapped = pol in ("swap_cpu", "swap_ssd")
+            boundary = self.c.boundary_offload * self.K * self.mb_tokens * self.m.hidden * 2
+            if self.c.async_swap:  # copy stream, overlapped with the next block's compute
+                f = self._compute(self._fwd_s(b), cp)
+                out = self.sim.op("d2h", (a * swapped + boundary) / self.hw.d2h_Bps, (f,))
+                if pol == "swap_ssd":
+                    self.act_ssd[b] = self.sim.op("ssd", a / self.hw.ssd_write_Bps, (out,), "ssd_write")
+                continue
+            extra = a / swap_out if swapped else 0.0
+            self._compute(self._fwd_s(b) + extra + boundary / self.hw.d2h_Bps, cp, sync=swapped)
             if pol == "swap_ssd":
                 self.thread = self.sim.op("thread", a / self.hw.host_mem_Bps, (self.thread,))
                 self.act_ssd[b] = self.sim.op("ssd", a / self.hw.ssd_write_Bps, (self.thread,), "ssd_write")
@@ -180,6 +196,7 @@ class StepGraph:
         swap_in = self.hw.swap_Bps[1]
         first = self.H + 1 + len(self.m.blocks[self.H].borrows)
         act_reads: dict[int, int] = {}
+        self.prefetch_from = self.thread
         for i, b in enumerate(range(self.H - 1, -1, -1)):
             for a in (b, b - 1):
                 if a in self.act_ssd and a not in act_reads:
@@ -187,9 +204,17 @@ class StepGraph:
                                                (self.thread, self.act_ssd[a]), "ssd_read")
             cp = self._next(first + i)
             pol = self._policy(b)
+            swapped = pol in ("swap_cpu", "swap_ssd")
+            boundary = self.c.boundary_offload * self.K * self.mb_tokens * self.m.hidden * 2
             dur = self._bwd_s(b) + (self._fwd_s(b) if pol == "recompute" else 0.0)
-            dur += self.act_bytes(b) / swap_in if pol in ("swap_cpu", "swap_ssd") else 0.0
-            dur += self.c.boundary_offload * self.K * self.mb_tokens * self.m.hidden * 2 / self.hw.h2d_Bps
+            if self.c.async_swap:  # back in on the copy stream, issued a block ahead
+                back = self.sim.op("h2d", (self.act_bytes(b) * swapped + boundary) / self.hw.h2d_Bps,
+                                   (self.prefetch_from, act_reads.get(b)))
+                self.prefetch_from = self.compute
+                self.hand_off(b, self._compute(dur, cp, back))
+                continue
+            dur += self.act_bytes(b) / swap_in if swapped else 0.0
+            dur += boundary / self.hw.h2d_Bps
             self.hand_off(b, self._compute(dur, cp, act_reads.get(b)))
 
     # ------------------------------------------------------------------ optimizer

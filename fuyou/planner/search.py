@@ -21,7 +21,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from fuyou.engine.plan import Plan
+from fuyou.planner._plan import Plan
 from fuyou.errors import ConfigError
 from fuyou.planner.cost import Prediction, host_buffers, memory, predict
 from fuyou.planner.graph import StepConfig
@@ -31,11 +31,23 @@ from fuyou.planner.shapes import ModelShape
 from fuyou.units import format_size as fs
 
 CHUNKS = (1 << 20, 1 << 22, 1 << 23, 1 << 25)
+MAX_CHUNKS = 32
+"""Chunk sizes searched leave at most this many state chunks per block: finer chunks only shorten a
+head/tail already under 1/32 of a block's Adam time, and cost simulation time."""
 DEPTHS = (1, 2, 3, 4)
-NEED_RAM_TIER = ("host-RAM tier for weights/optimizer state: the store keeps chosen extents in pinned host "
-                 "memory (reads become H2D copies, Adam updates them in place, no SSD write)")
-NEED_BOUNDARY = ("offload of block inputs saved for backward (activations.Saved.x / y) to host RAM, copied "
-                 "back before each block's backward")
+NEEDS = {
+    "ram_tier": "host-RAM tier for weights/optimizer state: chosen extents live in pinned host memory (reads "
+                "become H2D copies, Adam updates state in place, no SSD traffic)",
+    "boundary_offload": "block inputs saved for backward (activations.Saved.x / y) offloaded to host RAM and "
+                        "copied back before each block's backward",
+    "async_swap": "activation swaps through pinned buffers on the copy streams, overlapped with compute and "
+                  "read back a block ahead (today: synchronous pageable copies on the compute stream)",
+}
+
+
+def _chunk_for(numel: int, chunks: int) -> int:
+    """The state chunk (a multiple of 32 elements) that cuts ``numel`` into ``chunks`` pieces."""
+    return -(-(-(-numel // chunks)) // 32) * 32
 
 
 class InfeasibleError(ConfigError):
@@ -61,8 +73,8 @@ class Request:
 
 
 class _Search:
-    def __init__(self, shape: ModelShape, prof: HardwareProfile, bud: Budgets, req: Request) -> None:
-        self.m, self.hw, self.b, self.r = shape, prof, bud, req
+    def __init__(self, shape: ModelShape, prof: HardwareProfile, bud: Budgets, req: Request, changes: bool) -> None:
+        self.m, self.hw, self.b, self.r, self.changes = shape, prof, bud, req, changes
         self.H = len(shape.blocks) - 1
         self.seqs = max(1, math.ceil(req.tokens_per_step / req.seq_len))
         self.spp = 12 if req.state_precision == "fp32" else 8
@@ -84,7 +96,7 @@ class _Search:
                     state_buffers=bufs)
 
     def cfg(self, mb: int, chunk: int, boundary: bool = False, ram_w: int = 0, ram_s: int = 0) -> StepConfig:
-        return StepConfig(mb, self.r.seq_len, chunk, self.spp, ram_w, ram_s, boundary)
+        return StepConfig(mb, self.r.seq_len, chunk, self.spp, ram_w, ram_s, boundary, self.changes)
 
     def fits(self, plan: Plan, cfg: StepConfig) -> bool:
         mem = memory(self.m, plan, cfg, self.hw)
@@ -119,7 +131,7 @@ class _Search:
             if need <= self.b.cpu_memory or (chunk <= CHUNKS[0] and (depth == 1 or self.r.prefetch_depth)):
                 return depth, 2, chunk
             if chunk > CHUNKS[0]:
-                chunk //= 2
+                chunk = max(CHUNKS[0], chunk // 2 // 32 * 32)
             else:
                 depth -= 1
 
@@ -127,7 +139,8 @@ class _Search:
     def run(self) -> PlannerResult:
         sched = self._schedules()[0]
         self._check_static(sched)
-        depth, bufs, chunk = self.knobs(sched, 1 << 23)
+        big = max(b.numel for b in self.m.blocks)
+        depth, bufs, chunk = self.knobs(sched, max(1 << 23, _chunk_for(big, MAX_CHUNKS)))
         mbs = [d for d in range(self.seqs, 0, -1) if self.seqs % d == 0]
         if self.r.micro_batch_size:
             if self.seqs % self.r.micro_batch_size:
@@ -137,9 +150,12 @@ class _Search:
         boundary = False
         feasible = [mb for mb in mbs if self.assign(mb, 0, depth, bufs, sched, self.cfg(mb, chunk)) is not None]
         if not feasible:
-            self._device_error(mbs[-1], depth, bufs, sched, chunk)
+            if not self.changes:
+                self._device_error(mbs[-1], depth, bufs, sched, chunk)
             boundary = True
             feasible = [mb for mb in mbs if self.assign(mb, 0, depth, bufs, sched, self.cfg(mb, chunk, True))]
+            if not feasible:
+                self._device_error(mbs[-1], depth, bufs, sched, chunk)
         best: tuple[float, Plan, StepConfig, Prediction] | None = None
         for mb in feasible:
             best = self._scan(mb, depth, bufs, sched, self.cfg(mb, chunk, boundary), best)
@@ -148,8 +164,10 @@ class _Search:
         for d in ([self.r.prefetch_depth] if self.r.prefetch_depth else DEPTHS):
             best = self._try(dataclasses.replace(plan, prefetch_depth=d), cfg, best)
         _, plan, cfg, _ = best
-        for c in CHUNKS:
-            nchunks = -(-max(b.numel for b in self.m.blocks) // c)
+        big = max(b.numel for b in self.m.blocks)
+        fine = {_chunk_for(big, k) for k in (1, 2, 4, 8, 16, MAX_CHUNKS)}
+        for c in sorted(fine | {c for c in CHUNKS if -(-big // c) <= MAX_CHUNKS}):
+            nchunks = -(-big // c)
             for s in sorted({2, 4, nchunks + 1}):
                 best = self._try(dataclasses.replace(plan, state_buffers=s), dataclasses.replace(cfg, state_chunk=c), best)
         _, plan, cfg, _ = best
@@ -219,18 +237,19 @@ class _Search:
                                   f"{fs(work)} (weights, gradients, activations of one block, logits); --gpu-memory is "
                                   f"{fs(self.b.gpu_memory)}. Lower --seq-len or raise --gpu-memory")
         ok = self.assign(mb, 0, depth, bufs, sched, self.cfg(mb, chunk, True)) is not None
-        if not (self.r.allow_engine_changes and ok):
-            hint = "; offloading block inputs to host RAM (an engine change) would fit: --allow-engine-changes" if ok else ""
-            raise InfeasibleError(msg + hint)
+        hint = "; offloading block inputs to host RAM (an engine change) would fit: --allow-engine-changes" \
+            if ok and not self.changes else ""
+        raise InfeasibleError(msg + hint)
 
     # ------------------------------------------------------------------ result
     def _result(self, best: tuple) -> PlannerResult:
+        if self.changes:
+            best = self._ram_tiers(*best[1:]) or best
         _, plan, cfg, pred = best
-        needs = () if cfg.executable else (NEED_BOUNDARY,)
-        alt = self._ram_tiers(plan, cfg, pred)
-        return PlannerResult(self.m.name, self.hw.name, plan, cfg, pred, self.b, cfg.executable, needs, alt, self.evals)
+        needs = tuple(NEEDS[n] for n in cfg.needs)
+        return PlannerResult(self.m.name, self.hw.name, plan, cfg, pred, self.b, cfg.executable, needs, None, self.evals)
 
-    def _ram_tiers(self, plan: Plan, cfg: StepConfig, pred: Prediction) -> PlannerResult | None:
+    def _ram_tiers(self, plan: Plan, cfg: StepConfig, pred: Prediction) -> tuple | None:
         spare = self.b.cpu_memory - pred.memory.host
         w = s = 0
         for blk in self.m.blocks:
@@ -247,10 +266,7 @@ class _Search:
             return None
         alt_cfg = dataclasses.replace(cfg, ram_weight_blocks=w, ram_state_blocks=s)
         p = self.score(plan, alt_cfg)
-        if p.step_s >= pred.step_s * 0.99:
-            return None
-        needs = (NEED_RAM_TIER,) + (() if cfg.executable else (NEED_BOUNDARY,))
-        return PlannerResult(self.m.name, self.hw.name, plan, alt_cfg, p, self.b, False, needs, None, 0)
+        return (p.step_s, plan, alt_cfg, p) if p.step_s < pred.step_s * 0.99 else None
 
 
 def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Request = Request()) -> PlannerResult:
@@ -263,4 +279,16 @@ def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Requ
         raise ConfigError(f"--seq-len and --tokens-per-step must be ≥ 1, got {req.seq_len} and {req.tokens_per_step}")
     if req.state_precision not in ("fp32", "bf16"):
         raise ConfigError(f"--state-precision must be fp32 or bf16, got {req.state_precision!r}")
-    return _Search(shape, prof, budgets, req).run()
+    try:
+        main = _Search(shape, prof, budgets, req, changes=False).run()
+    except InfeasibleError:
+        if not req.allow_engine_changes:
+            raise
+        return _Search(shape, prof, budgets, req, changes=True).run()
+    try:
+        alt = _Search(shape, prof, budgets, req, changes=True).run()
+    except InfeasibleError:
+        return main
+    if alt.prediction.step_s < main.prediction.step_s * 0.99:
+        main = dataclasses.replace(main, alternative=alt, considered=main.considered + alt.considered)
+    return main

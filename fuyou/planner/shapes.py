@@ -68,6 +68,11 @@ class ModelShape:
     vocab: int
 
     @property
+    def signature(self) -> str:
+        """``hidden×layers×vocab``: which model a profile's measurements were taken on."""
+        return f"{self.hidden}x{self.layers}x{self.vocab}"
+
+    @property
     def params(self) -> int:
         """Trainable elements (store layout)."""
         return sum(b.numel for b in self.blocks)

@@ -37,9 +37,9 @@ class Sim:
         if duration < 0:
             raise ValueError(f"negative duration {duration}")
         i = len(self.res)
-        d = tuple(sorted({x for x in deps if x is not None}))
-        if d and d[-1] >= i:
-            raise ValueError(f"operation {i} depends on a later operation {d[-1]}")
+        d = tuple(x for x in deps if x is not None)
+        if d and max(d) >= i:
+            raise ValueError(f"operation {i} depends on a later operation {max(d)}")
         self.res.append(None if resource is None else self.merge.get(resource, resource))
         self.dur.append(float(duration))
         self.deps.append(d)
@@ -51,11 +51,12 @@ class Sim:
         n = len(self.res)
         end = [0.0] * n
         ready = [0.0] * n
-        waiting = [len(d) for d in self.deps]
         users: list[list[int]] = [[] for _ in range(n)]
+        waiting = [0] * n
         for i, d in enumerate(self.deps):
-            for j in d:
+            for j in set(d):
                 users[j].append(i)
+                waiting[i] += 1
         free: dict[str, float] = {}
         heaps: dict[str, list[tuple[float, int]]] = {}
         instant: list[int] = []

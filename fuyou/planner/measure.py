@@ -1,0 +1,239 @@
+"""Measurements behind ``fuyou profile``: real speeds of this machine, not datasheet peaks.
+
+Heavy imports (torch, the store, numba Adam, the model adapter) happen inside the functions, so the
+planner package itself stays importable without them. Each function returns plain numbers
+(bytes/s, parameters/s, FLOP/s) and takes the median of ``repeats`` runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+from fuyou.planner.profile import ComputePoint, HardwareProfile
+
+
+def _median(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ssd_bandwidth(dirs: list[str], size_bytes: int = 512 << 20, extent_bytes: int = 64 << 20,
+                  threads: int = 16, repeats: int = 3) -> tuple[float, float]:
+    """(read, write) bytes/s of the store's own I/O path striped over ``dirs`` (O_DIRECT where the
+    filesystem allows): ``size_bytes`` in extents of ``extent_bytes``, all in flight at once, as the
+    engine issues them. Writes go to recycled files after a warm-up, as in training.
+
+    Raises StoreError subclasses if a directory is unusable or short of space.
+    """
+    import torch
+
+    from fuyou.device import host_aligned_empty
+    from fuyou.storage import ExtentSpec, TensorSpec, TensorStore
+
+    n = max(1, size_bytes // extent_bytes)
+    exts = [ExtentSpec(f"p{i}", (TensorSpec("x", (extent_bytes,), torch.uint8),)) for i in range(n)]
+    bufs = [host_aligned_empty(extent_bytes) for _ in range(n)]
+    work = [tempfile.mkdtemp(prefix="fuyou-profile-", dir=d) for d in dirs]
+    try:
+        store = TensorStore.create(work, exts, io="auto", direct="auto", threads=threads, fsync=False)
+        with store:
+            def run(op: str) -> None:
+                for f in [getattr(store, op)(e.name, b) for e, b in zip(exts, bufs)]:
+                    f.result()
+
+            def write() -> None:
+                run("write")
+                store.commit({})
+
+            w = _median(write, repeats)
+            r = _median(lambda: run("read"), repeats)
+    finally:
+        for d in work:
+            shutil.rmtree(d, ignore_errors=True)
+    total = n * extent_bytes
+    return total / r, total / w
+
+
+def adam_throughput(params: int = 32 << 20, repeats: int = 3, threads: int | None = None) -> float:
+    """Parameters/s of ``fuyou.optim.adamw_step`` as the engine calls it (fp32 master/m/v in place,
+    bf16 gradient in, bf16 weights out) on ``params`` elements, with ``threads`` numba threads."""
+    import numba
+    import torch
+
+    from fuyou.optim import adamw_step
+
+    if threads:
+        numba.set_num_threads(threads)
+    master, m, v = (torch.randn(params) for _ in range(3))
+    v.abs_()
+    grad = torch.randn(params, dtype=torch.bfloat16)
+    out = torch.empty(params, dtype=torch.bfloat16)
+    step = [0]
+
+    def run() -> None:
+        step[0] += 1
+        adamw_step(master, m, v, grad, lr=1e-4, step=step[0], out=out)
+
+    return params / _median(run, repeats)
+
+
+def host_memcpy(nbytes: int = 256 << 20, repeats: int = 3) -> float:
+    """Host memcpy rate, bytes copied per second (one side counted), between page-aligned buffers."""
+    from fuyou.device import host_aligned_empty
+
+    a, b = host_aligned_empty(nbytes), host_aligned_empty(nbytes)
+    return nbytes / _median(lambda: b.copy_(a), repeats)
+
+
+def host_device_copy(backend: Any, nbytes: int = 256 << 20, repeats: int = 3) -> tuple[float, float]:
+    """(host→device, device→host) bytes/s between the backend's host buffers (pinned on CUDA) and device
+    memory; on the CPU backend this is a memcpy."""
+    import torch
+
+    host = backend.host_empty(nbytes)
+    dev = backend.device_empty((nbytes,), torch.uint8, "profile copy buffer")
+
+    def h2d() -> None:
+        dev.copy_(host, non_blocking=True)
+        backend.synchronize()
+
+    def d2h() -> None:
+        host.copy_(dev, non_blocking=True)
+        backend.synchronize()
+
+    return nbytes / _median(h2d, repeats), nbytes / _median(d2h, repeats)
+
+
+def matmul_peak(backend: Any, n: int = 2048, repeats: int = 3) -> float:
+    """Achieved bf16 FLOP/s of an ``n × n × n`` matmul on the device (the MFU reference)."""
+    import torch
+
+    a = torch.randn(n, n, device=backend.device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=backend.device).to(torch.bfloat16)
+
+    def run() -> None:
+        a @ b
+        backend.synchronize()
+
+    return 2 * n**3 / _median(run, repeats)
+
+
+def block_compute(config: Any, backend: Any, block: int, micro_batch: int, seq_len: int, flops_per_token: int,
+                  repeats: int = 3) -> tuple[ComputePoint, float]:
+    """Forward and backward speed of one block of ``config``'s model on the device, with random bf16
+    weights of the block's shapes, at ``micro_batch × seq_len`` tokens (through the model adapter, as
+    the engine runs it). Returns (the ComputePoint, bytes the block saved for backward per token).
+
+    ``flops_per_token`` is the block's forward FLOPs per token (``shapes.BlockShape.fwd_flops_per_token``).
+    """
+    import torch
+
+    from fuyou.models.adapters import make_adapter
+    from fuyou.models.blocks import BlockSpec
+
+    ad = make_adapter(config)
+    ad.prepare(backend.device)
+    dev = backend.device
+    specs: list[BlockSpec] = ad.blocks
+    tensors = {p.key: (torch.randn(p.shape, device=dev) * 0.02).to(torch.bfloat16) for p in specs[block].params}
+    for other in specs[block].borrows:
+        owner = next(s for s in specs if s.name == other)
+        tensors.update({p.key: (torch.randn(p.shape, device=dev) * 0.02).to(torch.bfloat16) for p in owner.params})
+    params = ad.bind(block, tensors)
+    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=dev)
+    with torch.no_grad():
+        x, ctx = ad.forward(0, ids, None) if block != 0 else (ids, None)
+        if block != 0:
+            x = (torch.randn(x.shape, device=dev) * 0.5).to(torch.bfloat16)
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not any(t.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for p in params.values()):
+            saved[0] += t.numel() * t.element_size()
+        return t
+
+    def fwd() -> torch.Tensor:
+        with torch.enable_grad():
+            y, _ = ad.forward(block, x.detach().requires_grad_(x.is_floating_point()), ctx)
+        backend.synchronize()
+        return y
+
+    def fwd_bwd() -> None:
+        y = fwd()
+        y.float().square().mean().backward()  # a loss-like reduction (the head's logits included)
+        backend.synchronize()
+        for p in params.values():
+            p.grad = None
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fwd()
+    t_f = _median(fwd, repeats)
+    t_fb = _median(fwd_bwd, repeats)
+    ad.unbind(block)
+    tokens = micro_batch * seq_len
+    flops = flops_per_token * tokens
+    t_b = max(t_fb - t_f, 1e-9)
+    return ComputePoint(tokens, flops / t_f, 2 * flops / t_b, seq_len), saved[0] / tokens
+
+
+def measure_profile(ssd_dirs: list[str], config: Any = None, micro_batches: tuple[int, ...] = (1, 2, 4),
+                    seq_len: int = 256, device: str = "auto", ssd_bytes: int = 512 << 20, adam_params: int = 32 << 20,
+                    name: str = "", log: Callable[[str], None] = lambda s: None) -> HardwareProfile:
+    """Measure everything a profile holds on this machine (see each function above).
+
+    ``config`` (a transformers config) adds per-layer and head compute points at ``micro_batches``
+    × ``seq_len`` and the measured activation bytes per token. Raises FuyouError subclasses for
+    unusable directories; the backend's errors if ``device`` is unavailable.
+    """
+    import socket
+
+    from fuyou.device import get_backend
+    from fuyou.planner.shapes import shape_from_config
+
+    backend = get_backend(device)
+    per_dir = []
+    for d in ssd_dirs:
+        log(f"SSD {d} …")
+        r, w = ssd_bandwidth([d], ssd_bytes)
+        per_dir.append({"dir": d, "read_Bps": r, "write_Bps": w})
+    r, w = ssd_bandwidth(ssd_dirs, ssd_bytes) if len(ssd_dirs) > 1 else (per_dir[0]["read_Bps"], per_dir[0]["write_Bps"])
+    log("CPU Adam …")
+    adam = adam_throughput(adam_params)
+    log("host memory …")
+    mem = host_memcpy()
+    h2d, d2h = host_device_copy(backend)
+    compute, head, act, sig = [], [], 0.0, ""
+    dev_mem = 0
+    if config is not None:
+        shape = shape_from_config(config.to_dict())
+        sig = shape.signature
+        H = len(shape.blocks) - 1
+        for mb in micro_batches:
+            log(f"compute, micro-batch {mb} × {seq_len} …")
+            pt, act = block_compute(config, backend, 1, mb, seq_len, shape.blocks[1].fwd_flops_per_token(shape.hidden, seq_len))
+            compute.append(pt)
+            hp, _ = block_compute(config, backend, H, mb, seq_len, shape.blocks[H].fwd_flops_per_token(shape.hidden, seq_len))
+            head.append(hp)
+    total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    cpu = backend.name == "cpu"
+    dev_mem = total_ram // 4 if cpu else backend.memory().capacity
+    free = sum(shutil.disk_usage(d).total for d in ssd_dirs)
+    return HardwareProfile(
+        ssd_read_Bps=r, ssd_write_Bps=w, adam_params_per_s=adam, name=name or socket.gethostname(),
+        device="cpu" if cpu else "cuda", compute=tuple(compute), head_compute=tuple(head), h2d_Bps=h2d, d2h_Bps=d2h,
+        host_mem_Bps=mem, device_mem_Bps=mem if cpu else 1e12, device_memory_bytes=int(dev_mem),
+        host_memory_bytes=int(total_ram), ssd_capacity_bytes=int(free), ssd_count=len(ssd_dirs),
+        layer_act_bytes_per_token=act, model_signature=sig, per_dir=tuple(per_dir),
+        device_peak_flops=matmul_peak(backend),
+        notes={"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "seq_len": seq_len, "ssd_bytes": ssd_bytes,
+               "adam_params": adam_params, "method": "fuyou.planner.measure"})
