@@ -31,3 +31,11 @@ def test_checkpoint_bench_smoke(tmp_path):
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout.splitlines()[-1])
     assert rec["link_s_median"] > 0 and len(rec["disk_bytes_after_each"]) == 2
+
+
+def test_gpu_bench_smoke_runs_on_any_device(tmp_path):
+    r = subprocess.run([sys.executable, "bench/bench_gpu.py", "--smoke", "--ssd", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout.splitlines()[-1])
+    assert rec["tflops"] > 0 and 0 < rec["mfu"] and rec["flop_formula"]
