@@ -138,5 +138,14 @@ def export(store_dirs: tuple[str, ...], out_dir: str, dtype: str) -> None:
     click.echo(f"exported to {out_dir}")
 
 
+def _register() -> None:
+    from fuyou.cli.plan_cmd import plan_cmd, profile_cmd
+
+    main.add_command(plan_cmd)
+    main.add_command(profile_cmd)
+
+
+_register()
+
 if __name__ == "__main__":
     main()

@@ -145,16 +145,20 @@ def block_compute(config: Any, backend: Any, block: int, micro_batch: int, seq_l
     ad.prepare(backend.device)
     dev = backend.device
     specs: list[BlockSpec] = ad.blocks
-    tensors = {p.key: (torch.randn(p.shape, device=dev) * 0.02).to(torch.bfloat16) for p in specs[block].params}
-    for other in specs[block].borrows:
-        owner = next(s for s in specs if s.name == other)
-        tensors.update({p.key: (torch.randn(p.shape, device=dev) * 0.02).to(torch.bfloat16) for p in owner.params})
-    params = ad.bind(block, tensors)
+    def rand(spec: BlockSpec) -> dict[str, torch.Tensor]:
+        return {p.key: (torch.randn(p.shape, device=dev) * 0.02).to(torch.bfloat16) for p in spec.params}
+
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=dev)
-    with torch.no_grad():
-        x, ctx = ad.forward(0, ids, None) if block != 0 else (ids, None)
-        if block != 0:
-            x = (torch.randn(x.shape, device=dev) * 0.5).to(torch.bfloat16)
+    embed = rand(specs[0])
+    with torch.no_grad():  # the embed block makes the context (mask, rotary) every layer needs
+        ad.bind(0, embed)
+        x, ctx = ad.forward(0, ids, None)
+        ad.unbind(0)
+    tensors = rand(specs[block]) if block else embed
+    for other in specs[block].borrows:
+        tensors.update(embed if other == specs[0].name else rand(next(s for s in specs if s.name == other)))
+    params = ad.bind(block, tensors)
+    x = ids if block == 0 else (torch.randn(x.shape, device=dev) * 0.5).to(torch.bfloat16)
     saved = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -91,6 +91,8 @@ class HardwareProfile:
     """Provenance: date, machine, method, sources (free form)."""
 
     def __post_init__(self) -> None:
+        for k in ("compute", "head_compute"):  # sorted by tokens, whatever order they were given in
+            object.__setattr__(self, k, tuple(sorted(getattr(self, k), key=lambda p: p.tokens)))
         problems = [f"{k} must be > 0, got {getattr(self, k)}" for k in
                     ("ssd_read_Bps", "ssd_write_Bps", "adam_params_per_s", "h2d_Bps", "d2h_Bps", "host_mem_Bps",
                      "device_mem_Bps")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fuyou.planner._plan import Plan
+from fuyou.engine.plan import Plan
 from fuyou.planner.cost import Memory, Prediction
 from fuyou.planner.graph import StepConfig
 

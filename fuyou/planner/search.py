@@ -21,7 +21,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from fuyou.planner._plan import Plan
+from fuyou.engine.plan import Plan
 from fuyou.errors import ConfigError
 from fuyou.planner.cost import Prediction, host_buffers, memory, predict
 from fuyou.planner.graph import StepConfig
@@ -70,6 +70,8 @@ class Request:
     """One policy for every layer instead of searching (keep|swap_cpu|swap_ssd|recompute)."""
     allow_engine_changes: bool = False
     """Let the chosen plan need an engine change (block-input offload) when nothing else fits."""
+    ram_tiers: bool = True
+    """Consider keeping weights/state in host RAM (an engine change) for the alternative plan."""
 
 
 class _Search:
@@ -243,9 +245,11 @@ class _Search:
 
     # ------------------------------------------------------------------ result
     def _result(self, best: tuple) -> PlannerResult:
-        if self.changes:
+        if self.changes and self.r.ram_tiers:
             best = self._ram_tiers(*best[1:]) or best
         _, plan, cfg, pred = best
+        if cfg.async_swap and not cfg.boundary_offload and not {"swap_cpu", "swap_ssd"} & set(plan.activation_policy):
+            cfg = dataclasses.replace(cfg, async_swap=False)  # nothing swapped: same prediction, no change needed
         needs = tuple(NEEDS[n] for n in cfg.needs)
         return PlannerResult(self.m.name, self.hw.name, plan, cfg, pred, self.b, cfg.executable, needs, None, self.evals)
 

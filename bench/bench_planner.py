@@ -1,0 +1,149 @@
+"""P7 — planner accuracy: predicted ÷ measured step time for several plans, side by side in one run.
+
+For each setting the machine is profiled first with the planner's own measurement functions (SSD
+read/write of the store directory, CPU Adam at the setting's thread count, memcpy, and the
+setting's layer and head forward/backward at its micro-batch × sequence length), then the real
+engine (``Engine.from_state_dict`` on a random-init Llama) runs ``--warmup`` + ``--repeats`` steps;
+the figure is the cost model's step time ÷ the median measured step time. Settings span SSD-bound
+(few tokens, wide layers), compute-bound (keep / recompute / swap_cpu) and Adam-bound (store on a
+RAM disk, one Adam thread). A last pair compares the planner's own plan with the engine's default
+rules on the same model and batch (measured both).
+
+    python bench/bench_planner.py                      # full run (several minutes)
+    python bench/bench_planner.py --only ssd,keep      # some settings
+    python bench/bench_planner.py --smoke              # seconds; what the tests run
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from bench.bench_engine import build_model, llama_config, make_batch  # noqa: E402
+from bench.common import emit, hardware_info  # noqa: E402
+from fuyou.device import get_backend  # noqa: E402
+from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
+from fuyou.planner import measure  # noqa: E402
+from fuyou.planner.cost import predict  # noqa: E402
+from fuyou.planner.graph import StepConfig  # noqa: E402
+from fuyou.planner.profile import HardwareProfile  # noqa: E402
+from fuyou.planner.result import Budgets  # noqa: E402
+from fuyou.planner.search import Request, search  # noqa: E402
+from fuyou.planner.shapes import shape_from_config  # noqa: E402
+from fuyou.units import parse_size  # noqa: E402
+
+# name: (model shape, batch, seq, policy, adam threads (0 = all), store on RAM disk)
+MODELS = {"wide": dict(hidden=1536, layers=4, inter=4096, heads=12, kv_heads=4, vocab=32000),
+          "p2": dict(hidden=1024, layers=8, inter=2816, heads=16, kv_heads=4, vocab=32000),
+          "smoke": dict(hidden=64, layers=2, inter=128, heads=4, kv_heads=2, vocab=96)}
+SETTINGS = {
+    "ssd": ("wide", 1, 32, "recompute", 0, False),
+    "keep": ("p2", 4, 256, "keep", 0, False),
+    "recompute": ("p2", 4, 256, "recompute", 0, False),
+    "swap_cpu": ("p2", 4, 256, "swap_cpu", 0, False),
+    "adam": ("p2", 1, 32, "recompute", 1, True),
+    "smoke": ("smoke", 2, 16, "recompute", 0, False),
+}
+
+
+def profile_for(cfg: object, store_dir: str, mb: int, seq: int, threads: int, a: argparse.Namespace) -> HardwareProfile:
+    """The planner's measurements for one setting (see the module docstring)."""
+    backend = get_backend("cpu")
+    r, w = measure.ssd_bandwidth([store_dir], a.ssd_mib << 20, repeats=a.profile_repeats)
+    mem = measure.host_memcpy(64 << 20)
+    shape = shape_from_config(cfg.to_dict())
+    H = len(shape.blocks) - 1
+    pt, act = measure.block_compute(cfg, backend, 1, mb, seq, shape.blocks[1].fwd_flops_per_token(shape.hidden, seq))
+    hp, _ = measure.block_compute(cfg, backend, H, mb, seq, shape.blocks[H].fwd_flops_per_token(shape.hidden, seq))
+    adam = measure.adam_throughput(8 << 20 if a.smoke else 32 << 20, threads=threads or os.cpu_count())
+    return HardwareProfile(ssd_read_Bps=r, ssd_write_Bps=w, adam_params_per_s=adam, name="bench", device="cpu",
+                           compute=(pt,), head_compute=(hp,), h2d_Bps=mem, d2h_Bps=mem, host_mem_Bps=mem,
+                           device_mem_Bps=mem, layer_act_bytes_per_token=act, model_signature=shape.signature)
+
+
+def run_engine(cfg: object, sd: dict, store: str, plan: Plan, chunk: int | None, threads: int, ids: torch.Tensor,
+               a: argparse.Namespace) -> tuple[float, list[float], Plan, int, dict]:
+    """Median step time of the real engine running ``plan``: (median s, all, plan run, chunk, busy)."""
+    ec = EngineConfig(ssd_dirs=(store,), precision="bf16", lr=1e-4, weight_decay=0.01, cpu_memory=a.cpu_memory,
+                      plan=plan, adam_threads=threads or None, **({"state_chunk": chunk} if chunk else {}))
+    eng = Engine.from_state_dict(cfg, sd, ec)
+    try:
+        times, busy = [], {}
+        for rep in range(a.warmup + a.repeats):
+            st = eng.train_step(ids)
+            if rep >= a.warmup:
+                times.append(st["step_time_s"])
+                busy = st["busy_s"]
+        return statistics.median(times), times, eng.plan, eng.layout.state_chunk, busy
+    finally:
+        eng.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="ssd,keep,recompute,swap_cpu,adam", help="comma list of settings")
+    ap.add_argument("--dir", default=None, help="store parent directory (default: a temp dir in /work)")
+    ap.add_argument("--ramdisk", default="/dev/shm", help="store parent for the Adam-bound setting")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--ssd-mib", type=int, default=512)
+    ap.add_argument("--profile-repeats", type=int, default=3)
+    ap.add_argument("--cpu-memory", default="6GiB")
+    ap.add_argument("--no-compare", action="store_true", help="skip the planner-vs-default-rules pair")
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    if a.smoke:
+        a.only, a.repeats, a.warmup, a.ssd_mib, a.profile_repeats, a.no_compare = "smoke", 1, 1, 16, 1, False
+    base = a.dir or ("/work" if os.path.isdir("/work") else tempfile.gettempdir())
+    hw = hardware_info([base])
+    for name in a.only.split(","):
+        model, batch, seq, policy, threads, ram = SETTINGS[name]
+        work = tempfile.mkdtemp(prefix="fuyou-bench-planner-", dir=a.ramdisk if ram else base)
+        try:
+            setting(name, model, batch, seq, policy, threads, work, a, hw)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def setting(name: str, model: str, batch: int, seq: int, policy: str, threads: int, work: str,
+            a: argparse.Namespace, hw: dict) -> None:
+    m = MODELS[model]
+    cfg = llama_config(m["hidden"], m["layers"], m["inter"], m["heads"], m["kv_heads"], m["vocab"], seq)
+    sd = {k: v.detach().clone() for k, v in build_model(cfg).state_dict().items()}
+    ids = make_batch(m["vocab"], batch, seq)
+    prof = profile_for(cfg, work, batch, seq, threads, a)
+    shape = shape_from_config(cfg.to_dict())
+    nb = len(shape.blocks)
+    plan = Plan(micro_batches=1, prefetch_depth=2, activation_policy=("keep",) + (policy,) * (nb - 2) + ("keep",))
+    meas, all_t, ran, chunk, busy = run_engine(cfg, sd, work, plan, None, threads, ids, a)
+    pred = predict(shape, ran, StepConfig(batch, seq, chunk), prof)
+    emit({"bench": "planner_p7", "setting": name, "model": {**m, "params": shape.params, "batch": batch, "seq": seq},
+          "plan": ran.to_json(), "state_chunk": chunk, "adam_threads": threads or "all",
+          "predicted_s": pred.step_s, "measured_s": meas, "ratio": pred.step_s / meas,
+          "met": abs(pred.step_s / meas - 1) <= 0.15, "measured_all_s": all_t, "predicted_bottleneck": pred.bottleneck,
+          "predicted_busy_s": pred.busy_s, "measured_busy_s": busy, "profile": prof.to_json(), "smoke": a.smoke,
+          "hardware": hw}, a.out)
+    if a.no_compare or name not in ("ssd", "smoke"):
+        return
+    prof = replace(prof, device_memory_bytes=4 << 30)
+    res = search(shape, prof, Budgets(cpu_memory=parse_size(a.cpu_memory), gpu_memory=prof.device_memory_bytes),
+                 Request(seq_len=seq, tokens_per_step=batch * seq, micro_batch_size=batch))
+    p_meas, p_all, p_ran, _, _ = run_engine(cfg, sd, work, res.plan, res.step.state_chunk, threads, ids, a)
+    emit({"bench": "planner_vs_rules", "setting": name, "rules_plan": ran.to_json(), "rules_chunk": chunk,
+          "planner_plan": res.plan.to_json(), "planner_chunk": res.step.state_chunk, "rules_measured_s": meas,
+          "planner_measured_s": p_meas, "speedup": meas / p_meas, "planner_predicted_s": res.prediction.step_s,
+          "rules_predicted_s": pred.step_s, "planner_measured_all_s": p_all, "smoke": a.smoke, "hardware": hw}, a.out)
+
+
+if __name__ == "__main__":
+    main()

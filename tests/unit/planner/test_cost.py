@@ -1,0 +1,92 @@
+"""The cost model on hand-computed cases, and monotonicity in every speed."""
+
+import dataclasses
+
+import pytest
+
+from fuyou.engine.plan import Plan
+from fuyou.planner.cost import predict
+from fuyou.planner.graph import StepConfig
+from fuyou.planner.sim import Sim
+from tests.unit.planner.helpers import profile, small_llama, toy_shape
+
+N0, N1, N2 = 1 << 20, 1 << 22, 1 << 20
+CFG = StepConfig(micro_batch_size=1, seq_len=1)
+
+
+def test_sim_fifo_and_dependencies():
+    s = Sim()
+    a = s.op("ssd", 2.0)
+    b = s.op("ssd", 1.0)
+    c = s.op("gpu", 1.5, [a])
+    d = s.op(None, 0.0, [b, c])
+    e = s.op("gpu", 1.0, [d])
+    assert s.run() == [2.0, 3.0, 3.5, 3.5, 4.5]
+    with pytest.raises(ValueError):
+        s.op("ssd", 1.0, [99])
+
+
+def test_ssd_only_step_is_every_byte_at_the_drive_rate():
+    # forward reads embed+layer, head once, backward layer+embed again (2 B/param each); Adam reads
+    # and writes 12 B/param of state and writes 2 B/param of new weights: 30/30/28 B per param.
+    p = predict(toy_shape(), Plan(activation_policy=("keep", "keep", "keep")), CFG, profile(ssd_read_Bps=1e9, ssd_write_Bps=1e9))
+    assert p.step_s == pytest.approx((30 * N0 + 30 * N1 + 28 * N2) / 1e9, rel=1e-7)
+    assert p.ssd_read_bytes == 16 * N0 + 16 * N1 + 14 * N2 and p.ssd_write_bytes == 14 * (N0 + N1 + N2)
+    assert p.bottleneck == "ssd"
+
+
+def test_compute_only_step_counts_recompute():
+    F = (1e9 + 4 * 8 * 1) / 1e12  # layer forward: matmul + attention FLOPs at 1 TFLOP/s
+    hw = profile(device_peak_flops=1e12)
+    rec = predict(toy_shape(), Plan(), CFG, hw)  # layer recomputed: fwd + (fwd + 2 fwd) + head 3 ms
+    assert rec.step_s == pytest.approx(F + 3e-3 + 3 * F, rel=1e-7)
+    keep = predict(toy_shape(), Plan(activation_policy=("keep", "keep", "keep")), CFG, hw)
+    assert keep.step_s == pytest.approx(F + 3e-3 + 2 * F, rel=1e-7)
+
+
+def test_adam_overlaps_backward_but_the_last_blocks_are_exposed():
+    # Adam(head) 1.05 ms hides under the layer's 3 ms backward; Adam(layer) 4.19 ms and Adam(embed)
+    # 1.05 ms run after it, one worker, in order.
+    F = (1e9 + 32) / 1e12
+    p = predict(toy_shape(), Plan(), CFG, profile(device_peak_flops=1e12, adam_params_per_s=1e9))
+    assert p.step_s == pytest.approx(F + 3e-3 + 3 * F + (N1 + N0) / 1e9, rel=1e-7)
+    assert p.busy_s["adam"] == pytest.approx((N0 + N1 + N2) / 1e9)
+
+
+def test_state_chunks_pipeline_read_adam_write():
+    # one 4 Mi-element chunk: read 48 MiB, then Adam, then write; four chunks overlap the three stages
+    hw = profile(device_peak_flops=1e12, adam_params_per_s=2e9, ssd_read_Bps=4e9, ssd_write_Bps=4e9)
+    whole = predict(toy_shape(), Plan(state_buffers=2), dataclasses.replace(CFG, state_chunk=N1), hw).step_s
+    four = predict(toy_shape(), Plan(state_buffers=2), dataclasses.replace(CFG, state_chunk=N1 // 4), hw).step_s
+    assert four < whole
+
+
+SPEEDS = ("ssd_read_Bps", "ssd_write_Bps", "adam_params_per_s", "h2d_Bps", "d2h_Bps", "host_mem_Bps", "device_peak_flops")
+
+
+@pytest.mark.parametrize("policy", ["recompute", "swap_cpu", "swap_ssd", "keep"])
+@pytest.mark.parametrize("schedule", ["overlap_backward", "overlap_next_forward"])
+def test_faster_hardware_never_predicts_a_slower_step(policy, schedule):
+    shape = small_llama()
+    base = dict(ssd_read_Bps=2e9, ssd_write_Bps=2.5e9, adam_params_per_s=1.5e9, h2d_Bps=1e10, d2h_Bps=1e10,
+                pageable_Bps=5e9, host_mem_Bps=1e10, device_mem_Bps=5e11, device_peak_flops=5e12,
+                flops_efficiency=0.7, flops_half_tokens=256, commit_s=0.003)
+    plan = Plan(micro_batches=2, activation_policy=("keep",) + (policy,) * 8 + ("keep",), schedule=schedule)
+    cfg = StepConfig(micro_batch_size=2, seq_len=128, state_chunk=1 << 22)
+    t0 = predict(shape, plan, cfg, profile(**base)).step_s
+    for k in SPEEDS:
+        for f in (1.5, 4.0):
+            faster = predict(shape, plan, cfg, profile(**{**base, k: base[k] * f})).step_s
+            assert faster <= t0 * (1 + 1e-9), (k, f, faster, t0)
+
+
+def test_memory_per_tier_counts_what_the_policies_hold():
+    shape, hw = small_llama(), profile(device_peak_flops=1e12)
+    cfg = StepConfig(micro_batch_size=2, seq_len=128)
+    mem = {pol: predict(shape, Plan(micro_batches=2, activation_policy=("keep",) + (pol,) * 8 + ("keep",)), cfg, hw).memory
+           for pol in ("recompute", "keep", "swap_cpu", "swap_ssd")}
+    act = 8 * shape.blocks[1].act_bytes_per_token * 2 * 2 * 128
+    assert mem["keep"].device - mem["recompute"].device == pytest.approx(act)
+    assert mem["swap_cpu"].host_activations == pytest.approx(act)
+    assert mem["swap_ssd"].ssd - mem["recompute"].ssd == pytest.approx(act)
+    assert mem["recompute"].ssd == 2 * 14 * shape.params

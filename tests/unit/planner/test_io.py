@@ -1,0 +1,110 @@
+"""Shapes from configs, profile and result JSON round trips, the CLI, and the no-torch import rule."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from click.testing import CliRunner
+
+from fuyou.errors import ConfigError
+from fuyou.planner.profile import ComputePoint, HardwareProfile, load_profile, save_profile
+from fuyou.planner.result import Budgets, PlannerResult
+from fuyou.planner.search import Request, search
+from fuyou.planner.shapes import load_shape
+from tests.unit.planner.helpers import profile, small_llama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+LOHAN = os.path.join(ROOT, "bench", "profiles", "lohan_4090.json")
+
+
+def test_named_shapes_and_errors(tmp_path):
+    s = load_shape("GPT-3-13B")
+    assert s.layers == 40 and s.hidden == 5120 and 12.8e9 < s.params < 12.9e9
+    assert s.blocks[-1].borrows == ("embed",)
+    with pytest.raises(ConfigError, match="named shape"):
+        load_shape(str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
+    with pytest.raises(ConfigError, match="bert"):
+        load_shape(str(tmp_path))
+
+
+def test_shapes_match_the_adapter():
+    sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
+    from tiny_models import tiny
+
+    from fuyou.engine.layout import ModelLayout
+    from fuyou.models.adapters import make_adapter
+    from fuyou.planner.shapes import shape_from_config
+
+    for fam in ("llama", "llama_tied", "qwen2", "gpt2"):
+        cfg, _ = tiny(fam, hidden=72)
+        ad = make_adapter(cfg)
+        lay = ModelLayout(tuple(ad.blocks))
+        s = shape_from_config(cfg.to_dict())
+        assert [b.numel for b in s.blocks] == [lay.numel(b) for b in range(len(ad.blocks))]
+        assert [b.matmul_flops_per_token for b in s.blocks] == [b.flops_per_token for b in ad.blocks]
+
+
+def test_host_buffers_match_the_engine_rules():
+    from fuyou.engine.layout import ModelLayout
+    from fuyou.engine.plan import Plan
+    from fuyou.engine.rules import host_need
+    from fuyou.models.blocks import BlockSpec, ParamSpec
+    from fuyou.planner.cost import host_buffers
+    from fuyou.planner.graph import StepConfig
+    from fuyou.planner.shapes import BlockShape, ModelShape
+
+    dims = [(32000, 512), (1024, 1024), (32000, 512)]
+    specs = tuple(BlockSpec(n, (ParamSpec("w", d),)) for n, d in zip(("embed", "layer.0", "head"), dims))
+    shape = ModelShape("t", tuple(BlockShape(n, "layer", d[0] * d[1], 0) for n, d in zip(("embed", "layer.0", "head"), dims)),
+                       512, 1, 32000)
+    for chunk in (1 << 20, 3 << 15):
+        for plan in (Plan(prefetch_depth=3), Plan(schedule="overlap_next_forward", state_buffers=5)):
+            assert host_need(ModelLayout(specs, state_chunk=chunk), plan) == host_buffers(shape, plan, StepConfig(1, 8, chunk))
+
+
+def test_profile_json_round_trip(tmp_path):
+    p = profile(compute=(ComputePoint(256, 1e11, 8e10, 256), ComputePoint(64, 5e10, 4e10, 64)), notes={"a": 1})
+    path = str(tmp_path / "hw.json")
+    save_profile(p, path)
+    q = load_profile(path)
+    assert q == p and [c.tokens for c in q.compute] == [64, 256]
+    assert q.flops_per_s(160) == pytest.approx(7.5e10) and q.flops_per_s(10) == 5e10 and q.flops_per_s(999) == 1e11
+    assert load_profile(LOHAN).device_peak_flops == 165e12
+    bad = {**p.to_json(), "ssd_read_GBps": 3}
+    with pytest.raises(ConfigError, match="ssd_read_GBps"):
+        HardwareProfile.from_json(bad)
+    with pytest.raises(ConfigError, match="ssd_read_Bps must be > 0"):
+        HardwareProfile.from_json({**p.to_json(), "ssd_read_Bps": 0})
+
+
+def test_result_json_round_trip():
+    gib = 1 << 30
+    r = search(small_llama(), profile(device_peak_flops=1e12, ssd_read_Bps=2e9, ssd_write_Bps=2e9),
+               Budgets(cpu_memory=4 * gib, gpu_memory=gib), Request(seq_len=128, tokens_per_step=512))
+    back = PlannerResult.from_json(json.loads(json.dumps(r.to_json())))
+    assert back == r and back.plan.activation_policy == r.plan.activation_policy
+    assert set(r.engine_settings) == {"plan", "state_chunk"}
+
+
+def test_planner_imports_without_torch():
+    code = ("import sys; import fuyou.planner.search, fuyou.planner.measure, fuyou.cli.plan_cmd; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_cli_plan_prints_and_writes_json(tmp_path):
+    from fuyou.cli.plan_cmd import plan_cmd
+
+    out = tmp_path / "plan.json"
+    r = CliRunner().invoke(plan_cmd, ["GPT-3-13B", "--profile", LOHAN, "--tokens-per-step", "8192",
+                                      "--cpu-memory", "700GiB", "--gpu-memory", "22GiB", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    for word in ("micro-batch", "TFLOPS", "drive-writes/day", "bottleneck", "6·N_matmul"):
+        assert word in r.output
+    d = json.loads(out.read_text())
+    assert d["prediction"]["bottleneck"] == "ssd" and d["executable"]
+    r = CliRunner().invoke(plan_cmd, ["GPT-3-13B", "--profile", LOHAN, "--gpu-memory", "1GiB"])
+    assert r.exit_code != 0 and "device memory" in str(r.exception)

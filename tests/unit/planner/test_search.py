@@ -1,0 +1,56 @@
+"""The plan search: fits the budgets, never slower with more memory, names the binding constraint."""
+
+import pytest
+
+from fuyou.planner.result import Budgets
+from fuyou.planner.search import InfeasibleError, Request, search
+from tests.unit.planner.helpers import profile, small_llama
+
+GiB = 1 << 30
+HW = profile(ssd_read_Bps=2e9, ssd_write_Bps=2.5e9, adam_params_per_s=1.5e9, h2d_Bps=1e10, d2h_Bps=1e10,
+             pageable_Bps=5e9, host_mem_Bps=1e10, device_mem_Bps=5e11, device_peak_flops=2e12,
+             flops_efficiency=0.7, flops_half_tokens=256, commit_s=0.003)
+REQ = Request(seq_len=256, tokens_per_step=2048)
+
+
+def test_result_fits_budgets_and_is_executable():
+    r = search(small_llama(), HW, Budgets(cpu_memory=2 * GiB, gpu_memory=1 * GiB), REQ)
+    m = r.prediction.memory
+    assert r.executable and m.device <= GiB and m.host <= 2 * GiB
+    assert r.plan.micro_batches * r.step.micro_batch_size * 256 == 2048
+    assert len(r.plan.activation_policy) == 10 and r.considered > 5
+
+
+def test_more_memory_never_predicts_a_slower_step():
+    times = []
+    for cpu, gpu in [(0.4, 0.35), (0.6, 0.35), (1, 0.5), (2, 0.5), (2, 1), (4, 2), (8, 4)]:
+        r = search(small_llama(), HW, Budgets(cpu_memory=int(cpu * GiB), gpu_memory=int(gpu * GiB)), REQ)
+        times.append(r.prediction.step_s)
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(times, times[1:])), times
+
+
+def test_clipping_forces_the_next_forward_schedule():
+    r = search(small_llama(), HW, Budgets(cpu_memory=2 * GiB, gpu_memory=GiB), Request(256, 2048, clip=True))
+    assert r.plan.schedule == "overlap_next_forward"
+
+
+@pytest.mark.parametrize("budgets, words", [
+    (Budgets(cpu_memory=2 * GiB, gpu_memory=100 << 20), ["device memory", "--gpu-memory", "--seq-len", "MiB"]),
+    (Budgets(cpu_memory=50 << 20, gpu_memory=GiB), ["host memory", "--cpu-memory", "MiB"]),
+    (Budgets(cpu_memory=2 * GiB, gpu_memory=GiB, ssd_bytes=1 << 30), ["SSD space", "--ssd", "GiB"]),
+])
+def test_infeasible_budgets_name_the_binding_constraint(budgets, words):
+    with pytest.raises(InfeasibleError) as e:
+        search(small_llama(), HW, budgets, REQ)
+    msg = str(e.value)
+    assert "\n" not in msg and all(w in msg for w in words), msg
+
+
+def test_engine_changes_only_when_allowed():
+    big = Request(seq_len=1024, tokens_per_step=64 * 1024)
+    bud = Budgets(cpu_memory=16 * GiB, gpu_memory=int(1.2 * GiB))
+    with pytest.raises(InfeasibleError, match="allow-engine-changes") as e:
+        search(small_llama(), HW, bud, big)
+    assert "block inputs kept for backward" in str(e.value) and "--tokens-per-step to ≤" in str(e.value)
+    r = search(small_llama(), HW, bud, Request(seq_len=1024, tokens_per_step=64 * 1024, allow_engine_changes=True))
+    assert not r.executable and r.step.boundary_offload and r.needs
