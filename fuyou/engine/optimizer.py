@@ -9,6 +9,8 @@ block's new weights are in the store (readable by the next step).
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from concurrent.futures import Future
 
@@ -36,6 +38,9 @@ class AdamStage:
         self.no_decay = no_decay
         self.timeline, self.stream = timeline, d2h_stream
         self.worker = AdamWorker(hyper, step_fn=self._timed_step, num_threads=num_threads)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._feeder = threading.Thread(target=self._feed, name="fuyou-adam-feeder", daemon=True)
+        self._feeder.start()
 
     @staticmethod
     def host_classes(layout: ModelLayout, state_buffers: int) -> list[tuple[str, int, int]]:
@@ -66,6 +71,29 @@ class AdamStage:
         return buf, self.backend.record(self.stream)
 
     def update(self, b: int, grad: HostBuffer, ready: Event, lr: float, step: int, scale: float) -> Future:
+        """Queue AdamW for block ``b``; returns at once with a future for the written block.
+
+        The feeder thread takes the state and weight buffers (waiting there, not on the training
+        thread, when all are in flight) and chains read → update → write; see ``_update_now``.
+        """
+        out: Future = Future()
+        self._queue.put((b, grad, ready, lr, step, scale, out))
+        return out
+
+    def _feed(self) -> None:
+        """Feeder thread: start queued block updates in order, relaying their completion."""
+        while (item := self._queue.get()) is not None:
+            b, grad, ready, lr, step, scale, out = item
+            try:
+                fut = self._update_now(b, grad, ready, lr, step, scale)
+            except BaseException as e:  # noqa: BLE001 - surfaced through the block's future
+                self.pool.release(grad)
+                out.set_exception(e)
+                continue
+            fut.add_done_callback(lambda f, out=out: out.set_exception(f.exception()) if f.exception()
+                                  else out.set_result(None))
+
+    def _update_now(self, b: int, grad: HostBuffer, ready: Event, lr: float, step: int, scale: float) -> Future:
         """Run AdamW for block ``b`` (1-based ``step``, gradient × ``scale``) and write it back.
 
         State goes chunk by chunk (read, update, write), each chunk's new compute weights landing in
@@ -119,5 +147,7 @@ class AdamStage:
         return job, written
 
     def close(self) -> None:
-        """Finish queued updates and stop the worker thread."""
+        """Finish queued updates and stop the feeder and worker threads."""
+        self._queue.put(None)
+        self._feeder.join()
         self.worker.close()
