@@ -9,10 +9,11 @@ Cases, timed round-robin (one call of each per round, so drift hits all alike), 
   copy (28 B) — the same work as the two baselines.
 - ``torch_fused``: ``torch.optim.AdamW(fused=True)`` on one flat fp32 parameter (28 B).
 - ``deepspeed``: ``DeepSpeedCPUAdam`` (adamw_mode, fp32) where it imports (``DS_ACCELERATOR=cpu``).
-- ``copy``: memory bandwidth of a parallel copy of ``4*max(sizes)`` bytes, counting read + write
-  bytes: a numba prange copy and ``torch.Tensor.copy_`` (both pay a read-for-ownership of the
-  destination, as a numpy copy does), and a numba copy with non-temporal stores (which does not).
-  The P4 fraction is reported against the fastest plain copy (the definition) and the NT copy.
+- ``copy``: memory bandwidth of a parallel copy of ``4*max(sizes)`` bytes, timed in the same
+  rounds as each size's Adam cases, counting read + write bytes: a numba prange copy and
+  ``torch.Tensor.copy_`` (both read each destination line before writing it, as a numpy copy
+  does) and a numba copy with non-temporal stores (which does not). The P4 fraction is reported
+  against the faster plain copy (the definition) and against the non-temporal copy.
 - ``stream28``: the Adam access pattern without the arithmetic (read p, m, v, bf16 g; write p, m,
   v, bf16 out: 28 B/param): the bandwidth ceiling for this exact pattern.
 
@@ -159,19 +160,30 @@ def round_robin(cases: dict[str, Case], repeats: int, warmup: int) -> dict[str, 
     return times
 
 
-def bench_size(n: int, args: argparse.Namespace, copy: dict[str, float]) -> None:
-    """Run all Adam cases at ``n`` parameters and emit one line per case plus a summary."""
+def bench_size(n: int, args: argparse.Namespace, copies: dict[str, Case], copy_nbytes: int) -> None:
+    """Run the Adam cases at ``n`` parameters and the copies in one round-robin; emit the lines."""
     cases, nbytes = numba_cases(n)
     cases["torch_fused"], nbytes["torch_fused"] = torch_fused_case(n), 28
     ds, ds_note = (None, "skipped (--no-deepspeed)") if args.no_deepspeed else deepspeed_case(n)
     if ds is not None:
         cases["deepspeed"], nbytes["deepspeed"] = ds, 28
-    times = round_robin(cases, args.repeats, args.warmup)
+    times = round_robin({**cases, **copies}, args.repeats, args.warmup)
+    gbps = {k: 2 * copy_nbytes / statistics.median(times.pop(k)) / 1e9 for k in copies}
+    for name, value in gbps.items():
+        emit({"bench": "adam", "case": name, "n_params": n, "nbytes": copy_nbytes,
+              "GBps": value, "accounting": "read + write bytes"}, args.out)  # fmt: skip
     rate = {k: n / statistics.median(ts) for k, ts in times.items()}
     for name, ts in times.items():
         emit({"bench": "adam", "case": name, "n_params": n, "median_s": statistics.median(ts),
               "Gparams_per_s": rate[name] / 1e9, "bytes_per_param": nbytes[name],
               "GBps": rate[name] * nbytes[name] / 1e9, "times_s": ts}, args.out)  # fmt: skip
+    copy = {"plain": max(gbps["copy_numba"], gbps["copy_torch"]), "nt": gbps["copy_numba_nt"]}
+    summarize(n, times, rate, copy, ds_note, args)
+
+
+def summarize(n: int, times: dict[str, list[float]], rate: dict[str, float],
+              copy: dict[str, float], ds_note: str, args: argparse.Namespace) -> None:  # fmt: skip
+    """Emit the P4 ratios for one size."""
     base = [k for k in ("torch_fused", "deepspeed") if k in rate]
     best = max(base, key=rate.__getitem__)
     per_round = [min(times[k][i] for k in base) / t for i, t in enumerate(times["numba_fuyou"])]
@@ -190,16 +202,6 @@ def bench_size(n: int, args: argparse.Namespace, copy: dict[str, float]) -> None
           "target_bw_met": fuyou_gbps >= 0.8 * copy["plain"]}, args.out)  # fmt: skip
 
 
-def bench_copy(nbytes: int, args: argparse.Namespace) -> dict[str, float]:
-    """Emit each copy's bandwidth (read + write bytes); return {"plain": best plain, "nt": NT}."""
-    gbps = {}
-    for name, ts in round_robin(copy_cases(nbytes), args.repeats, args.warmup).items():
-        gbps[name] = 2 * nbytes / statistics.median(ts) / 1e9
-        emit({"bench": "adam", "case": name, "nbytes": nbytes, "GBps": gbps[name],
-              "accounting": "read + write bytes", "times_s": ts}, args.out)  # fmt: skip
-    return {"plain": max(gbps["copy_numba"], gbps["copy_torch"]), "nt": gbps["copy_numba_nt"]}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[50_000_000, 200_000_000])
@@ -215,9 +217,10 @@ def main() -> None:
           "numba_threads": numba.get_num_threads(), "torch_threads": torch.get_num_threads(),
           "chunk": DEFAULT_CHUNK, "sizes": args.sizes, "repeats": args.repeats,
           "warmup": args.warmup, "loadavg_start": os.getloadavg()}, args.out)  # fmt: skip
-    copy = bench_copy(4 * max(args.sizes) // 128 * 128, args)
+    copy_nbytes = 4 * max(args.sizes) // 128 * 128
+    copies = copy_cases(copy_nbytes)
     for n in args.sizes:
-        bench_size(n, args, copy)
+        bench_size(n, args, copies, copy_nbytes)
     emit({"bench": "adam", "numba_threading_layer": numba.threading_layer(),
           "loadavg_end": os.getloadavg()}, args.out)  # fmt: skip
 

@@ -29,7 +29,7 @@ import torch
 
 from fuyou.errors import ConfigError, FuyouError
 from fuyou.optim.adam_numba import adamw_step
-from fuyou.optim.args import AdamWHyper, check_step_args
+from fuyou.optim.args import AdamWHyper, check_hyper, check_step_args
 
 
 class AdamWorkerError(FuyouError, RuntimeError):
@@ -107,9 +107,13 @@ class AdamWorker:
 
         Raises:
             AdamWorkerError: if an earlier job failed or the worker is closed.
-            ConfigError: if the job's lr, step or grad_scale is invalid (checked before queueing).
+            ConfigError: if the job's lr, step, grad_scale or weight_decay is invalid (checked
+                before queueing).
         """
         check_step_args(job.lr, job.step, job.grad_scale)
+        if job.weight_decay is not None:
+            h = self._hyper
+            check_hyper(h.beta1, h.beta2, h.eps, job.weight_decay)
         fut: Future[AdamJob] = Future()
         with self._cond:
             self._raise_if_failed()
@@ -218,7 +222,9 @@ class AdamWorker:
             fut.set_exception(AdamWorkerError(f"job {job.key!r} skipped: an earlier job failed"))
             return
         try:
-            hyper = self._hyper if job.weight_decay is None else replace(self._hyper, weight_decay=job.weight_decay)
+            hyper = self._hyper
+            if job.weight_decay is not None:
+                hyper = replace(hyper, weight_decay=job.weight_decay)
             self._step_fn(
                 job.master, job.m, job.v, job.grad, lr=job.lr, step=job.step, hyper=hyper,
                 grad_scale=job.grad_scale, out=job.out,

@@ -193,3 +193,16 @@ def test_close_from_the_worker_thread_fails_that_job_not_the_process() -> None:
     assert isinstance(fut.exception(timeout=T), AdamWorkerError)
     with pytest.raises(AdamWorkerError, match="worker thread"):
         w.close(timeout=T)
+
+
+def test_per_job_weight_decay_overrides_the_workers() -> None:
+    """E.g. no decay for biases and norm weights: the job's weight_decay wins, and is validated."""
+    (a,), (b,) = layer_jobs(1, 3000, step=1), layer_jobs(1, 3000, step=1)
+    a.weight_decay = 0.0
+    with AdamWorker(AdamWHyper(weight_decay=0.5)) as w:
+        w.submit(a).result(timeout=T)
+        b.weight_decay = -1.0
+        with pytest.raises(ConfigError, match="weight_decay=-1.0"):
+            w.submit(b)
+    adamw_step(b.master, b.m, b.v, b.grad, lr=b.lr, step=1, hyper=AdamWHyper(), out=b.out)
+    assert_bits_equal(a.master, b.master, "master with weight_decay=0")
