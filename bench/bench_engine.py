@@ -155,13 +155,70 @@ def plan_desc(eng: Engine, policy: str, layers: int, threads: int | None) -> dic
             "host_reserved_bytes": eng.pool.reserved, "adam_threads": threads or "default (all cores)"}
 
 
+def disk_of(path: str) -> str | None:
+    """Kernel name of the block device holding ``path`` (as in /proc/diskstats), or None."""
+    try:
+        dev = os.stat(path).st_dev
+        return os.path.basename(os.path.realpath(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"))
+    except OSError:
+        return None
+
+
+def disk_counters(name: str | None) -> dict | None:
+    """/proc/diskstats counters of ``name``: bytes read/written and io_ticks (ms the device had I/O in flight)."""
+    if not name:
+        return None
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                p = line.split()
+                if p[2] == name:
+                    return {"read_bytes": int(p[5]) * 512, "write_bytes": int(p[9]) * 512, "busy_s": int(p[12]) / 1e3}
+    except (OSError, IndexError, ValueError):
+        pass
+    return None
+
+
 def timed_fuyou_step(eng: Engine, ids: torch.Tensor) -> tuple[float, dict, list[Span], float, float]:
-    """One Fuyou step with a fresh timeline: (wall s, engine stats, spans, t0, t1)."""
+    """One Fuyou step with a fresh timeline: (wall s, engine stats, spans, t0, t1).
+
+    ``stats["bench_sys"]`` adds what the kernel saw meanwhile: the store disk's busy time
+    (io_ticks, as iostat's %util) and bytes, this process's CPU seconds, other processes' CPU.
+    """
+    disk = disk_of(eng.store.dirs[0])
     eng.timeline.clear()
+    d0, load = disk_counters(disk), ForeignLoad()
     t0 = time.perf_counter()
     st = eng.train_step(ids)
     t1 = time.perf_counter()
+    d1, ld = disk_counters(disk), load.result()
+    st["bench_sys"] = {"disk": disk, "own_cpu_s": ld["own_cpu_s"], "foreign_cores": ld["foreign_cores"],
+                       **({f"disk_{k}": d1[k] - d0[k] for k in d0} if d0 and d1 else {})}
     return t1 - t0, st, list(eng.timeline.spans), t0, t1
+
+
+def with_sys(ov: dict, st: dict) -> dict:
+    """Add the kernel's view to one step's P1 figures: wall ÷ max(cpu union, disk busy), core saturation."""
+    sysd = st.get("bench_sys", {})
+    ov = {**ov, **{f"sys_{k}": v for k, v in sysd.items()}}
+    if "disk_busy_s" in sysd:
+        ov["p1_vs_disk_util"] = ov["wall_s"] / max(ov["busy_merged_s"]["cpu"], sysd["disk_busy_s"], 1e-9)
+    ov["cpu_cores_used"] = sysd.get("own_cpu_s", 0.0) / ov["wall_s"]
+    return ov
+
+
+def code_version() -> dict:
+    """The commit the engine code comes from, and whether fuyou/ has uncommitted changes."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "fuyou"], cwd=root, capture_output=True,
+                                    text=True).stdout.strip())
+        return {"commit": rev or None, "fuyou_dirty": dirty}
+    except OSError:
+        return {"commit": None, "fuyou_dirty": None}
 
 
 # ---------------------------------------------------------------------------------- machine load
@@ -185,8 +242,7 @@ class ForeignLoad:
 
     @staticmethod
     def _own() -> float:
-        t = os.times()
-        return t.user + t.system
+        return time.process_time()  # user + system, all threads
 
     def result(self) -> dict:
         """{'wall_s', 'own_cpu_s', 'foreign_cpu_s', 'foreign_cores'} since construction."""
@@ -253,13 +309,18 @@ def overlap(spans: list[Span], t0: float, t1: float, top_gaps: int = 5, ssd_gbps
 
 def p1_summary(per_step: list[dict]) -> dict:
     """Medians over steps of the P1 figures, plus every repeat."""
-    med = {k: statistics.median(d[k] for d in per_step) for k in ("wall_s", "p1_raw", "p1_merged", "idle_all_s",
-                                                                  "bottleneck_idle_s", "ssd_floor_s", "p1_vs_floor")}
+    keys = ["wall_s", "p1_raw", "p1_merged", "idle_all_s", "bottleneck_idle_s", "ssd_floor_s", "p1_vs_floor",
+            "cpu_cores_used", "sys_own_cpu_s", "sys_foreign_cores"]
+    keys += [k for k in ("p1_vs_disk_util", "sys_disk_busy_s", "sys_disk_read_bytes", "sys_disk_write_bytes")
+             if all(k in d for d in per_step)]
+    med = {k: statistics.median(d[k] for d in per_step) for k in keys}
     busy = {r: statistics.median(d["busy_s"][r] for d in per_step) for r in RESOURCES}
     busy_m = {g: statistics.median(d["busy_merged_s"][g] for d in per_step) for g in GROUPS}
     ssd_bytes = statistics.median(d["ssd_read_bytes"] + d["ssd_write_bytes"] for d in per_step)
     return {**{f"{k}_median": v for k, v in med.items()}, "busy_s_median": busy, "busy_merged_s_median": busy_m,
             "p1_raw_all": [d["p1_raw"] for d in per_step], "p1_merged_all": [d["p1_merged"] for d in per_step],
+            "p1_vs_disk_util_all": [d.get("p1_vs_disk_util") for d in per_step],
+            "foreign_cores_all": [d["sys_foreign_cores"] for d in per_step],
             "wall_s_all": [d["wall_s"] for d in per_step],
             "bottleneck_raw": per_step[len(per_step) // 2]["bottleneck_raw"],
             "bottleneck_merged": per_step[len(per_step) // 2]["bottleneck_merged"],
@@ -291,25 +352,40 @@ def run_p2(a: argparse.Namespace, work: str, hw: dict) -> None:
                                a.state_chunk)
             t_build = time.perf_counter() - t_build
             plan = plan_desc(eng, policy, a.layers, threads)
-            ref_t, fy_t, ref_loss, fy_loss, p1 = [], [], [], [], []
+            ref_t, fy_t, ref_loss, fy_loss, p1, ref_ld, fy_ld, ref_cpu, fy_cpu = ([] for _ in range(9))
             load = ForeignLoad()
             try:
                 for rep in range(a.warmup + a.repeats):
+                    ld = ForeignLoad()
                     t = time.perf_counter()
                     rl = ref.step(ids)
                     rt = time.perf_counter() - t
+                    rld = ld.result()
+                    ld = ForeignLoad()
                     ft, st, spans, t0, t1 = timed_fuyou_step(eng, ids)
+                    fld = ld.result()
                     ref_loss.append(rl), fy_loss.append(st["loss"])
                     if rep >= a.warmup:
                         ref_t.append(rt), fy_t.append(ft)
-                        p1.append(overlap(spans, t0, t1))
+                        ref_ld.append(rld["foreign_cores"]), fy_ld.append(fld["foreign_cores"])
+                        ref_cpu.append(rld["own_cpu_s"]), fy_cpu.append(fld["own_cpu_s"])
+                        p1.append(with_sys(overlap(spans, t0, t1), st))
             finally:
                 eng.close()
                 shutil.rmtree(store, ignore_errors=True)
             rm, fm = statistics.median(ref_t), statistics.median(fy_t)
+            pairs = [f / r for f, r in zip(fy_t, ref_t)]
+            quiet = [i for i in range(len(pairs)) if ref_ld[i] < a.quiet_cores and fy_ld[i] < a.quiet_cores]
+            quiet_ratio = (statistics.median(fy_t[i] for i in quiet) / statistics.median(ref_t[i] for i in quiet)
+                           if quiet else None)
             common = {"precision": a.precision, "model": desc, "plan": plan, "smoke": a.smoke, "hardware": hw}
             emit({"bench": "engine_p2", **common, "ratio": fm / rm, "target": 1.15, "met": fm / rm <= 1.15,
                   "fuyou_step_s_median": fm, "ref_step_s_median": rm, "fuyou_step_s_all": fy_t, "ref_step_s_all": ref_t,
+                  "pair_ratios": pairs, "pair_ratio_median": statistics.median(pairs),
+                  "foreign_cores_ref": ref_ld, "foreign_cores_fuyou": fy_ld,
+                  "quiet_pairs": len(quiet), "quiet_cores_threshold": a.quiet_cores, "ratio_quiet_pairs": quiet_ratio,
+                  "own_cpu_s_ref": ref_cpu, "own_cpu_s_fuyou": fy_cpu,
+                  "cpu_time_ratio_median": statistics.median(fy_cpu) / max(1e-9, statistics.median(ref_cpu)),
                   "fuyou_tokens_per_s": a.batch * a.seq / fm, "ref_tokens_per_s": a.batch * a.seq / rm,
                   "ref_adamw": ref.adam_kind, "ref_recipe": "fp32" if a.precision == "fp32" else
                   "bf16 weights fwd/bwd + fp32 master, grads cast to fp32, AdamW on master, copied back",
@@ -339,7 +415,7 @@ def run_p1(a: argparse.Namespace, work: str, hw: dict) -> None:
                     ft, st, spans, t0, t1 = timed_fuyou_step(eng, ids)
                     losses.append(st["loss"])
                     if rep >= a.warmup:
-                        per.append(overlap(spans, t0, t1))
+                        per.append(with_sys(overlap(spans, t0, t1), st))
             finally:
                 eng.close()
                 shutil.rmtree(store, ignore_errors=True)
@@ -370,7 +446,7 @@ def run_trace(a: argparse.Namespace, work: str, hw: dict) -> None:
     finally:
         eng.close()
         shutil.rmtree(store, ignore_errors=True)
-    ov = overlap(spans, t0, t1, top_gaps=8)
+    ov = with_sys(overlap(spans, t0, t1, top_gaps=8), st)
     rows = {r: sum(1 for s in spans if s.resource == r) for r in RESOURCES}
     emit({"bench": "engine_trace", "trace": a.trace, "trace_bytes": os.path.getsize(a.trace), "spans": len(spans),
           "spans_per_resource": rows, "precision": a.precision, "model": model_desc(a, params),
@@ -383,7 +459,7 @@ PRESETS = {
     "p2": dict(hidden=1024, layers=8, inter=2816, heads=16, kv_heads=4, vocab=32000, batch=4, seq=256),
     # SSD-bound: large layers (~51M params each), 32 tokens per step
     "p1": dict(hidden=2048, layers=8, inter=5632, heads=16, kv_heads=16, vocab=32000, batch=1, seq=32),
-    "trace": dict(hidden=1536, layers=4, inter=4096, heads=12, kv_heads=4, vocab=32000, batch=1, seq=128),
+    "trace": dict(hidden=1536, layers=4, inter=4096, heads=12, kv_heads=4, vocab=32000, batch=2, seq=256),
     "smoke": dict(hidden=64, layers=2, inter=128, heads=4, kv_heads=2, vocab=96, batch=2, seq=16),
 }
 
@@ -402,6 +478,8 @@ def main() -> None:
     ap.add_argument("--state-chunk", type=int, default=None, help="EngineConfig.state_chunk (elements; default: engine's)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--quiet-cores", type=float, default=0.05,
+                    help="a step counts as quiet if other processes used fewer cores than this meanwhile")
     ap.add_argument("--setting", default="ssd-bound", help="label of the p1 setting")
     ap.add_argument("--trace", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_step.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 repeat, every mode; seconds")
@@ -409,7 +487,7 @@ def main() -> None:
     a = ap.parse_args()
     base = a.dir or ("/work" if os.path.isdir("/work") else tempfile.gettempdir())
     work = tempfile.mkdtemp(prefix="fuyou-bench-engine-", dir=base)
-    hw = hardware_info([work])
+    hw = {**hardware_info([work]), "code": code_version()}
     try:
         if a.smoke:
             a.repeats, a.warmup = 1, 1

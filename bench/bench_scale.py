@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from bench.common import emit, hardware_info  # noqa: E402
-from bench.bench_engine import ForeignLoad, llama_config  # noqa: E402
+from bench.bench_engine import ForeignLoad, code_version, llama_config  # noqa: E402
 from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
 
 STATE_BYTES_PER_PARAM = 12  # fp32 master + m + v
@@ -168,7 +168,7 @@ def run(a: argparse.Namespace, rss: RssSampler, baseline: int, cfg: Any, shapes:
     if free < need_disk * 1.05:
         sys.exit(f"{base} has {free / 1e9:.1f} GB free; the store needs ~{need_disk / 1e9:.1f} GB (2 × 14 B/param)")
     work = tempfile.mkdtemp(prefix="fuyou-bench-scale-", dir=base)
-    hw = hardware_info([work])
+    hw = {**hardware_info([work]), "code": code_version()}
     nblocks = a.layers + 2
     plan = Plan(prefetch_depth=a.depth, activation_policy=("keep",) + ("recompute",) * a.layers + ("keep",))
     ec = EngineConfig(ssd_dirs=(work,), precision="bf16", cpu_memory=budget, gpu_memory=a.gpu_memory, lr=1e-4,
