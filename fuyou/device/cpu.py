@@ -1,6 +1,7 @@
 """The CPU backend: the "device" is the CPU, streams are null and events are already complete.
 
-It enforces a configurable fake device capacity so budget logic is exercised without a GPU.
+It enforces a configurable fake device capacity so budget logic is exercised without a GPU, and
+caches freed device blocks (``cpu_arena.py``) so layers streamed every step do not re-fault pages.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fuyou.device import cpu_arena
 from fuyou.device.base import Backend, Event, MemoryStats, _DeviceAccounting, host_aligned_empty
 
 
@@ -32,7 +34,8 @@ class CPUBackend(Backend):
 
     def __init__(self, capacity: int = 2**62) -> None:
         self.device = torch.device("cpu")
-        self._acct = _DeviceAccounting(capacity)
+        self._arena = cpu_arena.CachingArena(capacity) if cpu_arena.SUPPORTED else None
+        self._acct = _DeviceAccounting(capacity)  # used only where torch lacks what the arena needs
 
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """A page-aligned uint8 host tensor of exactly ``nbytes`` (not pinned: no GPU)."""
@@ -41,6 +44,8 @@ class CPUBackend(Backend):
     def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "a tensor") -> torch.Tensor:
         """A CPU tensor counted against the fake capacity; raises DeviceMemoryError past it."""
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if self._arena is not None:
+            return self._arena.empty(tuple(shape), dtype, nbytes, what)
         self._acct.charge(nbytes, what)
         try:
             t = torch.empty(shape, dtype=dtype)
@@ -50,8 +55,21 @@ class CPUBackend(Backend):
         self._acct.track(t, nbytes)
         return t
 
+    def free_storage(self, tensor: torch.Tensor) -> None:
+        """Release the memory under ``tensor`` and its views (kept in the arena's cache)."""
+        if self._arena is None:
+            super().free_storage(tensor)
+        else:
+            self._arena.release(tensor)
+
+    def restore_storage(self, tensor: torch.Tensor, nbytes: int, what: str = "a tensor") -> torch.Tensor:
+        """Re-allocate ``nbytes`` under a freed tensor (from the cache if it can); DeviceMemoryError past capacity."""
+        if self._arena is None:
+            return super().restore_storage(tensor, nbytes, what)
+        return self._arena.restore(tensor, nbytes, what)
+
     def _account_resize(self, tensor: torch.Tensor, nbytes: int, what: str) -> None:
-        """Keep the fake capacity exact across free/restore of a storage."""
+        """Keep the fake capacity exact across free/restore of a storage (no-arena fallback)."""
         self._acct.resize(tensor, nbytes, what)
 
     def new_stream(self) -> None:
@@ -74,5 +92,8 @@ class CPUBackend(Backend):
 
     def memory(self) -> MemoryStats:
         """Bytes of live device tensors, their peak, and the fake capacity."""
+        if self._arena is not None:
+            allocated, peak, _ = self._arena.stats()
+            return MemoryStats(allocated=allocated, peak=peak, capacity=self._arena.capacity)
         a = self._acct
         return MemoryStats(allocated=a.allocated, peak=a.peak, capacity=a.capacity)

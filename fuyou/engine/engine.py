@@ -23,7 +23,7 @@ from fuyou.device import get_backend
 from fuyou.engine.act_ssd import ActivationSpace
 from fuyou.engine.config import EngineConfig
 from fuyou.engine.layout import ModelLayout, elem_size
-from fuyou.engine.optimizer import AdamStage
+from fuyou.engine.optimizer import STATE, AdamStage
 from fuyou.engine.rules import fit_host
 from fuyou.engine.step import StepRunner, StepState, gate_for, park_class, settle
 from fuyou.engine.timeline import Timeline
@@ -138,17 +138,32 @@ class Engine:
                 self.pool.reserve(park_class(b), lay.numel(b) * elem_size(lay.compute_dtype), 1)
 
     def _import(self, tensors: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
-        lay = self.layout
-        for b, blk in enumerate(lay.blocks):
-            src = tensors([p.key for p in blk.params])
-            self.store.write(lay.w(b).name, lay.flatten(b, src, lay.compute_dtype).view(torch.uint8)).result()
-            master = lay.flatten(b, src, torch.float32)
-            del src
-            for c, (lo, hi) in enumerate(lay.chunks(b)):
-                s = torch.zeros(lay.s(b, c).nbytes, dtype=torch.uint8)
-                lay.s(b, c).views(s)["master"].copy_(master[lo:hi])
-                self.store.write(lay.s(b, c).name, s).result()
+        """Write every block's weights and zeroed state to the store, one block's source at a time,
+        converting through the pool's own buffers (so import stays inside the host budget)."""
+        for b, blk in enumerate(self.layout.blocks):
+            self._import_block(b, tensors([p.key for p in blk.params]))
         self.store.commit(self.commit_meta())
+
+    def _import_block(self, b: int, src: dict[str, torch.Tensor]) -> None:
+        lay = self.layout
+        n = lay.numel(b)
+        buf = self.pool.acquire(HOST_CLASS)
+        try:
+            w = buf.data[: n * elem_size(lay.compute_dtype)]
+            lay.flatten_into(b, src, w.view(lay.compute_dtype), 0, n)
+            self.store.write(lay.w(b).name, w).result()
+        finally:
+            self.pool.release(buf)
+        for c, (lo, hi) in enumerate(lay.chunks(b)):
+            ext = lay.s(b, c)
+            buf = self.pool.acquire(STATE)
+            try:
+                s = buf.data[: ext.nbytes]
+                s.zero_()
+                lay.flatten_into(b, src, ext.views(s)["master"], lo, hi)
+                self.store.write(ext.name, s).result()
+            finally:
+                self.pool.release(buf)
 
     def commit_meta(self) -> dict:
         """What each committed store version records: progress, and the layout facts export needs."""

@@ -79,12 +79,21 @@ class ModelLayout:
 
     def flatten(self, b: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         """Block ``b``'s parameters as one flat ``dtype`` vector in the ``w`` extent's element layout."""
-        ext = self.w(b)
-        out = torch.zeros(self.numel(b), dtype=dtype)
-        size = elem_size(self.compute_dtype)
-        for t, off in zip(ext.tensors, ext.offsets):
-            out[off // size : off // size + t.nbytes // size] = tensors[t.name].reshape(-1).to(dtype)
+        out = torch.empty(self.numel(b), dtype=dtype)
+        self.flatten_into(b, tensors, out, 0, self.numel(b))
         return out
+
+    def flatten_into(self, b: int, tensors: dict[str, torch.Tensor], out: torch.Tensor, lo: int, hi: int) -> None:
+        """Write elements [lo, hi) of block ``b``'s flat vector into ``out`` (``hi - lo`` elements,
+        any dtype), gaps between tensors zeroed; converts one tensor slice at a time, so the whole
+        block is never held a second time."""
+        ext, size = self.w(b), elem_size(self.compute_dtype)
+        out.zero_()
+        for t, off in zip(ext.tensors, ext.offsets):
+            a, z = max(off // size, lo), min((off + t.nbytes) // size, hi)
+            if z > a:
+                src = tensors[t.name].reshape(-1)[a - off // size : z - off // size]
+                out[a - lo : z - lo].copy_(src)
 
     def decay_runs(self, b: int, no_decay: frozenset[str]) -> list[tuple[int, int, bool]]:
         """Element ranges [lo, hi) of block ``b`` with whether weight decay applies (tensors in

@@ -68,6 +68,7 @@ def test_free_and_restore_storage_keeps_views_and_accounting():
     b = CPUBackend(capacity=1 << 20)
     buf = b.device_empty((4096,), torch.uint8, "w")
     view = buf[64:128].view(torch.float32)
+    version = view._version
     b.free_storage(buf)
     assert b.memory().allocated == 0 and view.shape == (16,)
     filler = b.device_empty((1 << 20,), torch.uint8, "fills the device while w is freed")
@@ -77,8 +78,47 @@ def test_free_and_restore_storage_keeps_views_and_accounting():
     gc.collect()
     alias = b.restore_storage(buf, 4096, "w again")
     alias[64:128].view(torch.float32).fill_(3.0)
-    assert view.sum().item() == 48.0 and view._version == 0
+    assert view.sum().item() == 48.0 and view._version == version, "restore must not bump autograd's version"
     assert b.memory().allocated == 4096
     del buf, view, alias
     gc.collect()
     assert b.memory().allocated == 0
+
+
+def test_arena_reuses_freed_blocks_without_new_pages():
+    from fuyou.device import cpu_arena
+
+    if not cpu_arena.SUPPORTED:
+        pytest.skip("this torch build lacks storage use counts / data-pointer swaps")
+    b = CPUBackend(capacity=64 << 20)
+    t = b.device_empty((1 << 20,), torch.float32, "grads")
+    ptr = t.data_ptr()
+    del t
+    again = b.device_empty((1 << 20,), torch.float32, "grads again")
+    assert again.data_ptr() == ptr, "a freed block of the same size is reused"
+    b.free_storage(again)
+    other = b.device_empty((1 << 19,), torch.float64, "same bytes, other dtype")
+    assert other.data_ptr() == ptr and b.memory().allocated == 4 << 20
+    w = b.device_empty((1 << 22,), torch.uint8, "w")
+    wptr = w.data_ptr()
+    b.free_storage(w)
+    alias = b.restore_storage(w, 4 << 20, "w again")
+    assert alias.data_ptr() == wptr, "restore takes the block its own free put in the cache"
+    del other, again, w, alias
+    gc.collect()
+    m = b.memory()
+    assert (m.allocated, m.peak) == (0, 8 << 20)
+    assert b._arena.stats()[2] <= m.peak, "the cache never holds more than the peak of live bytes"
+
+
+def test_arena_cache_is_trimmed_to_the_peak_of_live_bytes():
+    from fuyou.device import cpu_arena
+
+    if not cpu_arena.SUPPORTED:
+        pytest.skip("this torch build lacks storage use counts / data-pointer swaps")
+    b = CPUBackend()
+    for n in range(1, 40):  # every size different: nothing can be reused
+        del_me = b.device_empty((n * 1000,), torch.uint8)
+        del del_me
+    allocated, peak, cached = b._arena.stats()
+    assert allocated == 0 and cached <= peak == 39000
