@@ -98,6 +98,11 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 @click.option("--save-every", type=int, help="Checkpoint every N steps (copy-free hard links); 0 = never.")
 @click.option("--keep-checkpoints", type=int, help="Checkpoints to keep (default 2).")
 @click.option("--resume", help="auto (newest intact checkpoint, else start fresh) or a checkpoint directory.")
+@click.option("--plan", type=click.Choice(["auto", "rules"]), help="auto: the cost-model planner picks the engine plan (default); rules: simple budget rules.")
+@click.option("--profile", type=click.Path(), help="Hardware profile for the planner (default ~/.cache/fuyou/hw.json, else measured now).")
+@click.option("--prefetch-depth", type=int, help="Fix the weight prefetch depth instead of planning it.")
+@click.option("--activations", type=click.Choice(["keep", "swap_cpu", "swap_ssd", "recompute"]),
+              help="Fix every layer's activation policy instead of planning it.")
 @click.option("--config", "config_file", type=click.Path(), help="YAML file whose keys mirror these flags.")
 @click.option("--no-progress", is_flag=True, help="No live progress bar or final table.")
 def finetune(model_dir: str | None, config_file: str | None, no_progress: bool, betas: str | None, **flags: object) -> None:

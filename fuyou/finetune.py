@@ -13,9 +13,10 @@ import shutil
 import time
 from typing import Any, Iterator
 
-from fuyou.engine import Engine, EngineConfig, Plan
+from fuyou.engine import Engine, EngineConfig
 from fuyou.errors import ConfigError
 from fuyou.finetune_config import FinetuneConfig
+from fuyou.finetune_plan import ChosenPlan, choose_plan
 from fuyou.flops import FORMULA, train_flops_per_token
 from fuyou.lr import lr_at
 from fuyou.run_report import Progress, peak_rss, summary_table
@@ -53,13 +54,11 @@ def _model(cfg: FinetuneConfig) -> tuple[str, bool]:
     return demo_model_dir()
 
 
-def _engine_config(cfg: FinetuneConfig) -> EngineConfig:
-    for d in cfg.store_dirs:
-        os.makedirs(d, exist_ok=True) if d.startswith(os.path.abspath(cfg.output)) else None
+def _engine_config(cfg: FinetuneConfig, chosen: ChosenPlan) -> EngineConfig:
     return EngineConfig(ssd_dirs=cfg.store_dirs, device=cfg.device, gpu_memory=cfg.gpu_memory,
                         cpu_memory=cfg.cpu_memory, precision=cfg.precision, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm,
-                        plan=Plan(micro_batches=cfg.grad_accum))
+                        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, plan=chosen.plan,
+                        **({"state_chunk": chosen.state_chunk} if chosen.state_chunk else {}))
 
 
 def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
@@ -80,14 +79,15 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     except (OSError, ValueError, KeyError) as e:
         raise ModelFileError(f"cannot load the tokenizer of {model_dir}: {e}; the directory needs tokenizer files") from e
     data = build_data(cfg, tokenizer, config)
-    engine, state = _start(cfg, model_dir)
+    engine, state, chosen = _start(cfg, model_dir, config)
     metrics_path = cfg.metrics or os.path.join(out, "metrics.jsonl")
     try:
         summary = _train(cfg, engine, data, metrics_path, state)
         engine.export(os.path.join(out, "model"), dtype=cfg.precision)
     finally:
         engine.close()
-    summary.update(model=model_dir, pretrained=pretrained, output=os.path.join(out, "model"), metrics=metrics_path)
+    summary.update(model=model_dir, pretrained=pretrained, output=os.path.join(out, "model"), metrics=metrics_path,
+                   plan={**chosen.info, "executed": engine.plan.to_json(), "state_chunk_executed": engine.layout.state_chunk})
     with open(os.path.join(out, "run.json.tmp"), "w") as f:
         json.dump(summary, f, indent=1)
     os.replace(os.path.join(out, "run.json.tmp"), os.path.join(out, "run.json"))
@@ -96,8 +96,9 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     return summary
 
 
-def _start(cfg: FinetuneConfig, model_dir: str) -> tuple[Engine, dict | None]:
-    """A fresh engine from the model, or one restored from a checkpoint (``--resume``) with its trainer state."""
+def _start(cfg: FinetuneConfig, model_dir: str, config: Any) -> tuple[Engine, dict | None, ChosenPlan]:
+    """A fresh engine from the model, or one restored from a checkpoint (``--resume``) with its trainer
+    state, running the plan chosen for this run (``finetune_plan``)."""
     from fuyou.checkpoint import prune, restore
     from fuyou.checkpoint.resume import resume_point
 
@@ -106,13 +107,20 @@ def _start(cfg: FinetuneConfig, model_dir: str) -> tuple[Engine, dict | None]:
         if d.startswith(os.path.abspath(cfg.output)):
             os.makedirs(d, exist_ok=True)
     point = resume_point(stripes, cfg.resume) if cfg.resume else None
+    chosen = choose_plan(cfg, config, log=_log if cfg.progress else lambda s: None)
     if point is None:
-        engine = Engine.from_pretrained(model_dir, _engine_config(cfg))
+        engine = Engine.from_pretrained(model_dir, _engine_config(cfg, chosen))
         prune(stripes, 0)  # a fresh run: checkpoints of an earlier run in these directories are stale
-        return engine, None
+        return engine, None, chosen
     name, state = point
     restore(stripes, name)
-    return Engine.resume(_engine_config(cfg)), state
+    return Engine.resume(_engine_config(cfg, chosen)), state, chosen
+
+
+def _log(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr)
 
 
 def _evaluate(engine: Engine, batches: list) -> float | None:

@@ -55,6 +55,14 @@ class FinetuneConfig:
     resume: str | None = None
     """``auto`` (newest intact checkpoint, else a fresh start) or a checkpoint path."""
     progress: bool = True
+    plan: str = "auto"
+    """``auto``: the cost-model planner chooses the engine plan; ``rules``: the engine's simple rules."""
+    profile: str | None = None
+    """Hardware profile JSON for the planner (default: ~/.cache/fuyou/hw.json, else measured now)."""
+    prefetch_depth: int | None = None
+    """Fix the prefetch depth (blocks of weights read ahead) instead of letting the planner choose."""
+    activations: str | None = None
+    """Fix every layer's activation policy (keep|swap_cpu|swap_ssd|recompute) instead of planning it."""
 
     def __post_init__(self) -> None:
         p = []
@@ -89,6 +97,12 @@ class FinetuneConfig:
             p.append(f"--save-every must be an integer ≥ 0, got {self.save_every!r}")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
             p.append(f"--keep-checkpoints must be an integer ≥ 1, got {self.keep_checkpoints!r}")
+        if self.plan not in ("auto", "rules"):
+            p.append(f"--plan must be auto or rules, got {self.plan!r}")
+        if self.prefetch_depth is not None and (not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 1):
+            p.append(f"--prefetch-depth must be an integer ≥ 1, got {self.prefetch_depth!r}")
+        if self.activations is not None and self.activations not in ("keep", "swap_cpu", "swap_ssd", "recompute"):
+            p.append(f"--activations must be keep, swap_cpu, swap_ssd or recompute, got {self.activations!r}")
         if not 0 <= self.eval_fraction < 1:
             p.append(f"--eval-fraction must be in [0, 1), got {self.eval_fraction!r}")
         for flag, v in (("--cpu-memory", self.cpu_memory), ("--gpu-memory", self.gpu_memory)):

@@ -9,7 +9,9 @@ request of the same size.
 
 Accounting is exact. Bytes of live storages are charged against the fake capacity (and raise
 DeviceMemoryError past it); cached free blocks are not charged (CUDA's reserved-but-unallocated
-memory), and the arena never holds more than the peak of live bytes, so it adds no RSS at the peak.
+memory). Cached free bytes are capped at ``CACHE_FACTOR`` × the peak of live bytes (a step cycles
+through a few block sizes — embedding, layer, head — each needed again the next step); on the CPU
+backend that memory stands for GPU memory, so it is outside the host budget, like the device's.
 A storage is live while anything but the arena references it (its C++ use count), which covers
 views, parameters and autograd's saved tensors.
 """
@@ -26,6 +28,12 @@ from fuyou.units import format_size
 
 SUPPORTED = hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 """Whether this torch build exposes what the arena needs (use counts, data-pointer swaps)."""
+
+
+"""Cached free bytes are kept at most this multiple of the peak of live bytes."""
+
+CACHE_FACTOR = 3
+"""Cached free bytes are kept at most this multiple of the peak of live bytes."""
 
 
 def _use_count(s: torch.UntypedStorage) -> int:
@@ -46,16 +54,14 @@ class CachingArena:
 
     # ---------------------------------------------------------------- public
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, nbytes: int, what: str) -> torch.Tensor:
-        """An uninitialised tensor of ``shape``/``dtype`` (``nbytes``); DeviceMemoryError past capacity."""
+        """An uninitialised tensor of ``shape``/``dtype`` (``nbytes``); DeviceMemoryError past capacity.
+
+        A cached block up to 1/16 larger may serve the request; the charge is the block's size.
+        """
         with self._lock:
             self._sweep()
-            self._charge(nbytes, what)
-            try:
-                s = self._take(nbytes)
-            except BaseException:
-                self.allocated -= nbytes
-                raise
-            self._lent[id(s)] = (s, nbytes)
+            s = self._block(nbytes, what)
+            self._lent[id(s)] = (s, s.nbytes())
             self._trim()
         return torch.empty(0, dtype=dtype).set_(s, 0, shape)
 
@@ -81,17 +87,16 @@ class CachingArena:
             if entry is not None:
                 self.allocated -= entry[1]
             try:
-                self._charge(nbytes, what)
+                donor = self._block(nbytes, what)
             except DeviceMemoryError:
                 if entry is not None:
                     self._lent[id(s)] = entry
                     self.allocated += entry[1]
                 raise
-            donor = self._take(nbytes)
             s._swap_data_ptr_(donor)
             if donor.nbytes():
                 self._put(donor)
-            self._lent[id(s)] = (s, nbytes)
+            self._lent[id(s)] = (s, s.nbytes())
             self._trim()
         return torch.empty(0, dtype=torch.uint8).set_(s, 0, (nbytes,))
 
@@ -102,6 +107,24 @@ class CachingArena:
             return self.allocated, self.peak, self._free_bytes
 
     # ---------------------------------------------------------------- internals
+    def _block(self, nbytes: int, what: str) -> torch.UntypedStorage:
+        """A charged block of ≥ ``nbytes``: a cached one up to 1/16 larger, else a new one."""
+        s = self._pop_fit(nbytes)
+        if s is not None:
+            try:
+                self._charge(s.nbytes(), what)
+                return s
+            except DeviceMemoryError:
+                self._put(s)
+                if s.nbytes() == nbytes:
+                    raise
+        self._charge(nbytes, what)
+        try:
+            return torch.UntypedStorage(nbytes)
+        except BaseException:
+            self.allocated -= nbytes
+            raise
+
     def _charge(self, nbytes: int, what: str) -> None:
         if self.allocated + nbytes > self.capacity:
             raise DeviceMemoryError(
@@ -121,22 +144,26 @@ class CachingArena:
                 self.allocated -= n
                 if s.nbytes():
                     self._put(s)
+        self._trim()
 
-    def _take(self, nbytes: int) -> torch.UntypedStorage:
-        """A cached free storage of exactly ``nbytes``, else a new one."""
+    def _pop_fit(self, nbytes: int) -> torch.UntypedStorage | None:
+        """The smallest cached free storage of ``nbytes`` … ``nbytes + nbytes/16``, removed from the cache."""
+        best = None
         for key, s in self._free.items():
-            if s.nbytes() == nbytes:
-                del self._free[key]
-                self._free_bytes -= nbytes
-                return s
-        return torch.UntypedStorage(nbytes)
+            if nbytes <= s.nbytes() <= nbytes + nbytes // 16 and (best is None or s.nbytes() < best[1].nbytes()):
+                best = (key, s)
+        if best is None:
+            return None
+        del self._free[best[0]]
+        self._free_bytes -= best[1].nbytes()
+        return best[1]
 
     def _put(self, s: torch.UntypedStorage) -> None:
         self._free[id(s)] = s
         self._free_bytes += s.nbytes()
 
     def _trim(self) -> None:
-        """Drop the oldest free blocks until live + cached bytes ≤ the peak of live bytes."""
-        while self._free and self.allocated + self._free_bytes > self.peak:
+        """Drop the oldest free blocks until the cached bytes ≤ ``CACHE_FACTOR`` × the peak of live bytes."""
+        while self._free and self._free_bytes > CACHE_FACTOR * self.peak:
             _, s = self._free.popitem(last=False)
             self._free_bytes -= s.nbytes()

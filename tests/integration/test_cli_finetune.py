@@ -133,3 +133,49 @@ def test_unwritable_output_and_ssd(tmp_path, model_dir, readonly_dir):
     msg = cli_error(["finetune", model_dir, "--output", str(tmp_path / "run"), "--ssd", readonly_dir, *common])
     assert "not writable" in msg and readonly_dir in msg
     assert not (tmp_path / "run" / "run.json").exists()
+
+
+def test_finetune_plans_with_the_cost_model_by_default(tmp_path, model_dir, monkeypatch):
+    """No profile anywhere: a quick one is measured into the run directory and the planner's plan runs."""
+    import fuyou.finetune_plan as fp
+
+    monkeypatch.setattr(fp, "DEFAULT_PROFILE", str(tmp_path / "no-profile-here.json"))
+    monkeypatch.delenv("FUYOU_PROFILE", raising=False)
+    data = write_jsonl(tmp_path / "d.jsonl", TEXT)
+    out = tmp_path / "run"
+    r = run(["finetune", model_dir, "--data", data, "--output", str(out), "--steps", "2", "--seq-len", "32",
+             "--micro-batch-size", "2", "--grad-accum", "2", "--cpu-memory", "256MiB", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads((out / "run.json").read_text())["plan"]
+    assert plan["source"] == "planner" and plan["profile"] == str(out / "profile.json")
+    assert json.loads((out / "profile.json").read_text())["device"] == "cpu"
+    assert plan["predicted_step_s"] > 0 and plan["predicted_bottleneck"]
+    ran = plan["executed"]
+    assert ran["micro_batches"] == 2 and ran["prefetch_depth"] == plan["plan"]["prefetch_depth"]
+    assert ran["activation_policy"] == plan["plan"]["activation_policy"]
+    assert plan["state_chunk_executed"] == plan["state_chunk"]
+    assert ran["schedule"] == "overlap_next_forward"  # clipping is on by default
+
+    # the cached profile is reused, and flags override single choices
+    out2 = tmp_path / "run2"
+    r = run(["finetune", model_dir, "--data", data, "--output", str(out2), "--steps", "1", "--seq-len", "32",
+             "--cpu-memory", "256MiB", "--no-progress", "--profile", str(out / "profile.json"),
+             "--prefetch-depth", "1", "--activations", "swap_cpu"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads((out2 / "run.json").read_text())["plan"]
+    assert plan["profile"] == str(out / "profile.json") and not (out2 / "profile.json").exists()
+    assert plan["executed"]["prefetch_depth"] == 1
+    assert set(plan["executed"]["activation_policy"][1:-1]) == {"swap_cpu"}
+
+
+def test_finetune_rules_plan_and_bad_profile(tmp_path, model_dir):
+    data = write_jsonl(tmp_path / "d.jsonl", TEXT)
+    out = tmp_path / "run"
+    r = run(["finetune", model_dir, "--data", data, "--output", str(out), "--steps", "1", "--seq-len", "32",
+             "--cpu-memory", "256MiB", "--no-progress", "--plan", "rules", "--activations", "keep"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads((out / "run.json").read_text())["plan"]
+    assert plan["source"] == "rules" and set(plan["executed"]["activation_policy"][1:-1]) == {"keep"}
+    msg = cli_error(["finetune", model_dir, "--data", data, "--output", str(tmp_path / "x"), "--steps", "1",
+                     "--seq-len", "32", "--no-progress", "--profile", str(tmp_path / "missing.json")])
+    assert "no hardware profile" in msg and len(msg.splitlines()) == 1

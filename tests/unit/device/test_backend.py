@@ -108,17 +108,33 @@ def test_arena_reuses_freed_blocks_without_new_pages():
     gc.collect()
     m = b.memory()
     assert (m.allocated, m.peak) == (0, 8 << 20)
-    assert b._arena.stats()[2] <= m.peak, "the cache never holds more than the peak of live bytes"
+    assert b._arena.stats()[2] <= cpu_arena.CACHE_FACTOR * m.peak, "the cache is bounded by the peak of live bytes"
 
 
-def test_arena_cache_is_trimmed_to_the_peak_of_live_bytes():
+def test_arena_cache_is_trimmed_to_a_multiple_of_the_peak_of_live_bytes():
     from fuyou.device import cpu_arena
 
     if not cpu_arena.SUPPORTED:
         pytest.skip("this torch build lacks storage use counts / data-pointer swaps")
     b = CPUBackend()
-    for n in range(1, 40):  # every size different: nothing can be reused
-        del_me = b.device_empty((n * 1000,), torch.uint8)
+    for n in range(1, 40):  # every size more than 1/16 apart: nothing can be reused
+        del_me = b.device_empty((int(1000 * 1.1 ** n),), torch.uint8)
         del del_me
     allocated, peak, cached = b._arena.stats()
-    assert allocated == 0 and cached <= peak == 39000
+    assert allocated == 0 and peak == int(1000 * 1.1 ** 39) and 0 < cached <= cpu_arena.CACHE_FACTOR * peak
+
+
+def test_arena_serves_a_slightly_larger_block_and_charges_it():
+    from fuyou.device import cpu_arena
+
+    if not cpu_arena.SUPPORTED:
+        pytest.skip("this torch build lacks storage use counts / data-pointer swaps")
+    b = CPUBackend(capacity=1 << 20)
+    t = b.device_empty((1040,), torch.uint8)
+    ptr = t.data_ptr()
+    del t
+    small = b.device_empty((1000,), torch.uint8)  # within 1/16: the cached 1040-byte block
+    assert small.data_ptr() == ptr and b.memory().allocated == 1040
+    del small
+    big = b.device_empty((2000,), torch.uint8)  # too far from 1040: a new block
+    assert big.data_ptr() != ptr and b.memory().allocated == 2000

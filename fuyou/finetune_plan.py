@@ -1,0 +1,115 @@
+"""How ``fuyou finetune`` picks its engine plan: the cost-model planner by default.
+
+``--plan auto`` (default) asks the planner (``fuyou.planner.search``) for the fastest plan that fits
+the budgets, keeping the run's own batch: ``--micro-batch-size`` × ``--grad-accum`` sequences of
+``--seq-len`` tokens per step, split into ``--grad-accum`` micro-batches. It chooses the prefetch
+depth, the per-layer activation policy, the state chunk and buffer count and (without clipping) the
+schedule. ``--prefetch-depth`` and ``--activations`` fix those choices; ``--plan rules`` uses the
+engine's simple budget rules instead (``fuyou.engine.rules``).
+
+The planner reads a hardware profile: ``--profile PATH``, else ``$FUYOU_PROFILE``, else
+``~/.cache/fuyou/hw.json`` (written by ``fuyou profile``) if it was measured on the same kind of
+device. Without one, a quick profile of this machine and model is measured now (seconds: a 64 MiB
+SSD test in the first store directory, CPU Adam, memcpy, one layer and the head at the run's
+micro-batch) and saved as ``OUTPUT/profile.json``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fuyou.engine.plan import Plan
+from fuyou.errors import ConfigError
+from fuyou.finetune_config import FinetuneConfig
+from fuyou.units import parse_size
+
+DEFAULT_PROFILE = os.path.join(os.path.expanduser("~"), ".cache", "fuyou", "hw.json")
+QUICK_SSD_BYTES = 64 << 20
+QUICK_ADAM_PARAMS = 4 << 20
+
+
+@dataclass(frozen=True)
+class ChosenPlan:
+    """The plan a run uses, the state chunk (None: the engine's default) and how it was chosen."""
+
+    plan: Plan
+    state_chunk: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    """For run.json: source (planner|rules), profile, predicted step time and bottleneck."""
+
+
+def _device_kind(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _profile(cfg: FinetuneConfig, config: Any, log: Callable[[str], None]) -> tuple[Any, str]:
+    """The hardware profile for this run and where it came from; see the module docstring."""
+    from fuyou.planner.profile import load_profile, save_profile
+
+    path = cfg.profile or os.environ.get("FUYOU_PROFILE")
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"no hardware profile at {path}; run `fuyou profile --ssd DIR --out {path}` or drop --profile")
+        return load_profile(path), path
+    kind = _device_kind(cfg.device)
+    if os.path.isfile(DEFAULT_PROFILE):
+        prof = load_profile(DEFAULT_PROFILE)
+        if prof.device == kind:
+            return prof, DEFAULT_PROFILE
+    from fuyou.planner.measure import measure_profile
+    from fuyou.storage.dirs import check_dir
+
+    for d in cfg.store_dirs:
+        check_dir(d)  # unusable directories get the store's one-line error before anything is measured
+    log("planner: no hardware profile for this machine yet; measuring a quick one (seconds) …")
+    out = os.path.join(cfg.output, "profile.json")
+    prof = measure_profile(list(cfg.store_dirs[:1]), config, (cfg.micro_batch_size,), cfg.seq_len, kind,
+                           QUICK_SSD_BYTES, QUICK_ADAM_PARAMS, name="quick (fuyou finetune)")
+    save_profile(prof, out)
+    return prof, out
+
+
+def choose_plan(cfg: FinetuneConfig, config: Any, log: Callable[[str], None] = lambda s: None) -> ChosenPlan:
+    """The engine plan for ``cfg`` on ``config`` (a transformers config).
+
+    Raises ConfigError (the planner's InfeasibleError among them) naming what does not fit and what
+    to change, or an unreadable profile.
+    """
+    if cfg.plan == "rules":
+        pol = _fixed_policies(cfg, config)
+        plan = Plan(micro_batches=cfg.grad_accum, **({"prefetch_depth": cfg.prefetch_depth} if cfg.prefetch_depth else {}),
+                    **({"activation_policy": pol} if pol else {}))
+        return ChosenPlan(plan, None, {"source": "rules"})
+    from fuyou.planner.result import Budgets
+    from fuyou.planner.search import Request, search
+    from fuyou.planner.shapes import shape_from_config
+
+    prof, where = _profile(cfg, config, log)
+    shape = shape_from_config(config.to_dict())
+    gpu = parse_size(cfg.gpu_memory, "--gpu-memory") if cfg.gpu_memory is not None else prof.device_memory_bytes
+    budgets = Budgets(cpu_memory=parse_size(cfg.cpu_memory, "--cpu-memory"), gpu_memory=gpu)
+    req = Request(seq_len=cfg.seq_len, tokens_per_step=cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum,
+                  clip=cfg.max_grad_norm > 0, micro_batch_size=cfg.micro_batch_size,
+                  prefetch_depth=cfg.prefetch_depth, activations=cfg.activations, ram_tiers=False)
+    res = search(shape, prof, budgets, req)
+    p = res.prediction
+    info = {"source": "planner", "profile": where, "predicted_step_s": p.step_s, "predicted_bottleneck": p.bottleneck,
+            "plan": res.plan.to_json(), "state_chunk": res.step.state_chunk}
+    log(f"planner: predicted {p.step_s:.2f} s/step, bottleneck {p.bottleneck} (profile {where})")
+    return ChosenPlan(res.plan, res.step.state_chunk, info)
+
+
+def _fixed_policies(cfg: FinetuneConfig, config: Any) -> tuple[str, ...] | None:
+    """``--activations`` for every layer (embedding and head keep), as a per-block policy tuple."""
+    if not cfg.activations:
+        return None
+    from fuyou.planner.shapes import shape_from_config
+
+    n = len(shape_from_config(config.to_dict()).blocks)
+    return ("keep",) + (cfg.activations,) * (n - 2) + ("keep",)
