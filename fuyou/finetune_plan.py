@@ -3,8 +3,10 @@
 ``--plan auto`` (default) asks the planner (``fuyou.planner.search``) for the fastest plan that fits
 the budgets, keeping the run's own batch: ``--micro-batch-size`` × ``--grad-accum`` sequences of
 ``--seq-len`` tokens per step, split into ``--grad-accum`` micro-batches. It chooses the prefetch
-depth, the per-layer activation policy, the state chunk and buffer count and (without clipping) the
-schedule. ``--prefetch-depth`` and ``--activations`` fix those choices; ``--plan rules`` uses the
+depth, the per-layer activation policy, the state chunk and buffer count, (without clipping) the
+schedule and, when spare host memory makes it faster (bf16 runs), which blocks' weights and optimizer
+state live in host RAM instead of on SSD (``Plan.ram_weight_blocks``/``ram_state_blocks``).
+``--prefetch-depth`` and ``--activations`` fix those choices; ``--plan rules`` uses the
 engine's simple budget rules instead (``fuyou.engine.rules``).
 
 The planner reads a hardware profile: ``--profile PATH``, else ``$FUYOU_PROFILE``, else
@@ -96,7 +98,8 @@ def choose_plan(cfg: FinetuneConfig, config: Any, log: Callable[[str], None] = l
     budgets = Budgets(cpu_memory=parse_size(cfg.cpu_memory, "--cpu-memory"), gpu_memory=gpu)
     req = Request(seq_len=cfg.seq_len, tokens_per_step=cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum,
                   clip=cfg.max_grad_norm > 0, micro_batch_size=cfg.micro_batch_size,
-                  prefetch_depth=cfg.prefetch_depth, activations=cfg.activations, ram_tiers=False)
+                  prefetch_depth=cfg.prefetch_depth, activations=cfg.activations,
+                  ram_tiers=cfg.precision == "bf16")  # the planner counts RAM-tier weights at 2 B/param
     res = search(shape, prof, budgets, req)
     p = res.prediction
     info = {"source": "planner", "profile": where, "predicted_step_s": p.step_s, "predicted_bottleneck": p.bottleneck,

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from fuyou.engine.ram_tier import STALE
 from fuyou.errors import ManifestError, StoreError
 from fuyou.storage.dirs import fsync_dir
 from fuyou.storage.manifest import MANIFEST, read_manifest, write_manifest
@@ -35,13 +36,17 @@ def take(store: TensorStore, name: str, trainer_state: dict, replace: bool = Fal
     """Checkpoint the store's last committed version as ``name``; return timing and size facts.
 
     ``trainer_state`` (JSON data) is saved with it. Raises StoreError if ``name`` exists, unless
-    ``replace`` (the old one stays valid until the new one is published).
+    ``replace`` (the old one stays valid until the new one is published), or if that version's
+    host-RAM-tier extents are stale (``Engine.flush`` writes them back and commits a complete one).
     """
     t0 = time.perf_counter()
     final, partial = _dirs(store.dirs, name), _dirs(store.dirs, name, ".partial")
     if os.path.exists(final[0]) and not replace:
         raise StoreError(f"checkpoint {final[0]} exists already")
     body, files = store.committed()
+    if body["meta"].get(STALE):
+        raise StoreError(f"cannot checkpoint version {body['version']} of the store in {store.dirs[0]}: its host-RAM-tier "
+                         "extents were not written back; call Engine.flush() first")
     for p in partial:
         shutil.rmtree(p, ignore_errors=True)
         os.makedirs(p)
@@ -85,6 +90,8 @@ def validate(stripes: list[str], name: str, full: bool = True) -> dict:
     """
     dirs = _dirs(stripes, name)
     with TensorStore.open(dirs, direct="auto") as st:
+        if st.meta.get(STALE):
+            raise StoreError(f"checkpoint {name} holds stale host-RAM-tier extents (taken without a flush)")
         if full:
             biggest = max(e.nbytes for e in st.extents)
             buf = torch.empty(max(biggest, 1), dtype=torch.uint8)

@@ -24,6 +24,7 @@ from fuyou.engine.act_ssd import ActivationSpace
 from fuyou.engine.config import EngineConfig
 from fuyou.engine.layout import ModelLayout, elem_size
 from fuyou.engine.optimizer import STATE, AdamStage
+from fuyou.engine.ram_tier import RamTier, refuse_stale, rollback_blocks
 from fuyou.engine.rules import fit_host
 from fuyou.engine.step import StepRunner, StepState, gate_for, park_class, settle
 from fuyou.engine.timeline import Timeline
@@ -55,6 +56,10 @@ class Engine:
         self.backend = get_backend(cfg.device, cfg.gpu_bytes)
         self.adapter.prepare(self.backend.device)
         blocks = tuple(self.adapter.blocks)
+        if max(self.plan.ram_weight_blocks, self.plan.ram_state_blocks) > len(blocks):
+            raise ConfigError(f"the plan keeps {self.plan.ram_weight_blocks} blocks' weights and "
+                              f"{self.plan.ram_state_blocks} blocks' optimizer state in host RAM, but the model has "
+                              f"{len(blocks)} blocks")
         if store is None:
             layout = ModelLayout(blocks, DTYPES[cfg.precision], DTYPES[cfg.state_precision], cfg.state_chunk)
             self.layout, self.plan = fit_host(layout, self.plan, cfg.cpu_bytes)
@@ -67,11 +72,22 @@ class Engine:
         self.timeline = Timeline()
         self.store = store or TensorStore.create(list(cfg.ssd_dirs), self.layout.extents(), io=cfg.io,
                                                  direct=cfg.direct, checksums=cfg.checksums, overwrite=True)
+        try:
+            self.tier = RamTier(self.store, self.pool, self.layout, self.timeline, self.plan.ram_weight_blocks,
+                                self.plan.ram_state_blocks)
+            self._reserve_parks(rollback_blocks(self.plan.ram_weight_blocks, self.plan.ram_state_blocks,
+                                                self.plan.schedule))
+            if store is not None:
+                self.tier.load()
+        except BaseException:
+            if store is None:
+                self.store.close()
+            raise
         self.compute_stream = self.backend.current_stream()  # forward/backward run on torch's current stream
-        self.loader = WeightLoader(self.store, self.backend, self.pool, self.layout, self.timeline,
+        self.loader = WeightLoader(self.tier, self.backend, self.pool, self.layout, self.timeline,
                                    self.plan.prefetch_depth, self.backend.new_stream())
         hyper = AdamWHyper(cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
-        self.stage = AdamStage(self.store, self.backend, self.pool, self.layout, hyper, self.timeline,
+        self.stage = AdamStage(self.tier, self.backend, self.pool, self.layout, hyper, self.timeline,
                                self.backend.new_stream(), cfg.adam_threads, cfg.no_decay)
         self.act_space = ActivationSpace(self.backend, self.pool, self.store.engine, self.store.dirs,
                                          self.store.direct, self.timeline)
@@ -99,13 +115,15 @@ class Engine:
 
         The model config comes from the store; precision and state layout are the store's (a
         different ``precision`` in ``cfg`` raises ConfigError). Raises ManifestError if the
-        directories hold no Fuyou training store.
+        directories hold no Fuyou training store, StoreError if its last committed step kept extents
+        in host RAM that were never written back (``ram_tier_stale``: resume from a checkpoint).
         """
         store = TensorStore.open(list(cfg.ssd_dirs), io=cfg.io, direct=cfg.direct, checksums=cfg.checksums)
         files = os.path.join(store.dirs[0], HF_FILES)
         try:
             if not os.path.isdir(files) or "compute_dtype" not in store.meta:
                 raise ManifestError(f"{store.dirs[0]} holds no Fuyou training state to resume from")
+            refuse_stale(store.meta, store.dirs[0])
             return cls(load_config(files), cfg, None, source_dir=files, store=store)
         except BaseException:
             store.close()
@@ -129,20 +147,28 @@ class Engine:
             )
 
     def _reserve_host(self) -> None:
-        lay = self.layout
-        self.pool.reserve(HOST_CLASS, WeightLoader.host_bytes(lay), self.plan.prefetch_depth + 1)
-        for name, nbytes, count in AdamStage.host_classes(lay, self.plan.state_buffers):
+        """Reserve the streaming buffers and the clipping schedule's parked gradients (the RAM tier and
+        the gradients its blocks park reserve theirs after, so a budget too small names the tier)."""
+        lay, plan = self.layout, self.plan
+        self.pool.reserve(HOST_CLASS, WeightLoader.host_bytes(lay), plan.prefetch_depth + 1)
+        for name, nbytes, count in AdamStage.host_classes(lay, plan.state_buffers):
             self.pool.reserve(name, nbytes, count)
-        if self.plan.schedule == "overlap_next_forward":
-            for b in range(len(lay.blocks)):
-                self.pool.reserve(park_class(b), lay.numel(b) * elem_size(lay.compute_dtype), 1)
+        if plan.schedule == "overlap_next_forward":
+            self._reserve_parks(range(len(lay.blocks)))
+
+    def _reserve_parks(self, blocks: range) -> None:
+        """One parked-gradient host buffer per block in ``blocks``."""
+        lay = self.layout
+        for b in blocks:
+            self.pool.reserve(park_class(b), lay.numel(b) * elem_size(lay.compute_dtype), 1)
 
     def _import(self, tensors: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
-        """Write every block's weights and zeroed state to the store, one block's source at a time,
-        converting through the pool's own buffers (so import stays inside the host budget)."""
+        """Write every block's weights and zeroed state to the store (and the RAM tier's copies), one
+        block's source at a time, converting through the pool's own buffers (so import stays inside
+        the host budget). The first committed version is complete."""
         for b, blk in enumerate(self.layout.blocks):
             self._import_block(b, tensors([p.key for p in blk.params]))
-        self.store.commit(self.commit_meta())
+        self.tier.commit(self.commit_meta())
 
     def _import_block(self, b: int, src: dict[str, torch.Tensor]) -> None:
         lay = self.layout
@@ -151,7 +177,7 @@ class Engine:
         try:
             w = buf.data[: n * elem_size(lay.compute_dtype)]
             lay.flatten_into(b, src, w.view(lay.compute_dtype), 0, n)
-            self.store.write(lay.w(b).name, w).result()
+            self.tier.write_through(lay.w(b).name, w).result()
         finally:
             self.pool.release(buf)
         for c, (lo, hi) in enumerate(lay.chunks(b)):
@@ -161,7 +187,7 @@ class Engine:
                 s = buf.data[: ext.nbytes]
                 s.zero_()
                 lay.flatten_into(b, src, ext.views(s)["master"], lo, hi)
-                self.store.write(ext.name, s).result()
+                self.tier.write_through(ext.name, s).result()
             finally:
                 self.pool.release(buf)
 
@@ -271,24 +297,30 @@ class Engine:
         return ForCausalLMLoss(logits, labels.to(dev), self.adapter.config.vocab_size).item()
 
     def flush(self) -> None:
-        """Wait for pending updates (clipping schedule) and commit them."""
+        """Wait for pending updates (clipping schedule) and commit them; then write the RAM tier's
+        changed extents to the store and commit a complete version (see ``fuyou.engine.ram_tier``).
+
+        Call before checkpoints and exports. Raises StoreError if a write or commit fails.
+        """
         settle(self)
+        self.tier.persist(self.commit_meta())
 
     # ------------------------------------------------------------------ results
     def master_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF key, fp32 master tensor) for every parameter, one block at a time."""
         self.flush()
-        yield from iter_master(self.store, self.layout)
+        yield from iter_master(self.tier, self.layout)
 
     def export(self, out_dir: str, dtype: str = "bf16") -> None:
         """Write the current weights as a Hugging Face model directory (sharded safetensors)."""
         if dtype not in DTYPES:
             raise ConfigError(f"--dtype must be bf16 or fp32, got {dtype!r}")
         self.flush()
-        export_layout(self.store, self.layout, self.adapter.config, out_dir, dtype, self.source_dir)
+        export_layout(self.tier, self.layout, self.adapter.config, out_dir, dtype, self.source_dir)
 
     def close(self) -> None:
-        """Commit pending updates, stop the Adam worker, close the store."""
+        """Commit pending updates and write the RAM tier back (``flush``), stop the Adam worker, close
+        the store."""
         try:
             self.flush()
         finally:

@@ -17,13 +17,14 @@ from fuyou.engine.layout import ModelLayout, elem_size
 from fuyou.errors import ConfigError, ManifestError
 from fuyou.models.hf_io import load_config, save_streamed
 from fuyou.storage.layout import dtype_from_name
+from fuyou.engine.ram_tier import RamTier, refuse_stale
 from fuyou.storage.store import TensorStore
 
 HF_FILES = "hf-model-files"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def iter_master(store: TensorStore, layout: ModelLayout) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_master(store: "TensorStore | RamTier", layout: ModelLayout) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF key, fp32 master tensor) for every parameter, one block at a time (latest writes)."""
     for b in range(len(layout.blocks)):
         master = torch.empty(layout.numel(b), dtype=torch.float32)
@@ -36,7 +37,7 @@ def iter_master(store: TensorStore, layout: ModelLayout) -> Iterator[tuple[str, 
             yield t.name, master[off // size : off // size + t.nbytes // size].view(t.shape)
 
 
-def export_layout(store: TensorStore, layout: ModelLayout, config: Any, out_dir: str, dtype: str,
+def export_layout(store: "TensorStore | RamTier", layout: ModelLayout, config: Any, out_dir: str, dtype: str,
                   copy_from: str | None) -> None:
     """Write the store's current weights as a Hugging Face model directory in ``dtype``."""
     if dtype not in DTYPES:
@@ -56,7 +57,9 @@ def _store_dirs(paths: list[str]) -> list[str]:
 def export_store(paths: list[str], out_dir: str, dtype: str = "bf16") -> None:
     """``fuyou export``: a run directory or store directories → a Hugging Face model directory.
 
-    Raises ManifestError if the store lacks the model files or layout facts (not a Fuyou run store).
+    Raises ManifestError if the store lacks the model files or layout facts (not a Fuyou run store),
+    StoreError if its last committed step kept host-RAM-tier extents never written back (export a
+    checkpoint, or resume and let the run finish).
     """
     from fuyou.models.adapters import make_adapter
 
@@ -67,6 +70,7 @@ def export_store(paths: list[str], out_dir: str, dtype: str = "bf16") -> None:
         if not os.path.isdir(files) or "compute_dtype" not in meta:
             raise ManifestError(f"{dirs[0]} is not a Fuyou training store (no model files or layout); pass a run "
                                 "directory or the --ssd directories of a run")
+        refuse_stale(meta, dirs[0])
         config = load_config(files)
         layout = ModelLayout(tuple(make_adapter(config).blocks), dtype_from_name(meta["compute_dtype"]),
                              dtype_from_name(meta["state_dtype"]), meta["state_chunk"])

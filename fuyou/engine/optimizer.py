@@ -4,7 +4,8 @@ Per block: the device gradient is copied into a host buffer (``offload``); ``upd
 block's master/m/v from the store, runs the fused AdamW on the Adam worker thread (writing the new
 compute weights into a host buffer in the same pass) and writes both extents back. Everything is
 chained on futures: the training thread only submits, and the returned future completes when the
-block's new weights are in the store (readable by the next step).
+block's new weights are in the store (readable by the next step). State and weights go through the
+``RamTier`` facade: RAM-tier extents are memcpys, not SSD traffic.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from fuyou.engine.layout import ModelLayout, elem_size
 from fuyou.engine.timeline import Timeline
 from fuyou.optim import AdamJob, AdamWHyper, AdamWorker, adamw_step
 from fuyou.storage.io_base import gather
-from fuyou.storage.store import TensorStore
+from fuyou.engine.ram_tier import RamTier
 from fuyou.transfer.buffers import HostBuffer, HostBufferPool
 
 GRADS, STATE, NEW_WEIGHTS = "grads", "state", "new-weights"
@@ -31,7 +32,7 @@ GRADS, STATE, NEW_WEIGHTS = "grads", "state", "new-weights"
 class AdamStage:
     """Offload, update and write back one block at a time; see the module docstring."""
 
-    def __init__(self, store: TensorStore, backend: Backend, pool: HostBufferPool, layout: ModelLayout,
+    def __init__(self, store: RamTier, backend: Backend, pool: HostBufferPool, layout: ModelLayout,
                  hyper: AdamWHyper, timeline: Timeline, d2h_stream: object, num_threads: int | None = None,
                  no_decay: frozenset[str] = frozenset()) -> None:
         self.store, self.backend, self.pool, self.layout = store, backend, pool, layout
@@ -54,6 +55,11 @@ class AdamStage:
         """Decay runs of block ``b`` clipped to the chunk [lo, hi)."""
         out = [(max(a, lo), min(z, hi), d) for a, z, d in self.layout.decay_runs(b, self.no_decay)]
         return [(a, z, d) for a, z, d in out if z > a]
+
+    def _io(self, fut: Future, resource: str, name: str, nbytes: int) -> Future:
+        """Record an SSD read/write of extent ``name`` on the timeline; RAM-tier extents are not SSD
+        traffic (the tier records their memcpys itself)."""
+        return fut if self.store.holds(name) else self.timeline.track(fut, resource, name, nbytes)
 
     def _timed_step(self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, **kw: object) -> None:
         t0 = time.perf_counter()
@@ -108,7 +114,7 @@ class AdamStage:
         jobs.add_done_callback(lambda _: self.pool.release(grad))
 
         def write_weights() -> Future:
-            return self.timeline.track(self.store.write(w_ext.name, wbuf.data), "ssd_write", w_ext.name, w_ext.nbytes)
+            return self._io(self.store.write(w_ext.name, wbuf.data), "ssd_write", w_ext.name, w_ext.nbytes)
 
         ww = chain(jobs, write_weights)
         ww.add_done_callback(lambda _: self.pool.release(wbuf))
@@ -121,7 +127,7 @@ class AdamStage:
         lo, hi = self.layout.chunks(b)[c]
         dt = self.layout.compute_dtype
         sbuf = self.pool.acquire(STATE)
-        read = self.timeline.track(self.store.read(s_ext.name, sbuf.data), "ssd_read", s_ext.name, s_ext.nbytes)
+        read = self._io(self.store.read(s_ext.name, sbuf.data), "ssd_read", s_ext.name, s_ext.nbytes)
 
         def start_job() -> Future:
             ready.wait()  # the gradient's device→host copy must have landed
@@ -140,7 +146,7 @@ class AdamStage:
         job = chain(read, start_job)
 
         def write_state() -> Future:
-            return self.timeline.track(self.store.write(s_ext.name, sbuf.data), "ssd_write", s_ext.name, s_ext.nbytes)
+            return self._io(self.store.write(s_ext.name, sbuf.data), "ssd_write", s_ext.name, s_ext.nbytes)
 
         written = chain(job, write_state)
         written.add_done_callback(lambda _: self.pool.release(sbuf))

@@ -32,6 +32,11 @@ class Plan:
     exact clipping and non-finite skipping, Adam(i) overlapped with the next step's forward."""
     state_buffers: int = 2
     """Host buffers for optimizer state in flight (≥ 2: read of the next overlaps the current update)."""
+    ram_weight_blocks: int = 0
+    """Blocks 0…N−1 (layout order) whose compute weights live in host RAM instead of on SSD: reads are
+    memcpys, and per-step commits do not write them (``fuyou.engine.ram_tier``). ≤ the block count."""
+    ram_state_blocks: int = 0
+    """Blocks 0…M−1 whose fp32 master + m + v live in host RAM instead of on SSD. ≤ the block count."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -43,6 +48,9 @@ class Plan:
             problems.append(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.state_buffers < 2:
             problems.append(f"state buffers must be ≥ 2, got {self.state_buffers}")
+        for name in ("ram_weight_blocks", "ram_state_blocks"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be ≥ 0, got {getattr(self, name)}")
         bad = [p for p in self.activation_policy if p not in POLICIES]
         if bad:
             problems.append(f"activation policies must be in {POLICIES}, got {bad}")

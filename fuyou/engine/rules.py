@@ -1,9 +1,13 @@
 """Simple rules that fit a plan into the host budget (the cost-model planner will replace them).
 
 Host memory Fuyou reserves: ``prefetch_depth + 1`` weight buffers (largest block), 2 gradient and
-2 new-weight buffers (largest block), ``state_buffers`` optimizer-state chunks, and with the
-clipping schedule one parked gradient per block. When that passes the budget, the state chunk
-shrinks (down to 1 Mi elements), then the prefetch depth (down to 1).
+2 new-weight buffers (largest block), ``state_buffers`` optimizer-state chunks, with the clipping
+schedule one parked gradient per block (with ``overlap_backward``, one per RAM-tier block 1…R−1:
+``ram_tier.rollback_blocks``), and the RAM tier itself (the compute weights of the first
+``ram_weight_blocks`` blocks, 2 B/param in bf16; master + m + v of the first ``ram_state_blocks``,
+12 B/param, 8 with bf16 state). When that passes the budget, the state chunk shrinks (down to 1 Mi
+elements), then the prefetch depth (down to 1); the RAM tier is never shrunk: the pool's
+reservation then fails naming it.
 """
 
 from __future__ import annotations
@@ -12,20 +16,23 @@ import dataclasses
 
 from fuyou.engine.layout import ModelLayout, elem_size
 from fuyou.engine.plan import Plan
+from fuyou.engine.ram_tier import ram_bytes, rollback_blocks
 from fuyou.units import align_up
 
 MIN_CHUNK = 1 << 20
 
 
 def host_need(layout: ModelLayout, plan: Plan) -> int:
-    """Bytes of host buffers ``plan`` reserves for ``layout`` (4 KiB-rounded, as the pool counts)."""
+    """Bytes of host memory ``plan`` reserves for ``layout``: buffers and RAM tier (4 KiB-rounded, as
+    the pool counts). Raises ConfigError if the plan's RAM tier names more blocks than ``layout`` has."""
     nb = range(len(layout.blocks))
     w = align_up(max(layout.w(b).nbytes for b in nb), 4096)
     g = align_up(max(layout.numel(b) for b in nb) * elem_size(layout.compute_dtype), 4096)
     need = (plan.prefetch_depth + 1) * w + 2 * g + 2 * w + plan.state_buffers * align_up(layout.state_bytes(), 4096)
-    if plan.schedule == "overlap_next_forward":
-        need += sum(align_up(layout.numel(b) * elem_size(layout.compute_dtype), 4096) for b in nb)
-    return need
+    parked = nb if plan.schedule == "overlap_next_forward" else \
+        rollback_blocks(plan.ram_weight_blocks, plan.ram_state_blocks, plan.schedule)
+    need += sum(align_up(layout.numel(b) * elem_size(layout.compute_dtype), 4096) for b in parked)
+    return need + sum(ram_bytes(layout, plan.ram_weight_blocks, plan.ram_state_blocks))
 
 
 def fit_host(layout: ModelLayout, plan: Plan, budget: int, fixed_chunk: bool = False) -> tuple[ModelLayout, Plan]:

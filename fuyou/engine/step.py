@@ -6,7 +6,9 @@ gradients accumulate on the device into one flat buffer per block, which is hand
 once complete:
 
 * ``overlap_backward`` — Adam(b) starts as soon as block b's backward ends, overlapping backward of
-  b−1. A non-finite gradient stops further updates and rolls the step back (``store.abort``).
+  b−1. A non-finite gradient stops further updates and rolls the step back (``store.abort``). RAM-tier
+  writes cannot be rolled back, so RAM-tier blocks 1…R−1 park their gradients until block 0's
+  backward proves the whole step finite (``ram_tier.rollback_blocks``), then update.
 * ``overlap_next_forward`` — gradients are parked in host memory and the global norm accumulates;
   after backward the clipping coefficient is exact, and Adam(0…H) is submitted in forward order to
   overlap the *next* step's forward, whose reads of block b wait for Adam(b)'s write.
@@ -23,6 +25,7 @@ import torch
 from fuyou.engine import activations
 from fuyou.engine.futures import done_future
 from fuyou.engine.optimizer import AdamStage
+from fuyou.engine.ram_tier import rollback_blocks
 from fuyou.transfer.buffers import HostBuffer
 
 
@@ -168,11 +171,20 @@ class StepRunner:
         sq = torch.linalg.vector_norm(grad, dtype=torch.float32).item() ** 2
         st.norm_sq += sq
         st.finite = st.finite and math.isfinite(sq)
-        if e.plan.schedule == "overlap_next_forward":
+        if e.plan.schedule == "overlap_next_forward" or (st.finite and b in self._held_back()):
             st.parked[b] = e.stage.offload(b, grad, park_class(b))
         elif st.finite:
+            if b == 0:  # the whole step is finite: RAM-tier blocks held back may update now
+                for o in sorted(st.parked, reverse=True):
+                    buf, ready = st.parked.pop(o)
+                    st.written[o] = e.stage.update(o, buf, ready, e.lr, e.step + 1, 1.0)
             buf, ready = e.stage.offload(b, grad)
             st.written[b] = e.stage.update(b, buf, ready, e.lr, e.step + 1, 1.0)
+
+    def _held_back(self) -> range:
+        """overlap_backward: blocks whose update waits for block 0 (RAM tier; see the module docstring)."""
+        p = self.e.plan
+        return rollback_blocks(p.ram_weight_blocks, p.ram_state_blocks, p.schedule)
 
     def finish(self, st: StepState) -> bool:
         """After backward: commit (overlap_backward) or submit clipped updates (next_forward).
@@ -182,14 +194,18 @@ class StepRunner:
         e = self.e
         if e.plan.schedule == "overlap_backward":
             wait(list(st.written.values()))
+            for buf, ready in st.parked.values():  # held-back RAM-tier gradients of a non-finite step
+                ready.wait()
+                e.pool.release(buf)
+            st.parked.clear()
             if not st.finite:
                 e.stage.worker.wait()
-                e.store.abort()
+                e.tier.abort()
                 return False
             for f in st.written.values():
                 f.result()
             e.step += 1
-            e.store.commit(e.commit_meta())
+            e.tier.commit(e.commit_meta())
             return True
         if not st.finite:
             for buf, _ in st.parked.values():
@@ -214,7 +230,7 @@ def settle(engine: "object") -> None:
     wait(futs)
     for f in futs:
         f.result()
-    e.store.commit(e.commit_meta())
+    e.tier.commit(e.commit_meta())
 
 
 def gate_for(engine: "object") -> "callable":

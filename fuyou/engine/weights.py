@@ -1,5 +1,7 @@
 """Streaming compute weights SSD → host buffer → device, block by block, ``depth`` blocks ahead.
 
+Reads go through the ``RamTier`` facade: RAM-tier blocks' weights are a memcpy instead of an SSD read.
+
 The loader walks one step's load order — forward 0…H, then backward H−1…0, with a tied
 embedding loaded again for the head — issuing reads ahead into a fixed set of host buffers. A
 read can be *gated*: in the clipping schedule, block b's read starts only once Adam has written
@@ -17,7 +19,7 @@ from fuyou.device.base import Backend, Event
 from fuyou.engine.futures import chain, done_future
 from fuyou.engine.layout import ModelLayout
 from fuyou.engine.timeline import Timeline
-from fuyou.storage.store import TensorStore
+from fuyou.engine.ram_tier import RamTier
 from fuyou.transfer.buffers import HostBuffer, HostBufferPool
 
 HOST_CLASS = "weights"
@@ -26,7 +28,7 @@ HOST_CLASS = "weights"
 class WeightLoader:
     """Prefetching reader of ``w/<block>`` extents; see the module docstring."""
 
-    def __init__(self, store: TensorStore, backend: Backend, pool: HostBufferPool, layout: ModelLayout,
+    def __init__(self, store: RamTier, backend: Backend, pool: HostBufferPool, layout: ModelLayout,
                  timeline: Timeline, depth: int, copy_stream: object) -> None:
         self.store, self.backend, self.pool, self.layout = store, backend, pool, layout
         self.timeline, self.depth, self.stream = timeline, depth, copy_stream
@@ -56,7 +58,9 @@ class WeightLoader:
                 buf = self.pool.acquire(HOST_CLASS)
                 ext = self.layout.w(b)
                 fut = chain(self.gate(b), lambda ext=ext, buf=buf: self.store.read(ext.name, buf.data))
-                self._reads[p] = (buf, self.timeline.track(fut, "ssd_read", ext.name, ext.nbytes))
+                if not self.store.holds(ext.name):  # RAM-tier reads time themselves, as memcpys
+                    fut = self.timeline.track(fut, "ssd_read", ext.name, ext.nbytes)
+                self._reads[p] = (buf, fut)
 
     def _reap(self, wait: bool) -> None:
         """Release host buffers whose device copies are done (waiting for the oldest if ``wait``)."""

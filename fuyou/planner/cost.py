@@ -10,7 +10,7 @@ from a sum or a max. Memory per tier:
   gradients and ~12 bytes per logit: bf16 logits, fp32 upcast, fp32 and bf16 gradients);
 * host — the engine's buffer pool (``engine/rules.py`` ``host_need``, recomputed here without
   torch), ``swap_cpu`` activations (all alive at the turnaround), transient ``swap_ssd`` staging,
-  and not-yet-executable RAM tiers;
+  and the RAM tiers (``ram_tier_bytes``: the same 4 KiB-rounded extents the engine's pool reserves);
 * SSD — two versions of the store (crash-safe commits) plus ``swap_ssd`` scratch files.
 """
 
@@ -40,7 +40,7 @@ class Memory:
     host_activations: int
     """``swap_cpu`` activations at the turnaround plus ``swap_ssd`` staging in flight."""
     host_ram_tiers: int = 0
-    """NOT YET EXECUTABLE: weights/state kept in RAM instead of on SSD."""
+    """Weights/state kept in host RAM instead of on SSD (``fuyou.engine.ram_tier``)."""
     ssd: int = 0
     """Store (two versions) plus activation scratch files."""
 
@@ -81,7 +81,9 @@ class Prediction:
 
 
 def host_buffers(shape: ModelShape, plan: object, cfg: StepConfig) -> int:
-    """Bytes of host buffers the engine reserves (same formula as ``engine.rules.host_need``)."""
+    """Bytes of host buffers the engine reserves besides the RAM tier (``engine.rules.host_need`` =
+    this + ``ram_tier_bytes``), parked gradients included: every block's with ``overlap_next_forward``,
+    RAM-tier blocks 1…R−1's with ``overlap_backward`` (``engine.ram_tier.rollback_blocks``)."""
     numel = [b.numel for b in shape.blocks]
     w = _align(2 * max(numel))
     g = _align(2 * max(numel))
@@ -90,7 +92,20 @@ def host_buffers(shape: ModelShape, plan: object, cfg: StepConfig) -> int:
     need = (plan.prefetch_depth + 1) * w + 2 * g + 2 * w + plan.state_buffers * state
     if plan.schedule == "overlap_next_forward":
         need += sum(_align(2 * n) for n in numel)
+    else:
+        need += sum(_align(2 * n) for n in numel[1 : max(cfg.ram_weight_blocks, cfg.ram_state_blocks)])
     return need
+
+
+def ram_tier_bytes(shape: ModelShape, cfg: StepConfig) -> int:
+    """Host bytes of the RAM tier: 2 B/param bf16 weights of the first ``ram_weight_blocks`` blocks and
+    ``state_bytes_per_param`` (12 fp32, 8 with bf16 m/v) of the first ``ram_state_blocks``, each
+    extent (a block's weights, a state chunk) 4 KiB-rounded as the engine's pool counts it."""
+    total = sum(_align(2 * b.numel) for b in shape.blocks[: cfg.ram_weight_blocks])
+    for b in shape.blocks[: cfg.ram_state_blocks]:
+        for lo in range(0, max(b.numel, 1), cfg.state_chunk):
+            total += _align(_state_extent_bytes(min(cfg.state_chunk, b.numel - lo), cfg.state_bytes_per_param))
+    return total
 
 
 def _state_extent_bytes(n: int, per_param: int) -> int:
@@ -117,12 +132,9 @@ def memory(shape: ModelShape, plan: object, cfg: StepConfig, prof: HardwareProfi
     staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)
     if cfg.boundary_offload:
         swap_cpu += H * T * shape.hidden * 2
-    ram = sum(2 * b.numel for b in shape.blocks[: cfg.ram_weight_blocks])
-    ram += sum(cfg.state_bytes_per_param * b.numel for b in shape.blocks[: cfg.ram_state_blocks])
     store = sum(2 * b.numel + cfg.state_bytes_per_param * b.numel for b in shape.blocks)
-    store -= ram
     return Memory(device=device, host_buffers=host_buffers(shape, plan, cfg), host_activations=int(swap_cpu + staging),
-                  host_ram_tiers=int(ram), ssd=int(2 * store + sum(g.act_bytes(b) for b in ssd_blocks)))
+                  host_ram_tiers=ram_tier_bytes(shape, cfg), ssd=int(2 * store + sum(g.act_bytes(b) for b in ssd_blocks)))
 
 
 def predict(shape: ModelShape, plan: object, cfg: StepConfig, prof: HardwareProfile) -> Prediction:

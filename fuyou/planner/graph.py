@@ -19,8 +19,11 @@ all but ``ssd`` are one server, the cores):
   submits Adam(0…H) after backward, and the next step's forward reads of block b wait for Adam(b)'s
   weight write; the next step's turnaround waits for every write (``settle``).
 
-Not-yet-executable options (``StepConfig.ram_*``, ``boundary_offload``) remove SSD operations for
-blocks whose state lives in RAM and add copies for offloaded block boundaries.
+RAM tiers (``StepConfig.ram_*``, executed by ``fuyou.engine.ram_tier``) turn the SSD reads and
+writes of the first blocks' weights/state into host memcpys; with ``overlap_backward`` RAM-tier
+blocks 1…R−1 park their gradients and update after block 0's backward (a non-finite step cannot be
+rolled back in RAM). Not-yet-executable options (``boundary_offload``, ``async_swap``) add copies for
+offloaded block boundaries and move swaps to the copy streams.
 """
 
 from __future__ import annotations
@@ -43,9 +46,9 @@ class StepConfig:
     state_bytes_per_param: int = 12
     """fp32 master + m + v = 12; bf16 m, v = 8."""
     ram_weight_blocks: int = 0
-    """NOT YET EXECUTABLE: blocks (from the first) whose bf16 weights live in host RAM, not on SSD."""
+    """Blocks (from the first) whose bf16 weights live in host RAM, not on SSD (``Plan.ram_weight_blocks``)."""
     ram_state_blocks: int = 0
-    """NOT YET EXECUTABLE: blocks (from the first) whose master/m/v live in host RAM, not on SSD."""
+    """Blocks (from the first) whose master/m/v live in host RAM, not on SSD (``Plan.ram_state_blocks``)."""
     boundary_offload: bool = False
     """NOT YET EXECUTABLE: block inputs kept for backward go to host RAM instead of device memory."""
     async_swap: bool = False
@@ -55,8 +58,7 @@ class StepConfig:
     @property
     def needs(self) -> tuple[str, ...]:
         """The engine changes this configuration needs (empty: executable today)."""
-        return tuple(n for n, on in (("ram_tier", self.ram_weight_blocks or self.ram_state_blocks),
-                                     ("boundary_offload", self.boundary_offload), ("async_swap", self.async_swap)) if on)
+        return tuple(n for n, on in (("boundary_offload", self.boundary_offload), ("async_swap", self.async_swap)) if on)
 
     @property
     def executable(self) -> bool:
@@ -134,8 +136,8 @@ class StepGraph:
             return
         b = self.order[pos]
         gate = self.prev_writes.get(b)  # overlap_next_forward: Adam(b) of the last step wrote w(b)
-        if b < self.c.ram_weight_blocks:  # NOT YET EXECUTABLE: pinned RAM → device, no SSD read
-            self.reads[pos] = self.sim.op(None, 0.0, deps + (gate,))
+        if b < self.c.ram_weight_blocks:  # RAM tier: a memcpy into the host buffer, no SSD read
+            self.reads[pos] = self.sim.op(None, self._w_bytes(b) / self.hw.host_mem_Bps, deps + (gate,))
         else:
             self.reads[pos] = self.sim.op("ssd", self._w_bytes(b) / self.hw.ssd_read_Bps, deps + (gate,), "ssd_read")
 
@@ -222,10 +224,14 @@ class StepGraph:
         if len(released) >= count:
             self._t(released[len(released) - count])
 
+    def _held_back(self, b: int) -> bool:
+        """overlap_backward: RAM-tier block 1…R−1 whose update waits for block 0 (``ram_tier.rollback_blocks``)."""
+        return self.p.schedule == "overlap_backward" and 0 < b < max(self.c.ram_weight_blocks, self.c.ram_state_blocks)
+
     def hand_off(self, b: int, bwd: int) -> None:
         """Gradient norm (sync), device→host copy, then Adam now (overlap_backward) or parked."""
         self._t(bwd)
-        if self.p.schedule == "overlap_next_forward":
+        if self.p.schedule == "overlap_next_forward" or self._held_back(b):
             d = self.sim.op("d2h", 2 * self.m.blocks[b].numel / self.hw.d2h_Bps, (self.thread, bwd))
             self.parked[b] = d
             if self.cpu:
@@ -235,6 +241,9 @@ class StepGraph:
         d = self.sim.op("d2h", 2 * self.m.blocks[b].numel / self.hw.d2h_Bps, (self.thread, bwd))
         if self.cpu:
             self._t(d)
+        if b == 0:
+            for o in sorted(self.parked, reverse=True):
+                self.update(o, self.parked.pop(o))
         self.update(b, d)
 
     def update(self, b: int, grad: int) -> None:
@@ -246,8 +255,9 @@ class StepGraph:
         for lo in range(0, max(n, 1), self.c.state_chunk):
             k = min(self.c.state_chunk, n - lo)
             nbytes = k * self.c.state_bytes_per_param
-            if in_ram:  # NOT YET EXECUTABLE: state updated in place in RAM
-                jobs.append(self.sim.op("adam", k / hw.adam_params_per_s, (self.thread, grad)))
+            if in_ram:  # RAM tier: memcpy in, Adam, memcpy back
+                rd = self.sim.op(None, nbytes / hw.host_mem_Bps, (self.thread, grad))
+                jobs.append(self.sim.op("adam", k / hw.adam_params_per_s + nbytes / hw.host_mem_Bps, (rd,)))
                 continue
             self._acquire(self.state_rel, self.p.state_buffers)
             rd = self.sim.op("ssd", nbytes / hw.ssd_read_Bps, (self.thread,), "ssd_read")

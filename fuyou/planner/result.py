@@ -40,13 +40,14 @@ class PlannerResult:
     needs: tuple[str, ...] = ()
     """Engine changes this plan needs (empty when executable)."""
     alternative: "PlannerResult | None" = None
-    """A faster plan that needs an engine change (RAM tiers), if one exists."""
+    """A faster plan that needs an engine change (block-input offload, asynchronous swaps), if one exists."""
     considered: int = 0
     """Candidate plans the search evaluated."""
 
     @property
     def engine_settings(self) -> dict:
-        """``EngineConfig`` keyword arguments for this plan (``plan`` and ``state_chunk``)."""
+        """``EngineConfig`` keyword arguments for this plan (``plan``, which carries the RAM tiers, and
+        ``state_chunk``)."""
         return {"plan": self.plan, "state_chunk": self.step.state_chunk}
 
     def to_json(self) -> dict:

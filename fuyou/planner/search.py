@@ -11,8 +11,12 @@ Stages (every candidate is scored by ``cost.predict``; the best seen wins):
    for any budget, so more memory can only turn a swap into a cheaper one).
 3. prefetch depth, then state chunk × state buffers, under the host budget; then n again.
 4. schedule — clipping forces ``overlap_next_forward``; otherwise the faster of the two.
-5. alternative — spare host RAM filled with bf16 weights, then optimizer state (RAM absorbs the
-   most-read/written bytes first), marked NOT YET EXECUTABLE (the engine has no RAM tier).
+5. RAM tiers (``Request.ram_tiers``) — spare host RAM filled with bf16 weights, then optimizer state
+   (RAM absorbs the most-read/written bytes first), kept if predicted ≥ 1 % faster; executable
+   (``fuyou.engine.ram_tier``): the returned ``Plan`` carries ``ram_weight_blocks``/``ram_state_blocks``.
+
+A plan needing an engine change (``NEEDS``) is only returned as ``alternative`` (or as the result
+with ``allow_engine_changes`` when nothing else fits).
 """
 
 from __future__ import annotations
@@ -36,8 +40,6 @@ MAX_CHUNKS = 32
 head/tail already under 1/32 of a block's Adam time, and cost simulation time."""
 DEPTHS = (1, 2, 3, 4)
 NEEDS = {
-    "ram_tier": "host-RAM tier for weights/optimizer state: chosen extents live in pinned host memory (reads "
-                "become H2D copies, Adam updates state in place, no SSD traffic)",
     "boundary_offload": "block inputs saved for backward (activations.Saved.x / y) offloaded to host RAM and "
                         "copied back before each block's backward",
     "async_swap": "activation swaps through pinned buffers on the copy streams, overlapped with compute and "
@@ -71,7 +73,8 @@ class Request:
     allow_engine_changes: bool = False
     """Let the chosen plan need an engine change (block-input offload) when nothing else fits."""
     ram_tiers: bool = True
-    """Consider keeping weights/state in host RAM (an engine change) for the alternative plan."""
+    """Consider keeping the first blocks' bf16 weights, then optimizer state, in host RAM when it is
+    predicted faster (assumes bf16 compute weights: 2 B/param)."""
 
 
 class _Search:
@@ -245,15 +248,18 @@ class _Search:
 
     # ------------------------------------------------------------------ result
     def _result(self, best: tuple) -> PlannerResult:
-        if self.changes and self.r.ram_tiers:
+        if self.r.ram_tiers:
             best = self._ram_tiers(*best[1:]) or best
         _, plan, cfg, pred = best
+        plan = dataclasses.replace(plan, ram_weight_blocks=cfg.ram_weight_blocks, ram_state_blocks=cfg.ram_state_blocks)
         if cfg.async_swap and not cfg.boundary_offload and not {"swap_cpu", "swap_ssd"} & set(plan.activation_policy):
             cfg = dataclasses.replace(cfg, async_swap=False)  # nothing swapped: same prediction, no change needed
         needs = tuple(NEEDS[n] for n in cfg.needs)
         return PlannerResult(self.m.name, self.hw.name, plan, cfg, pred, self.b, cfg.executable, needs, None, self.evals)
 
     def _ram_tiers(self, plan: Plan, cfg: StepConfig, pred: Prediction) -> tuple | None:
+        """The plan with the first blocks' weights (then state) in RAM, as many as fit the host budget,
+        if predicted ≥ 1 % faster; else None."""
         spare = self.b.cpu_memory - pred.memory.host
         w = s = 0
         for blk in self.m.blocks:
@@ -266,9 +272,12 @@ class _Search:
                 break
             spare -= self.spp * blk.numel
             s += 1
+        alt_cfg = dataclasses.replace(cfg, ram_weight_blocks=w, ram_state_blocks=s)
+        while (w or s) and not self.fits(plan, alt_cfg):  # 4 KiB rounding and parked gradients: shrink
+            s, w = (s - 1, w) if s else (0, w - 1)
+            alt_cfg = dataclasses.replace(cfg, ram_weight_blocks=w, ram_state_blocks=s)
         if not w:
             return None
-        alt_cfg = dataclasses.replace(cfg, ram_weight_blocks=w, ram_state_blocks=s)
         p = self.score(plan, alt_cfg)
         return (p.step_s, plan, alt_cfg, p) if p.step_s < pred.step_s * 0.99 else None
 

@@ -1,0 +1,209 @@
+"""The host-RAM tier: chosen extents live in host memory instead of on SSD, in front of the store.
+
+``Plan.ram_weight_blocks`` = N puts ``w/<block>`` of blocks 0…N−1 in RAM, ``Plan.ram_state_blocks`` = M
+puts every ``s/<block>/<chunk>`` of blocks 0…M−1 there. ``RamTier`` has the ``read``/``write``/``commit``/
+``abort`` interface the weight loader, the Adam stage and the step use: a RAM extent's read is a
+memcpy into the caller's buffer and its write a memcpy into the RAM copy, both done when the call
+returns (an already-completed future), timed on the timeline as ``h2d`` (reads, the way to the
+device) and ``d2h`` (writes, the way back) spans and never counted as SSD bytes. Every other extent
+goes to the store unchanged.
+
+Memory: one page-aligned host buffer per tier class (weights, state), reserved in the engine's
+``HostBufferPool`` (pinned on CUDA), so a ``--cpu-memory`` too small for the tier fails up front
+with the pool's message naming ``ram-tier …``; each extent is a 4 KiB-aligned slice of it.
+
+Crash safety: between flushes the RAM copy is the only current one. Per-step commits do not write
+RAM extents (no SSD traffic), so such a version carries ``"ram_tier_stale": true`` in its metadata
+and must not be resumed from or exported. ``persist`` (``Engine.flush``/``close``) writes every RAM
+extent changed since the last persist to the store and commits a complete version
+(``"ram_tier_stale": false``).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import torch
+
+from fuyou.device.base import HOST_ALIGN
+from fuyou.engine.futures import done_future
+from fuyou.engine.layout import ModelLayout
+from fuyou.engine.timeline import Timeline
+from fuyou.errors import ConfigError, FuyouError, StoreError
+from fuyou.storage.io_base import gather
+from fuyou.storage.layout import ExtentSpec
+from fuyou.storage.store import TensorStore
+from fuyou.transfer.buffers import HostBuffer, HostBufferPool
+from fuyou.units import align_up
+
+STALE = "ram_tier_stale"
+"""Commit-metadata key: True when RAM-tier extents on SSD are older than the committed step."""
+WEIGHTS_CLASS, STATE_CLASS = "ram-tier weights", "ram-tier optimizer state"
+
+
+def ram_extents(layout: ModelLayout, weight_blocks: int, state_blocks: int) -> tuple[list[ExtentSpec], list[ExtentSpec]]:
+    """(weight extents, state extents) held in RAM for the first ``weight_blocks``/``state_blocks`` blocks.
+
+    Raises ConfigError if either count passes the number of blocks.
+    """
+    n = len(layout.blocks)
+    if weight_blocks > n or state_blocks > n:
+        raise ConfigError(f"the plan keeps {weight_blocks} blocks' weights and {state_blocks} blocks' optimizer "
+                          f"state in host RAM, but the model has {n} blocks")
+    ws = [layout.w(b) for b in range(weight_blocks)]
+    ss = [layout.s(b, c) for b in range(state_blocks) for c in range(len(layout.chunks(b)))]
+    return ws, ss
+
+
+def ram_bytes(layout: ModelLayout, weight_blocks: int, state_blocks: int) -> tuple[int, int]:
+    """Host bytes of the RAM tier (weights, state), each extent rounded up to 4 KiB as the pool counts."""
+    ws, ss = ram_extents(layout, weight_blocks, state_blocks)
+    return sum(align_up(e.nbytes, HOST_ALIGN) for e in ws), sum(align_up(e.nbytes, HOST_ALIGN) for e in ss)
+
+
+def rollback_blocks(weight_blocks: int, state_blocks: int, schedule: str) -> range:
+    """Blocks whose gradients ``overlap_backward`` parks until the whole backward was finite.
+
+    A non-finite gradient rolls the step back with ``store.abort``, which cannot undo RAM writes; so
+    RAM-tier blocks 1…R−1 (R = the larger count) are updated only after block 0's backward, once
+    every gradient is known finite. Block 0 is the last gradient: it never needs parking. Empty for
+    ``overlap_next_forward`` (it parks every block anyway).
+    """
+    if schedule != "overlap_backward":
+        return range(0)
+    return range(1, max(weight_blocks, state_blocks))
+
+
+class RamTier:
+    """The store with RAM-resident extents in front of it; see the module docstring."""
+
+    def __init__(self, store: TensorStore, pool: HostBufferPool, layout: ModelLayout, timeline: Timeline,
+                 weight_blocks: int, state_blocks: int) -> None:
+        """Reserve the RAM copies in ``pool`` (raises HostMemoryError naming the tier if the host budget
+        is too small; ConfigError if a count passes the number of blocks). Contents start undefined:
+        fill them with ``write_through`` (import) or ``load`` (resume)."""
+        self.store, self.timeline = store, timeline
+        self.ram: dict[str, torch.Tensor] = {}
+        self.dirty: set[str] = set()
+        """RAM extents written since the last ``persist`` (their SSD copies are stale)."""
+        self.uncommitted: set[str] = set()
+        """RAM extents written since the last commit or abort."""
+        self._held: list[HostBuffer] = []
+        ws, ss = ram_extents(layout, weight_blocks, state_blocks)
+        for cls, exts in ((WEIGHTS_CLASS, ws), (STATE_CLASS, ss)):
+            self._carve(pool, cls, exts)
+
+    def _carve(self, pool: HostBufferPool, cls: str, exts: list[ExtentSpec]) -> None:
+        """One pool buffer for ``exts``, sliced at 4 KiB boundaries."""
+        if not exts:
+            return
+        sizes = [align_up(e.nbytes, HOST_ALIGN) for e in exts]
+        pool.reserve(cls, sum(sizes), 1)
+        buf = pool.acquire(cls)
+        self._held.append(buf)
+        off = 0
+        for e, size in zip(exts, sizes):
+            self.ram[e.name] = buf.data[off : off + e.nbytes]
+            off += size
+
+    # ---------------------------------------------------------------- data path (the store's interface)
+    @property
+    def names(self) -> list[str]:
+        """Names of the RAM-resident extents."""
+        return list(self.ram)
+
+    def holds(self, name: str) -> bool:
+        """Whether extent ``name`` lives in RAM."""
+        return name in self.ram
+
+    def read(self, name: str, buf: torch.Tensor) -> Future:
+        """Latest data of extent ``name`` into ``buf`` (a contiguous uint8 CPU tensor of ≥ its bytes).
+
+        RAM extents: copied now, the returned future is already done; others: ``store.read``.
+        """
+        src = self.ram.get(name)
+        if src is None:
+            return self.store.read(name, buf)
+        t0 = time.perf_counter()
+        _bytes(buf, src.numel(), name).copy_(src)
+        self.timeline.add("h2d", f"ram→host {name}", t0, time.perf_counter(), src.numel())
+        return done_future()
+
+    def write(self, name: str, buf: torch.Tensor) -> Future:
+        """Write extent ``name`` from ``buf``. RAM extents: copied into RAM now (done future), no SSD
+        traffic until ``persist``; others: ``store.write``."""
+        dst = self.ram.get(name)
+        if dst is None:
+            return self.store.write(name, buf)
+        t0 = time.perf_counter()
+        dst.copy_(_bytes(buf, dst.numel(), name))
+        self.timeline.add("d2h", f"host→ram {name}", t0, time.perf_counter(), dst.numel())
+        self.dirty.add(name)
+        self.uncommitted.add(name)
+        return done_future()
+
+    def write_through(self, name: str, buf: torch.Tensor) -> Future:
+        """Write extent ``name`` to the store and, if it is a RAM extent, to its RAM copy too (import):
+        the RAM copy then equals the stored one (not dirty)."""
+        dst = self.ram.get(name)
+        if dst is not None:
+            dst.copy_(_bytes(buf, dst.numel(), name))
+        return self.store.write(name, buf)
+
+    def load(self) -> None:
+        """Fill every RAM copy from the store's latest data (resume of a non-stale version)."""
+        gather([self.store.read(name, t) for name, t in self.ram.items()]).result()
+        self.dirty.clear()
+        self.uncommitted.clear()
+
+    # ---------------------------------------------------------------- versions
+    def commit(self, meta: dict) -> int:
+        """Commit the store's writes with ``meta`` plus ``ram_tier_stale`` (True while any RAM extent
+        changed since the last ``persist``); returns the version. Raises as ``TensorStore.commit``."""
+        version = self.store.commit({**meta, STALE: bool(self.dirty)})
+        self.uncommitted.clear()
+        return version
+
+    def abort(self) -> None:
+        """Discard the store's uncommitted writes. Raises FuyouError if a RAM extent was written since
+        the last commit: RAM writes cannot be rolled back (the step schedules them after the last
+        finiteness check, so this is a bug, not a user error)."""
+        self.store.abort()
+        if self.uncommitted:
+            raise FuyouError(f"internal error: RAM-tier extents {sorted(self.uncommitted)[:3]} were updated by a "
+                             "step that is being rolled back")
+
+    def persist(self, meta: dict) -> int | None:
+        """Write every RAM extent changed since the last persist to the store and commit a complete
+        version (``ram_tier_stale`` False); returns it, or None when nothing was to write.
+
+        Skipped (None) while RAM holds writes of an uncommitted step (a step that failed midway):
+        persisting those would commit a mix of two steps; the last committed version stays marked
+        stale. Raises StoreError if a write or the commit fails.
+        """
+        if self.uncommitted or not self.dirty:
+            return None
+        futs = [self.timeline.track(self.store.write(name, self.ram[name]), "ssd_write", name, self.ram[name].numel())
+                for name in sorted(self.dirty)]
+        gather(futs).result()
+        self.dirty.clear()
+        return self.commit(meta)
+
+
+def _bytes(buf: torch.Tensor, nbytes: int, name: str) -> torch.Tensor:
+    """The first ``nbytes`` bytes of ``buf`` as a flat uint8 tensor; raises ConfigError if too small."""
+    if not isinstance(buf, torch.Tensor) or buf.device.type != "cpu" or not buf.is_contiguous():
+        raise ConfigError(f"RAM-tier extent {name!r}: the buffer must be a contiguous CPU tensor")
+    flat = buf.reshape(-1).view(torch.uint8)
+    if flat.numel() < nbytes:
+        raise ConfigError(f"RAM-tier extent {name!r}: buffer holds {flat.numel()} bytes, the extent needs {nbytes}")
+    return flat[:nbytes]
+
+
+def refuse_stale(meta: dict, where: str) -> None:
+    """Raise StoreError if the committed version described by ``meta`` has stale RAM-tier extents."""
+    if meta.get(STALE):
+        raise StoreError(f"the last committed step ({meta.get('step', '?')}) of the store in {where} kept weights or "
+                         "optimizer state in host RAM and the run ended without writing them back (no flush), so "
+                         "the store is incomplete; resume from a checkpoint instead (--resume auto)")
