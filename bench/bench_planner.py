@@ -6,8 +6,9 @@ setting's layer and head forward/backward at its micro-batch × sequence length)
 engine (``Engine.from_state_dict`` on a random-init Llama) runs ``--warmup`` + ``--repeats`` steps;
 the figure is the cost model's step time ÷ the median measured step time. Settings span SSD-bound
 (few tokens, wide layers), compute-bound (keep / recompute / swap_cpu) and Adam-bound (store on a
-RAM disk, one Adam thread). A last pair compares the planner's own plan with the engine's default
-rules on the same model and batch (measured both).
+RAM disk, one Adam thread). For the settings whose plan is the engine's default rules (``ssd``,
+``recompute``: every layer recomputed, prefetch depth 2) the planner's own plan for the same model,
+batch and budgets is run too, and both are measured side by side.
 
     python bench/bench_planner.py                      # full run (several minutes)
     python bench/bench_planner.py --only ssd,keep      # some settings
@@ -133,17 +134,20 @@ def setting(name: str, model: str, batch: int, seq: int, policy: str, threads: i
           "met": abs(pred.step_s / meas - 1) <= 0.15, "measured_all_s": all_t, "predicted_bottleneck": pred.bottleneck,
           "predicted_busy_s": pred.busy_s, "measured_busy_s": busy, "profile": prof.to_json(), "smoke": a.smoke,
           "hardware": hw}, a.out)
-    if a.no_compare or name not in ("ssd", "smoke"):
+    if a.no_compare or name not in ("ssd", "recompute", "smoke"):  # settings whose plan is the default rules
         return
     prof = replace(prof, device_memory_bytes=4 << 30)
-    res = search(shape, prof, Budgets(cpu_memory=parse_size(a.cpu_memory), gpu_memory=prof.device_memory_bytes),
-                 Request(seq_len=seq, tokens_per_step=batch * seq, micro_batch_size=batch))
-    p_meas, p_all, p_ran, _, _ = run_engine(cfg, sd, work, res.plan, res.step.state_chunk, threads, ids, a)
-    emit({"bench": "planner_vs_rules", "setting": name, "rules_plan": ran.to_json(), "rules_chunk": chunk,
-          "planner_plan": res.plan.to_json(), "planner_chunk": res.step.state_chunk, "rules_measured_s": meas,
-          "planner_measured_s": p_meas, "speedup": meas / p_meas, "planner_predicted_s": res.prediction.step_s,
-          "rules_predicted_s": pred.step_s, "planner_measured_all_s": p_all, "smoke": a.smoke, "hardware": hw}, a.out)
-
+    budgets = Budgets(cpu_memory=parse_size(a.cpu_memory), gpu_memory=prof.device_memory_bytes)
+    for ram in (False, True):  # the planner on SSD only, then allowed to keep state classes in RAM
+        res = search(shape, prof, budgets, Request(seq_len=seq, tokens_per_step=batch * seq, micro_batch_size=batch,
+                                                   ram_tiers=ram))
+        p_meas, p_all, p_ran, _, _ = run_engine(cfg, sd, work, res.plan, res.step.state_chunk, threads, ids, a)
+        emit({"bench": "planner_vs_rules", "setting": name, "ram_tiers": ram, "rules_plan": ran.to_json(),
+              "rules_chunk": chunk, "planner_plan": res.plan.to_json(), "planner_chunk": res.step.state_chunk,
+              "rules_measured_s": meas, "planner_measured_s": p_meas, "speedup": meas / p_meas,
+              "planner_predicted_s": res.prediction.step_s, "rules_predicted_s": pred.step_s,
+              "rules_measured_all_s": all_t, "planner_measured_all_s": p_all, "cpu_memory": a.cpu_memory,
+              "smoke": a.smoke, "hardware": hw}, a.out)
 
 if __name__ == "__main__":
     main()

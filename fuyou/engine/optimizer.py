@@ -18,7 +18,7 @@ from concurrent.futures import Future
 import torch
 
 from fuyou.device.base import Backend, Event
-from fuyou.engine.futures import chain
+from fuyou.engine.futures import chain, done_future
 from fuyou.engine.layout import ModelLayout, elem_size
 from fuyou.engine.timeline import Timeline
 from fuyou.optim import AdamJob, AdamWHyper, AdamWorker, adamw_step
@@ -126,12 +126,18 @@ class AdamStage:
         s_ext = self.layout.s(b, c)
         lo, hi = self.layout.chunks(b)[c]
         dt = self.layout.compute_dtype
-        sbuf = self.pool.acquire(STATE)
-        read = self._io(self.store.read(s_ext.name, sbuf.data), "ssd_read", s_ext.name, s_ext.nbytes)
+        ram = self.store.view(s_ext.name)  # RAM tier: Adam updates the resident copy in place
+        sbuf = None if ram is not None else self.pool.acquire(STATE)
+        if sbuf is None:
+            self.store.touch(s_ext.name)
+            data, read = ram, done_future()
+        else:
+            data = sbuf.data
+            read = self._io(self.store.read(s_ext.name, data), "ssd_read", s_ext.name, s_ext.nbytes)
 
         def start_job() -> Future:
             ready.wait()  # the gradient's device→host copy must have landed
-            views = s_ext.views(sbuf.data)
+            views = s_ext.views(data)
             jobs = []
             for a, z, decay in self._runs(b, lo, hi):  # one job per run of equal weight decay
                 out = wbuf.view(dt, z)[a:z]
@@ -144,6 +150,9 @@ class AdamStage:
             return gather(jobs)
 
         job = chain(read, start_job)
+
+        if sbuf is None:
+            return job, job
 
         def write_state() -> Future:
             return self._io(self.store.write(s_ext.name, sbuf.data), "ssd_write", s_ext.name, s_ext.nbytes)

@@ -5,8 +5,9 @@ puts every ``s/<block>/<chunk>`` of blocks 0…M−1 there. ``RamTier`` has the 
 ``abort`` interface the weight loader, the Adam stage and the step use: a RAM extent's read is a
 memcpy into the caller's buffer and its write a memcpy into the RAM copy, both done when the call
 returns (an already-completed future), timed on the timeline as ``h2d`` (reads, the way to the
-device) and ``d2h`` (writes, the way back) spans and never counted as SSD bytes. Every other extent
-goes to the store unchanged.
+device) and ``d2h`` (writes, the way back) spans and never counted as SSD bytes. Optimizer state in
+RAM is not copied at all: the Adam stage updates it in place (``view`` + ``touch``). Every other
+extent goes to the store unchanged.
 
 Memory: one page-aligned host buffer per tier class (weights, state), reserved in the engine's
 ``HostBufferPool`` (pinned on CUDA), so a ``--cpu-memory`` too small for the tier fails up front
@@ -142,6 +143,17 @@ class RamTier:
         self.dirty.add(name)
         self.uncommitted.add(name)
         return done_future()
+
+    def view(self, name: str) -> torch.Tensor | None:
+        """The RAM copy of extent ``name`` (a uint8 host tensor, updated in place by the caller), or
+        None if it lives on SSD. Call ``touch`` before changing it."""
+        return self.ram.get(name)
+
+    def touch(self, name: str) -> None:
+        """Record that the RAM copy of ``name`` is about to change in place (dirty and uncommitted, so a
+        step that fails midway leaves it unpersisted and the store marked stale)."""
+        self.dirty.add(name)
+        self.uncommitted.add(name)
 
     def write_through(self, name: str, buf: torch.Tensor) -> Future:
         """Write extent ``name`` to the store and, if it is a RAM extent, to its RAM copy too (import):

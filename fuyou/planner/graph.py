@@ -20,7 +20,7 @@ all but ``ssd`` are one server, the cores):
   weight write; the next step's turnaround waits for every write (``settle``).
 
 RAM tiers (``StepConfig.ram_*``, executed by ``fuyou.engine.ram_tier``) turn the SSD reads and
-writes of the first blocks' weights/state into host memcpys; with ``overlap_backward`` RAM-tier
+writes of the first blocks' weights into host memcpys and let Adam update their state in place; with ``overlap_backward`` RAM-tier
 blocks 1…R−1 park their gradients and update after block 0's backward (a non-finite step cannot be
 rolled back in RAM). Not-yet-executable options (``boundary_offload``, ``async_swap``) add copies for
 offloaded block boundaries and move swaps to the copy streams.
@@ -255,9 +255,8 @@ class StepGraph:
         for lo in range(0, max(n, 1), self.c.state_chunk):
             k = min(self.c.state_chunk, n - lo)
             nbytes = k * self.c.state_bytes_per_param
-            if in_ram:  # RAM tier: memcpy in, Adam, memcpy back
-                rd = self.sim.op(None, nbytes / hw.host_mem_Bps, (self.thread, grad))
-                jobs.append(self.sim.op("adam", k / hw.adam_params_per_s + nbytes / hw.host_mem_Bps, (rd,)))
+            if in_ram:  # RAM tier: Adam updates the resident state in place (no copies)
+                jobs.append(self.sim.op("adam", k / hw.adam_params_per_s, (self.thread, grad)))
                 continue
             self._acquire(self.state_rel, self.p.state_buffers)
             rd = self.sim.op("ssd", nbytes / hw.ssd_read_Bps, (self.thread,), "ssd_read")

@@ -104,7 +104,12 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
     assert r.exit_code == 0, r.output
     for word in ("micro-batch", "TFLOPS", "drive-writes/day", "bottleneck", "6·N_matmul"):
         assert word in r.output
-    d = json.loads(out.read_text())
-    assert d["prediction"]["bottleneck"] == "ssd" and d["executable"]
+    d = json.loads(out.read_text())  # 700 GiB holds all 13 B params' weights and state: no SSD traffic
+    assert d["prediction"]["bottleneck"] == "compute" and d["executable"]
+    assert d["plan"]["ram_weight_blocks"] == d["plan"]["ram_state_blocks"] == 42
+    r = CliRunner().invoke(plan_cmd, ["GPT-3-13B", "--profile", LOHAN, "--tokens-per-step", "8192",
+                                      "--cpu-memory", "64GiB", "--gpu-memory", "22GiB", "--json", str(out)])
+    d = json.loads(out.read_text())  # 64 GiB: state stays on SSD, which bounds the step at batch 8
+    assert d["prediction"]["bottleneck"] == "ssd" and d["plan"]["ram_state_blocks"] == 0
     r = CliRunner().invoke(plan_cmd, ["GPT-3-13B", "--profile", LOHAN, "--gpu-memory", "1GiB"])
     assert r.exit_code != 0 and "device memory" in str(r.exception)
