@@ -5,8 +5,9 @@ read/write of the store directory, CPU Adam at the setting's thread count, memcp
 setting's layer and head forward/backward at its micro-batch × sequence length), then the real
 engine (``Engine.from_state_dict`` on a random-init Llama) runs ``--warmup`` + ``--repeats`` steps;
 the figure is the cost model's step time ÷ the median measured step time. Settings span SSD-bound
-(few tokens, wide layers), compute-bound (keep / recompute / swap_cpu) and Adam-bound (store on a
-RAM disk, one Adam thread). For the settings whose plan is the engine's default rules (``ssd``,
+(few tokens, wide layers; and 1024 tokens with keep / recompute / swap_cpu), compute-bound (4096
+tokens, keep / recompute) and Adam-bound (a 0.6 B-parameter model, mostly embedding and LM head,
+8 tokens, one Adam thread, every block's weights and state in the RAM tier: no SSD traffic). For the settings whose plan is the engine's default rules (``ssd``,
 ``recompute``: every layer recomputed, prefetch depth 2) the planner's own plan for the same model,
 batch and budgets is run too, and both are measured side by side.
 
@@ -42,16 +43,19 @@ from fuyou.planner.search import Request, search  # noqa: E402
 from fuyou.planner.shapes import shape_from_config  # noqa: E402
 from fuyou.units import parse_size  # noqa: E402
 
-# name: (model shape, batch, seq, policy, adam threads (0 = all), store on RAM disk)
+# name: (model shape, batch, seq, policy, adam threads (0 = all), every block's weights and state in the RAM tier)
 MODELS = {"wide": dict(hidden=1536, layers=4, inter=4096, heads=12, kv_heads=4, vocab=32000),
           "p2": dict(hidden=1024, layers=8, inter=2816, heads=16, kv_heads=4, vocab=32000),
+          "bigvocab": dict(hidden=2048, layers=2, inter=5632, heads=16, kv_heads=4, vocab=128000),
           "smoke": dict(hidden=64, layers=2, inter=128, heads=4, kv_heads=2, vocab=96)}
 SETTINGS = {
     "ssd": ("wide", 1, 32, "recompute", 0, False),
     "keep": ("p2", 4, 256, "keep", 0, False),
     "recompute": ("p2", 4, 256, "recompute", 0, False),
     "swap_cpu": ("p2", 4, 256, "swap_cpu", 0, False),
-    "adam": ("p2", 1, 32, "recompute", 1, True),
+    "compute": ("p2", 16, 256, "keep", 0, False),
+    "compute_rc": ("p2", 16, 256, "recompute", 0, False),
+    "adam": ("bigvocab", 1, 8, "recompute", 1, True),
     "smoke": ("smoke", 2, 16, "recompute", 0, False),
 }
 
@@ -59,7 +63,7 @@ SETTINGS = {
 def profile_for(cfg: object, store_dir: str, mb: int, seq: int, threads: int, a: argparse.Namespace) -> HardwareProfile:
     """The planner's measurements for one setting (see the module docstring)."""
     backend = get_backend("cpu")
-    r, w = measure.ssd_bandwidth([store_dir], a.ssd_mib << 20, repeats=a.profile_repeats)
+    r, w, io_cpu = measure.ssd_measure([store_dir], a.ssd_mib << 20, repeats=a.profile_repeats)
     mem = measure.host_memcpy(64 << 20)
     shape = shape_from_config(cfg.to_dict())
     H = len(shape.blocks) - 1
@@ -68,7 +72,7 @@ def profile_for(cfg: object, store_dir: str, mb: int, seq: int, threads: int, a:
     adam = measure.adam_throughput(8 << 20 if a.smoke else 32 << 20, threads=threads or os.cpu_count())
     return HardwareProfile(ssd_read_Bps=r, ssd_write_Bps=w, adam_params_per_s=adam, name="bench", device="cpu",
                            compute=(pt,), head_compute=(hp,), h2d_Bps=mem, d2h_Bps=mem, host_mem_Bps=mem,
-                           device_mem_Bps=mem, layer_act_bytes_per_token=act, model_signature=shape.signature)
+                           device_mem_Bps=mem, io_cpu_s_per_byte=io_cpu, layer_act_bytes_per_token=act, model_signature=shape.signature)
 
 
 def run_engine(cfg: object, sd: dict, store: str, plan: Plan, chunk: int | None, threads: int, ids: torch.Tensor,
@@ -91,14 +95,13 @@ def run_engine(cfg: object, sd: dict, store: str, plan: Plan, chunk: int | None,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="ssd,keep,recompute,swap_cpu,adam", help="comma list of settings")
+    ap.add_argument("--only", default="ssd,keep,recompute,swap_cpu,compute,compute_rc,adam", help="comma list of settings")
     ap.add_argument("--dir", default=None, help="store parent directory (default: a temp dir in /work)")
-    ap.add_argument("--ramdisk", default="/dev/shm", help="store parent for the Adam-bound setting")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--ssd-mib", type=int, default=512)
     ap.add_argument("--profile-repeats", type=int, default=3)
-    ap.add_argument("--cpu-memory", default="6GiB")
+    ap.add_argument("--cpu-memory", default="16GiB")
     ap.add_argument("--no-compare", action="store_true", help="skip the planner-vs-default-rules pair")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None)
@@ -109,7 +112,7 @@ def main() -> None:
     hw = hardware_info([base])
     for name in a.only.split(","):
         model, batch, seq, policy, threads, ram = SETTINGS[name]
-        work = tempfile.mkdtemp(prefix="fuyou-bench-planner-", dir=a.ramdisk if ram else base)
+        work = tempfile.mkdtemp(prefix="fuyou-bench-planner-", dir=base)
         try:
             setting(name, model, batch, seq, policy, threads, work, a, hw)
         finally:
@@ -125,9 +128,11 @@ def setting(name: str, model: str, batch: int, seq: int, policy: str, threads: i
     prof = profile_for(cfg, work, batch, seq, threads, a)
     shape = shape_from_config(cfg.to_dict())
     nb = len(shape.blocks)
-    plan = Plan(micro_batches=1, prefetch_depth=2, activation_policy=("keep",) + (policy,) * (nb - 2) + ("keep",))
+    plan = Plan(micro_batches=1, prefetch_depth=2, activation_policy=("keep",) + (policy,) * (nb - 2) + ("keep",),
+                ram_weight_blocks=nb if ram else 0, ram_state_blocks=nb if ram else 0)
     meas, all_t, ran, chunk, busy = run_engine(cfg, sd, work, plan, None, threads, ids, a)
-    pred = predict(shape, ran, StepConfig(batch, seq, chunk), prof)
+    pred = predict(shape, ran, StepConfig(batch, seq, chunk, ram_weight_blocks=ran.ram_weight_blocks,
+                                          ram_state_blocks=ran.ram_state_blocks), prof)
     emit({"bench": "planner_p7", "setting": name, "model": {**m, "params": shape.params, "batch": batch, "seq": seq},
           "plan": ran.to_json(), "state_chunk": chunk, "adam_threads": threads or "all",
           "predicted_s": pred.step_s, "measured_s": meas, "ratio": pred.step_s / meas,

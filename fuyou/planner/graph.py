@@ -139,7 +139,7 @@ class StepGraph:
         if b < self.c.ram_weight_blocks:  # RAM tier: a memcpy into the host buffer, no SSD read
             self.reads[pos] = self.sim.op(None, self._w_bytes(b) / self.hw.host_mem_Bps, deps + (gate,))
         else:
-            self.reads[pos] = self.sim.op("ssd", self._w_bytes(b) / self.hw.ssd_read_Bps, deps + (gate,), "ssd_read")
+            self.reads[pos] = self._ssd(self._w_bytes(b), "ssd_read", deps + (gate,))
 
     def _compute(self, dur: float, *deps: int | None, sync: bool = False) -> int:
         self.compute = self.sim.op("compute", dur, (self.compute, self.thread) + deps)
@@ -180,13 +180,13 @@ class StepGraph:
                 f = self._compute(self._fwd_s(b), cp)
                 out = self.sim.op("d2h", (a * swapped + boundary) / self.hw.d2h_Bps, (f,))
                 if pol == "swap_ssd":
-                    self.act_ssd[b] = self.sim.op("ssd", a / self.hw.ssd_write_Bps, (out,), "ssd_write")
+                    self.act_ssd[b] = self._ssd(a, "ssd_write", (out,))
                 continue
             extra = a / swap_out if swapped else 0.0
             self._compute(self._fwd_s(b) + extra + boundary / self.hw.d2h_Bps, cp, sync=swapped)
             if pol == "swap_ssd":
                 self.thread = self.sim.op("thread", a / self.hw.host_mem_Bps, (self.thread,))
-                self.act_ssd[b] = self.sim.op("ssd", a / self.hw.ssd_write_Bps, (self.thread,), "ssd_write")
+                self.act_ssd[b] = self._ssd(a, "ssd_write", (self.thread,))
 
     def turnaround(self) -> None:
         H = self.H
@@ -202,8 +202,7 @@ class StepGraph:
         for i, b in enumerate(range(self.H - 1, -1, -1)):
             for a in (b, b - 1):
                 if a in self.act_ssd and a not in act_reads:
-                    act_reads[a] = self.sim.op("ssd", self.act_bytes(a) / self.hw.ssd_read_Bps,
-                                               (self.thread, self.act_ssd[a]), "ssd_read")
+                    act_reads[a] = self._ssd(self.act_bytes(a), "ssd_read", (self.thread, self.act_ssd[a]))
             cp = self._next(first + i)
             pol = self._policy(b)
             swapped = pol in ("swap_cpu", "swap_ssd")
@@ -223,6 +222,16 @@ class StepGraph:
     def _acquire(self, released: list[int], count: int) -> None:
         if len(released) >= count:
             self._t(released[len(released) - count])
+
+    def _ssd(self, nbytes: float, kind: str, deps: tuple) -> int:
+        """An SSD read or write of ``nbytes``; on the cpu device also the CPU time the I/O path takes
+        (kernel, checksums: ``io_cpu_s_per_byte``), which competes with compute and Adam for the cores
+        but delays nothing that waits for the transfer."""
+        bps = self.hw.ssd_read_Bps if kind == "ssd_read" else self.hw.ssd_write_Bps
+        op = self.sim.op("ssd", nbytes / bps, deps, kind)
+        if self.cpu and self.hw.io_cpu_s_per_byte > 0:
+            self.sim.op("thread", nbytes * self.hw.io_cpu_s_per_byte, deps, "io_cpu")
+        return op
 
     def _held_back(self, b: int) -> bool:
         """overlap_backward: RAM-tier block 1…R−1 whose update waits for block 0 (``ram_tier.rollback_blocks``)."""
@@ -259,16 +268,16 @@ class StepGraph:
                 jobs.append(self.sim.op("adam", k / hw.adam_params_per_s, (self.thread, grad)))
                 continue
             self._acquire(self.state_rel, self.p.state_buffers)
-            rd = self.sim.op("ssd", nbytes / hw.ssd_read_Bps, (self.thread,), "ssd_read")
+            rd = self._ssd(nbytes, "ssd_read", (self.thread,))
             jobs.append(self.sim.op("adam", k / hw.adam_params_per_s, (rd, grad)))
-            writes.append(self.sim.op("ssd", nbytes / hw.ssd_write_Bps, (jobs[-1],), "ssd_write"))
+            writes.append(self._ssd(nbytes, "ssd_write", (jobs[-1],)))
             self.state_rel.append(writes[-1])
         done = self.sim.op(None, 0.0, jobs)
         self.grad_rel.append(done)
         if b < self.c.ram_weight_blocks:
             ww = self.sim.op("thread", 2 * n / hw.host_mem_Bps, (done,))
         else:
-            ww = self.sim.op("ssd", 2 * n / hw.ssd_write_Bps, (done,), "ssd_write")
+            ww = self._ssd(2 * n, "ssd_write", (done,))
         self.ww_rel.append(ww)
         self.writes[b] = ww
         self.all_writes += writes + [ww]

@@ -29,9 +29,18 @@ def _median(fn: Callable[[], Any], repeats: int) -> float:
 
 def ssd_bandwidth(dirs: list[str], size_bytes: int = 512 << 20, extent_bytes: int = 64 << 20,
                   threads: int = 16, repeats: int = 3) -> tuple[float, float]:
-    """(read, write) bytes/s of the store's own I/O path striped over ``dirs`` (O_DIRECT where the
-    filesystem allows): ``size_bytes`` in extents of ``extent_bytes``, all in flight at once, as the
-    engine issues them. Writes go to recycled files after a warm-up, as in training.
+    """(read, write) bytes/s of the store's own I/O path striped over ``dirs``; see ``ssd_measure``."""
+    r, w, _ = ssd_measure(dirs, size_bytes, extent_bytes, threads, repeats)
+    return r, w
+
+
+def ssd_measure(dirs: list[str], size_bytes: int = 512 << 20, extent_bytes: int = 64 << 20,
+                threads: int = 16, repeats: int = 3) -> tuple[float, float, float]:
+    """(read B/s, write B/s, CPU share per byte) of the store's own I/O path striped over ``dirs``
+    (O_DIRECT where the filesystem allows, checksums on): ``size_bytes`` in extents of
+    ``extent_bytes``, all in flight at once, as the engine issues them. Writes go to recycled files
+    after a warm-up, as in training. The third figure is the process's CPU time (all threads) over
+    the timed runs ÷ cores ÷ bytes moved (``HardwareProfile.io_cpu_s_per_byte``).
 
     Raises StoreError subclasses if a directory is unusable or short of space.
     """
@@ -55,13 +64,16 @@ def ssd_bandwidth(dirs: list[str], size_bytes: int = 512 << 20, extent_bytes: in
                 run("write")
                 store.commit({})
 
+            cpu0 = time.process_time()
             w = _median(write, repeats)
             r = _median(lambda: run("read"), repeats)
+            cpu = time.process_time() - cpu0
     finally:
         for d in work:
             shutil.rmtree(d, ignore_errors=True)
     total = n * extent_bytes
-    return total / r, total / w
+    moved = 2 * (repeats + 1) * total  # _median runs each once more as a warm-up
+    return total / r, total / w, cpu / (os.cpu_count() or 1) / moved
 
 
 def adam_throughput(params: int = 32 << 20, repeats: int = 3, threads: int | None = None) -> float:
@@ -208,9 +220,10 @@ def measure_profile(ssd_dirs: list[str], config: Any = None, micro_batches: tupl
     per_dir = []
     for d in ssd_dirs:
         log(f"SSD {d} …")
-        r, w = ssd_bandwidth([d], ssd_bytes)
-        per_dir.append({"dir": d, "read_Bps": r, "write_Bps": w})
-    r, w = ssd_bandwidth(ssd_dirs, ssd_bytes) if len(ssd_dirs) > 1 else (per_dir[0]["read_Bps"], per_dir[0]["write_Bps"])
+        r, w, io_cpu = ssd_measure([d], ssd_bytes)
+        per_dir.append({"dir": d, "read_Bps": r, "write_Bps": w, "io_cpu_s_per_byte": io_cpu})
+    r, w, io_cpu = ssd_measure(ssd_dirs, ssd_bytes) if len(ssd_dirs) > 1 else (
+        per_dir[0]["read_Bps"], per_dir[0]["write_Bps"], per_dir[0]["io_cpu_s_per_byte"])
     log("CPU Adam …")
     adam = adam_throughput(adam_params)
     log("host memory …")
@@ -235,7 +248,7 @@ def measure_profile(ssd_dirs: list[str], config: Any = None, micro_batches: tupl
     return HardwareProfile(
         ssd_read_Bps=r, ssd_write_Bps=w, adam_params_per_s=adam, name=name or socket.gethostname(),
         device="cpu" if cpu else "cuda", compute=tuple(compute), head_compute=tuple(head), h2d_Bps=h2d, d2h_Bps=d2h,
-        host_mem_Bps=mem, device_mem_Bps=mem if cpu else 1e12, device_memory_bytes=int(dev_mem),
+        host_mem_Bps=mem, device_mem_Bps=mem if cpu else 1e12, io_cpu_s_per_byte=io_cpu, device_memory_bytes=int(dev_mem),
         host_memory_bytes=int(total_ram), ssd_capacity_bytes=int(free), ssd_count=len(ssd_dirs),
         layer_act_bytes_per_token=act, model_signature=sig, per_dir=tuple(per_dir),
         device_peak_flops=matmul_peak(backend),
