@@ -114,12 +114,12 @@ def main() -> None:
         model, batch, seq, policy, threads, ram = SETTINGS[name]
         work = tempfile.mkdtemp(prefix="fuyou-bench-planner-", dir=base)
         try:
-            setting(name, model, batch, seq, policy, threads, work, a, hw)
+            setting(name, model, batch, seq, policy, threads, ram, work, a, hw)
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def setting(name: str, model: str, batch: int, seq: int, policy: str, threads: int, work: str,
+def setting(name: str, model: str, batch: int, seq: int, policy: str, threads: int, ram: bool, work: str,
             a: argparse.Namespace, hw: dict) -> None:
     m = MODELS[model]
     cfg = llama_config(m["hidden"], m["layers"], m["inter"], m["heads"], m["kv_heads"], m["vocab"], seq)
@@ -143,11 +143,11 @@ def setting(name: str, model: str, batch: int, seq: int, policy: str, threads: i
         return
     prof = replace(prof, device_memory_bytes=4 << 30)
     budgets = Budgets(cpu_memory=parse_size(a.cpu_memory), gpu_memory=prof.device_memory_bytes)
-    for ram in (False, True):  # the planner on SSD only, then allowed to keep state classes in RAM
+    for tiers in (False, True):  # the planner on SSD only, then allowed to keep state classes in RAM
         res = search(shape, prof, budgets, Request(seq_len=seq, tokens_per_step=batch * seq, micro_batch_size=batch,
-                                                   ram_tiers=ram))
+                                                   ram_tiers=tiers))
         p_meas, p_all, p_ran, _, _ = run_engine(cfg, sd, work, res.plan, res.step.state_chunk, threads, ids, a)
-        emit({"bench": "planner_vs_rules", "setting": name, "ram_tiers": ram, "rules_plan": ran.to_json(),
+        emit({"bench": "planner_vs_rules", "setting": name, "ram_tiers": tiers, "rules_plan": ran.to_json(),
               "rules_chunk": chunk, "planner_plan": res.plan.to_json(), "planner_chunk": res.step.state_chunk,
               "rules_measured_s": meas, "planner_measured_s": p_meas, "speedup": meas / p_meas,
               "planner_predicted_s": res.prediction.step_s, "rules_predicted_s": pred.step_s,
