@@ -25,6 +25,7 @@ import torch
 from fuyou.engine import activations
 from fuyou.engine.futures import done_future
 from fuyou.engine.optimizer import AdamStage
+from fuyou.optim.norm import sum_squares
 from fuyou.engine.ram_tier import rollback_blocks
 from fuyou.transfer.buffers import HostBuffer
 
@@ -168,7 +169,7 @@ class StepRunner:
         """Block ``b``'s gradient is complete: send it to the Adam stage (or park it)."""
         e = self.e
         grad = st.grads.pop(b)
-        sq = torch.linalg.vector_norm(grad, dtype=torch.float32).item() ** 2
+        sq = sum_squares(grad)
         st.norm_sq += sq
         st.finite = st.finite and math.isfinite(sq)
         if e.plan.schedule == "overlap_next_forward" or (st.finite and b in self._held_back()):

@@ -297,3 +297,31 @@ def adamw_kernel(  # type: ignore[no-untyped-def]
             p, m, v, g, out, has_out, lo, min(lo + chunk, n),
             decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step,
         )  # fmt: skip
+
+
+# ---- sum of squares (a gradient's contribution to the global norm) ----
+
+
+@njit(parallel=True, nogil=True, cache=True, fastmath={"reassoc", "contract"})
+def sum_squares(g: np.ndarray, chunk: int) -> float:
+    """Σ g² in float64 over a float32 array or a uint16 array of bf16 bits.
+
+    Each ``chunk``-element task sums in float64 (reassociation allowed so LLVM vectorises; the
+    order is fixed by the compiled code, so a result is reproducible on one machine), the tasks'
+    sums are added in index order. NaN or infinity anywhere gives a non-finite result.
+    """
+    n = g.size
+    tasks = (n + chunk - 1) // chunk
+    part = np.zeros(tasks, dtype=np.float64)
+    for c in prange(tasks):
+        lo = c * chunk
+        hi = min(n, lo + chunk)
+        acc = 0.0
+        for i in range(lo, hi):
+            x = np.float64(load_f32(g, i))
+            acc += x * x
+        part[c] = acc
+    total = 0.0
+    for c in range(tasks):
+        total += part[c]
+    return total

@@ -238,8 +238,10 @@ class StepGraph:
         return self.p.schedule == "overlap_backward" and 0 < b < max(self.c.ram_weight_blocks, self.c.ram_state_blocks)
 
     def hand_off(self, b: int, bwd: int) -> None:
-        """Gradient norm (sync), device→host copy, then Adam now (overlap_backward) or parked."""
+        """Gradient norm (a read of the gradient on the device, then a sync), device→host copy, then
+        Adam now (overlap_backward) or parked."""
         self._t(bwd)
+        self._t(self.sim.op("compute", 2 * self.m.blocks[b].numel / self.hw.device_mem_Bps, (self.thread,), "norm"))
         if self.p.schedule == "overlap_next_forward" or self._held_back(b):
             d = self.sim.op("d2h", 2 * self.m.blocks[b].numel / self.hw.d2h_Bps, (self.thread, bwd))
             self.parked[b] = d
