@@ -8,8 +8,9 @@ the figure is the cost model's step time ÷ the median measured step time. Setti
 (few tokens, wide layers; and 1024 tokens with keep / recompute / swap_cpu), compute-bound (4096
 tokens, keep / recompute) and Adam-bound (a 0.6 B-parameter model, mostly embedding and LM head,
 8 tokens, one Adam thread, every block's weights and state in the RAM tier: no SSD traffic). For the settings whose plan is the engine's default rules (``ssd``,
-``recompute``: every layer recomputed, prefetch depth 2) the planner's own plan for the same model,
-batch and budgets is run too, and both are measured side by side.
+``recompute``: every layer recomputed, prefetch depth 2) the planner's own plans for the same model,
+batch and budgets (state on SSD only; RAM tiers allowed) run too: three engines, steps taken
+round-robin, speed-up = median rules step ÷ median planner step (and the median of per-round ratios).
 
     python bench/bench_planner.py                      # full run (several minutes)
     python bench/bench_planner.py --only ssd,keep      # some settings
@@ -93,6 +94,30 @@ def run_engine(cfg: object, sd: dict, store: str, plan: Plan, chunk: int | None,
         eng.close()
 
 
+def run_interleaved(cfg: object, sd: dict, work: str, specs: list[tuple[Plan, int | None]], threads: int,
+                    ids: torch.Tensor, a: argparse.Namespace) -> list[list[float]]:
+    """Step times of several plans run side by side: one engine per plan (own store directory), steps
+    taken round-robin so machine drift hits all alike; ``--warmup`` rounds dropped."""
+    engines = []
+    try:
+        for i, (plan, chunk) in enumerate(specs):
+            d = os.path.join(work, f"cmp{i}")
+            os.makedirs(d)
+            ec = EngineConfig(ssd_dirs=(d,), precision="bf16", lr=1e-4, weight_decay=0.01, cpu_memory=a.cpu_memory,
+                              plan=plan, adam_threads=threads or None, **({"state_chunk": chunk} if chunk else {}))
+            engines.append(Engine.from_state_dict(cfg, sd, ec))
+        times: list[list[float]] = [[] for _ in specs]
+        for rep in range(a.warmup + a.repeats):
+            for i, eng in enumerate(engines):
+                st = eng.train_step(ids)
+                if rep >= a.warmup:
+                    times[i].append(st["step_time_s"])
+        return times
+    finally:
+        for eng in engines:
+            eng.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="ssd,keep,recompute,swap_cpu,compute,compute_rc,adam", help="comma list of settings")
@@ -143,15 +168,20 @@ def setting(name: str, model: str, batch: int, seq: int, policy: str, threads: i
         return
     prof = replace(prof, device_memory_bytes=4 << 30)
     budgets = Budgets(cpu_memory=parse_size(a.cpu_memory), gpu_memory=prof.device_memory_bytes)
-    for tiers in (False, True):  # the planner on SSD only, then allowed to keep state classes in RAM
-        res = search(shape, prof, budgets, Request(seq_len=seq, tokens_per_step=batch * seq, micro_batch_size=batch,
-                                                   ram_tiers=tiers))
-        p_meas, p_all, p_ran, _, _ = run_engine(cfg, sd, work, res.plan, res.step.state_chunk, threads, ids, a)
+    res = {tiers: search(shape, prof, budgets, Request(seq_len=seq, tokens_per_step=batch * seq,
+                                                       micro_batch_size=batch, ram_tiers=tiers))
+           for tiers in (False, True)}  # the planner with state on SSD only, then allowed RAM tiers
+    specs = [(ran, chunk)] + [(r.plan, r.step.state_chunk) for r in res.values()]
+    rules_t, *planner_t = run_interleaved(cfg, sd, work, specs, threads, ids, a)
+    for (tiers, r), p_t in zip(res.items(), planner_t):
+        pairs = [x / y for x, y in zip(rules_t, p_t)]
         emit({"bench": "planner_vs_rules", "setting": name, "ram_tiers": tiers, "rules_plan": ran.to_json(),
-              "rules_chunk": chunk, "planner_plan": res.plan.to_json(), "planner_chunk": res.step.state_chunk,
-              "rules_measured_s": meas, "planner_measured_s": p_meas, "speedup": meas / p_meas,
-              "planner_predicted_s": res.prediction.step_s, "rules_predicted_s": pred.step_s,
-              "rules_measured_all_s": all_t, "planner_measured_all_s": p_all, "cpu_memory": a.cpu_memory,
+              "rules_chunk": chunk, "planner_plan": r.plan.to_json(), "planner_chunk": r.step.state_chunk,
+              "rules_measured_s": statistics.median(rules_t), "planner_measured_s": statistics.median(p_t),
+              "speedup": statistics.median(rules_t) / statistics.median(p_t),
+              "speedup_pair_median": statistics.median(pairs), "planner_predicted_s": r.prediction.step_s,
+              "rules_predicted_s": pred.step_s, "rules_measured_all_s": rules_t, "planner_measured_all_s": p_t,
+              "cpu_memory": a.cpu_memory, "method": "interleaved: rules, planner (SSD only), planner (RAM tiers) round-robin",
               "smoke": a.smoke, "hardware": hw}, a.out)
 
 if __name__ == "__main__":
