@@ -58,6 +58,15 @@ def host_aligned_empty(nbytes: int) -> torch.Tensor:
     return t[:nbytes]
 
 
+def device_full(nbytes: int, used: int, capacity: int, what: str, verb: str = "allocating") -> DeviceMemoryError:
+    """The one-line error for a device allocation of ``nbytes`` that would pass ``capacity`` (bytes)."""
+    return DeviceMemoryError(
+        f"device memory exhausted: {verb} {format_size(nbytes)} for {what} would bring use to "
+        f"{format_size(used + nbytes)}, above the {format_size(capacity)} capacity; raise --gpu-memory "
+        "or lower the micro-batch size or prefetch depth"
+    )
+
+
 class _DeviceAccounting:
     """Counts bytes of live device tensors against a capacity, exactly, via storage finalizers."""
 
@@ -72,12 +81,7 @@ class _DeviceAccounting:
         """Reserve ``nbytes``; raise DeviceMemoryError if that passes the capacity."""
         with self._lock:
             if self.allocated + nbytes > self.capacity:
-                raise DeviceMemoryError(
-                    f"device memory exhausted: allocating {format_size(nbytes)} for {what} would "
-                    f"bring use to {format_size(self.allocated + nbytes)}, above the "
-                    f"{format_size(self.capacity)} capacity; raise --gpu-memory or lower the "
-                    "micro-batch size or prefetch depth"
-                )
+                raise device_full(nbytes, self.allocated, self.capacity, what)
             self.allocated += nbytes
             self.peak = max(self.peak, self.allocated)
 

@@ -23,8 +23,8 @@ from collections import OrderedDict
 
 import torch
 
+from fuyou.device.base import device_full
 from fuyou.errors import DeviceMemoryError
-from fuyou.units import format_size
 
 SUPPORTED = hasattr(torch._C, "_storage_Use_Count") and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 """Whether this torch build exposes what the arena needs (use counts, data-pointer swaps)."""
@@ -127,12 +127,7 @@ class CachingArena:
 
     def _charge(self, nbytes: int, what: str) -> None:
         if self.allocated + nbytes > self.capacity:
-            raise DeviceMemoryError(
-                f"device memory exhausted: allocating {format_size(nbytes)} for {what} would "
-                f"bring use to {format_size(self.allocated + nbytes)}, above the "
-                f"{format_size(self.capacity)} capacity; raise --gpu-memory or lower the "
-                "micro-batch size or prefetch depth"
-            )
+            raise device_full(nbytes, self.allocated, self.capacity, what)
         self.allocated += nbytes
         self.peak = max(self.peak, self.allocated)
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from fuyou.device.base import Backend, Event, MemoryStats, host_aligned_empty
-from fuyou.errors import DeviceMemoryError, FuyouError
+from fuyou.device.base import Backend, Event, MemoryStats, device_full, host_aligned_empty
+from fuyou.errors import FuyouError
 from fuyou.units import format_size
 
 
@@ -77,22 +77,14 @@ class CUDABackend(Backend):
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         used = torch.cuda.memory_allocated(self.device)
         if used + nbytes > self.capacity:
-            raise DeviceMemoryError(
-                f"device memory exhausted: allocating {format_size(nbytes)} for {what} would bring "
-                f"use to {format_size(used + nbytes)}, above the {format_size(self.capacity)} "
-                "capacity; raise --gpu-memory or lower the micro-batch size or prefetch depth"
-            )
+            raise device_full(nbytes, used, self.capacity, what)
         return torch.empty(shape, dtype=dtype, device=self.device)
 
     def _account_resize(self, tensor: torch.Tensor, nbytes: int, what: str) -> None:
         """Refuse a restore that would pass the capacity (the allocator counts the rest)."""
         used = torch.cuda.memory_allocated(self.device)
         if nbytes and used + nbytes > self.capacity:
-            raise DeviceMemoryError(
-                f"device memory exhausted: restoring {format_size(nbytes)} for {what} would bring use to "
-                f"{format_size(used + nbytes)}, above the {format_size(self.capacity)} capacity; raise "
-                "--gpu-memory or lower the micro-batch size or prefetch depth"
-            )
+            raise device_full(nbytes, used, self.capacity, what, verb="restoring")
 
     def rng_state(self) -> Any:
         """Host and CUDA generator states."""
