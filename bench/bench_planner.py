@@ -2,7 +2,8 @@
 
 For each setting the machine is profiled first with the planner's own measurement functions (SSD
 read/write of the store directory, CPU Adam at the setting's thread count, memcpy, and the
-setting's layer and head forward/backward at its micro-batch × sequence length), then the real
+setting's layer and head forward/backward at its micro-batch × sequence length, gradient
+accumulation and norm rates), then the real
 engine (``Engine.from_state_dict`` on a random-init Llama) runs ``--warmup`` + ``--repeats`` steps;
 the figure is the cost model's step time ÷ the median measured step time. Settings span SSD-bound
 (few tokens, wide layers; and 1024 tokens with keep / recompute / swap_cpu), compute-bound (4096
@@ -71,9 +72,12 @@ def profile_for(cfg: object, store_dir: str, mb: int, seq: int, threads: int, a:
     pt, act = measure.block_compute(cfg, backend, 1, mb, seq, shape.blocks[1].fwd_flops_per_token(shape.hidden, seq))
     hp, _ = measure.block_compute(cfg, backend, H, mb, seq, shape.blocks[H].fwd_flops_per_token(shape.hidden, seq))
     adam = measure.adam_throughput(8 << 20 if a.smoke else 32 << 20, threads=threads or os.cpu_count())
+    add, norm = measure.device_elementwise(backend, 4 << 20 if a.smoke else 64 << 20)
     return HardwareProfile(ssd_read_Bps=r, ssd_write_Bps=w, adam_params_per_s=adam, name="bench", device="cpu",
                            compute=(pt,), head_compute=(hp,), h2d_Bps=mem, d2h_Bps=mem, host_mem_Bps=mem,
-                           device_mem_Bps=mem, io_cpu_s_per_byte=io_cpu, layer_act_bytes_per_token=act, model_signature=shape.signature)
+                           device_mem_Bps=mem, grad_add_elems_per_s=add, grad_norm_elems_per_s=norm,
+                           io_cpu_s_per_byte=io_cpu, layer_act_bytes_per_token=act,
+                           model_signature=shape.signature)
 
 
 def run_engine(cfg: object, sd: dict, store: str, plan: Plan, chunk: int | None, threads: int, ids: torch.Tensor,

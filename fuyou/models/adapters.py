@@ -60,6 +60,9 @@ class Adapter:
         self.model.train()
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.modules = self._block_modules()
+        for _, mod in self.modules[0][1]:
+            if isinstance(mod, nn.Embedding):  # backward scatters the tokens' rows into the preset gradient
+                mod.sparse = True              # instead of a dense vocab × hidden zero tensor added whole
         self.blocks = [self._spec(name, mods) for name, mods in self.modules]
         self._meta = [[(_owner(mod, pname), p) for _, mod in mods for pname, p in mod.named_parameters(remove_duplicate=False)]
                       for _, mods in self.modules]
@@ -94,6 +97,11 @@ class Adapter:
     # -- binding -------------------------------------------------------------------------------
     def bind(self, block: int, tensors: dict[str, torch.Tensor]) -> dict[str, nn.Parameter]:
         """Make the modules of ``block`` use ``tensors`` (by HF key) as parameters.
+
+        The embedding modules are sparse (``nn.Embedding.sparse``): their backward yields a sparse
+        gradient of the batch's rows, which autograd adds into a dense ``.grad`` set before backward
+        (the engine points every ``.grad`` at its flat gradient buffer); without a preset ``.grad`` the
+        embedding's gradient is a sparse tensor.
 
         Returns the new parameters by the key of the tensor that *owns* them: the tied ``lm_head``
         is returned under the embedding's key, so its gradient lands in the embedding's buffer.

@@ -97,13 +97,23 @@ class StepGraph:
         f = blk.fwd_flops_per_token(self.m.hidden, self.c.seq_len) * self.mb_tokens
         return self.K * f / hw.flops_per_s(self.mb_tokens, head=blk.kind == "head")
 
+    def _grad_numel(self, b: int) -> int:
+        """Elements of the gradients block ``b``'s backward accumulates into (its own and borrowed weights)."""
+        blk = self.m.blocks[b]
+        return blk.numel + sum(o.numel for o in self.m.blocks if o.name in blk.borrows)
+
     def _bwd_s(self, b: int) -> float:
+        """Backward of block ``b`` over the step's micro-batches: the flat gradient buffer zeroed once,
+        then per micro-batch the backward proper and autograd adding the weight gradients into the
+        preset buffer (``grad_add_rate``); the embedding's backward is sparse, a scatter of the
+        tokens' rows (``fuyou.models.adapters``)."""
         blk, hw = self.m.blocks[b], self.hw
-        zero = 2 * blk.numel / hw.device_mem_Bps  # the flat gradient buffer is zeroed
+        zero = 2 * blk.numel / hw.device_mem_Bps
         if blk.kind == "embed":
             return zero + self.K * self.mb_tokens * self.m.hidden * 2 / hw.device_mem_Bps
+        add = self._grad_numel(b) / hw.grad_add_rate
         f = 2 * blk.fwd_flops_per_token(self.m.hidden, self.c.seq_len) * self.mb_tokens
-        return zero + self.K * f / hw.flops_per_s(self.mb_tokens, backward=True, head=blk.kind == "head")
+        return zero + self.K * (add + f / hw.flops_per_s(self.mb_tokens, backward=True, head=blk.kind == "head"))
 
     def act_bytes(self, b: int) -> float:
         """Bytes block ``b`` saves for backward over all micro-batches of a step."""
@@ -136,8 +146,13 @@ class StepGraph:
             return
         b = self.order[pos]
         gate = self.prev_writes.get(b)  # overlap_next_forward: Adam(b) of the last step wrote w(b)
-        if b < self.c.ram_weight_blocks:  # RAM tier: a memcpy into the host buffer, no SSD read
-            self.reads[pos] = self.sim.op(None, self._w_bytes(b) / self.hw.host_mem_Bps, deps + (gate,))
+        if b < self.c.ram_weight_blocks:  # RAM tier: a memcpy into the host buffer, no SSD read, done by
+            # the thread that issues it (training thread) or, gated on last step's update, the Adam worker
+            cp = self._w_bytes(b) / self.hw.host_mem_Bps
+            if gate is None:
+                self.reads[pos] = self._t(self.sim.op("thread", cp, deps + (self.thread,), "ram_read"))
+            else:
+                self.reads[pos] = self.sim.op("adam", cp, deps + (gate,), "ram_read")
         else:
             self.reads[pos] = self._ssd(self._w_bytes(b), "ssd_read", deps + (gate,))
 
@@ -241,7 +256,7 @@ class StepGraph:
         """Gradient norm (a read of the gradient on the device, then a sync), device→host copy, then
         Adam now (overlap_backward) or parked."""
         self._t(bwd)
-        self._t(self.sim.op("compute", 2 * self.m.blocks[b].numel / self.hw.device_mem_Bps, (self.thread,), "norm"))
+        self._t(self.sim.op("compute", self.m.blocks[b].numel / self.hw.grad_norm_rate, (self.thread,), "norm"))
         if self.p.schedule == "overlap_next_forward" or self._held_back(b):
             d = self.sim.op("d2h", 2 * self.m.blocks[b].numel / self.hw.d2h_Bps, (self.thread, bwd))
             self.parked[b] = d

@@ -84,8 +84,6 @@ def adam_throughput(params: int = 32 << 20, repeats: int = 3, threads: int | Non
 
     from fuyou.optim import adamw_step
 
-    if threads:
-        numba.set_num_threads(threads)
     master, m, v = (torch.randn(params) for _ in range(3))
     v.abs_()
     grad = torch.randn(params, dtype=torch.bfloat16)
@@ -96,7 +94,31 @@ def adam_throughput(params: int = 32 << 20, repeats: int = 3, threads: int | Non
         step[0] += 1
         adamw_step(master, m, v, grad, lr=1e-4, step=step[0], out=out)
 
-    return params / _median(run, repeats)
+    before = numba.get_num_threads()  # per calling thread: restored so later kernels here keep all cores
+    if threads:
+        numba.set_num_threads(threads)
+    try:
+        return params / _median(run, repeats)
+    finally:
+        numba.set_num_threads(before)
+
+
+def device_elementwise(backend: Any, elems: int = 64 << 20, repeats: int = 3) -> tuple[float, float]:
+    """(gradient accumulation, gradient norm) elements/s on the device, in bf16: ``g += x`` into a
+    device buffer (autograd's AccumulateGrad into the engine's preset gradients) and the engine's
+    ``sum_squares`` norm. See ``HardwareProfile.grad_add_elems_per_s``."""
+    import torch
+
+    from fuyou.optim.norm import sum_squares
+
+    g = backend.device_empty((elems,), torch.bfloat16, "profile gradient").zero_()
+    x = torch.ones(elems, dtype=torch.bfloat16, device=backend.device)
+
+    def add() -> None:
+        g.add_(x)
+        backend.synchronize()
+
+    return elems / _median(add, repeats), elems / _median(lambda: sum_squares(g), repeats)
 
 
 def host_memcpy(nbytes: int = 256 << 20, repeats: int = 3) -> float:
@@ -229,6 +251,8 @@ def measure_profile(ssd_dirs: list[str], config: Any = None, micro_batches: tupl
     log("host memory …")
     mem = host_memcpy()
     h2d, d2h = host_device_copy(backend)
+    log("device element-wise work …")
+    add, norm = device_elementwise(backend)
     compute, head, act, sig = [], [], 0.0, ""
     dev_mem = 0
     if config is not None:
@@ -248,7 +272,8 @@ def measure_profile(ssd_dirs: list[str], config: Any = None, micro_batches: tupl
     return HardwareProfile(
         ssd_read_Bps=r, ssd_write_Bps=w, adam_params_per_s=adam, name=name or socket.gethostname(),
         device="cpu" if cpu else "cuda", compute=tuple(compute), head_compute=tuple(head), h2d_Bps=h2d, d2h_Bps=d2h,
-        host_mem_Bps=mem, device_mem_Bps=mem if cpu else 1e12, io_cpu_s_per_byte=io_cpu, device_memory_bytes=int(dev_mem),
+        host_mem_Bps=mem, device_mem_Bps=mem if cpu else 1e12, grad_add_elems_per_s=add, grad_norm_elems_per_s=norm,
+        io_cpu_s_per_byte=io_cpu, device_memory_bytes=int(dev_mem),
         host_memory_bytes=int(total_ram), ssd_capacity_bytes=int(free), ssd_count=len(ssd_dirs),
         layer_act_bytes_per_token=act, model_signature=sig, per_dir=tuple(per_dir),
         device_peak_flops=matmul_peak(backend),

@@ -70,6 +70,13 @@ class HardwareProfile:
     """Host memcpy rate (bytes copied per second, one side counted)."""
     device_mem_Bps: float = 1e12
     """Device memset/copy rate (zeroing gradient buffers), bytes/s; on ``cpu`` the host memcpy rate."""
+    grad_add_elems_per_s: float = 0.0
+    """Device rate of ``grad += g`` in the compute dtype, elements/s: autograd accumulating each
+    micro-batch's weight gradient into the engine's preset flat gradient buffer. 0: ``device_mem_Bps / 6``
+    (read two bf16 operands, write one)."""
+    grad_norm_elems_per_s: float = 0.0
+    """Device rate of the per-block gradient norm (``fuyou.optim.norm.sum_squares``), elements/s.
+    0: ``device_mem_Bps / 2`` (one bf16 read)."""
     device_memory_bytes: int = 24 * GiB
     """Device memory usable by Fuyou (the default ``--gpu-memory``)."""
     host_memory_bytes: int = 64 * GiB
@@ -101,12 +108,25 @@ class HardwareProfile:
                     ("ssd_read_Bps", "ssd_write_Bps", "adam_params_per_s", "h2d_Bps", "d2h_Bps", "host_mem_Bps",
                      "device_mem_Bps")
                     if not getattr(self, k) > 0]
+        problems += [f"{k} must be >= 0 (0: derived from device_mem_Bps), got {getattr(self, k)}" for k in
+                     ("grad_add_elems_per_s", "grad_norm_elems_per_s") if not getattr(self, k) >= 0]
         if self.device not in ("cuda", "cpu"):
             problems.append(f"device must be cuda or cpu, got {self.device!r}")
         if not self.compute and not self.device_peak_flops > 0:
             problems.append("give measured 'compute' points or 'device_peak_flops'")
         if problems:
             raise ConfigError(f"hardware profile {self.name!r}: " + "; ".join(problems))
+
+    # ------------------------------------------------------------------ per-element device work
+    @property
+    def grad_add_rate(self) -> float:
+        """Elements/s of gradient accumulation (``grad_add_elems_per_s`` or its default)."""
+        return self.grad_add_elems_per_s or self.device_mem_Bps / 6
+
+    @property
+    def grad_norm_rate(self) -> float:
+        """Elements/s of the gradient norm (``grad_norm_elems_per_s`` or its default)."""
+        return self.grad_norm_elems_per_s or self.device_mem_Bps / 2
 
     # ------------------------------------------------------------------ compute model
     def flops_per_s(self, tokens: int, backward: bool = False, head: bool = False) -> float:
