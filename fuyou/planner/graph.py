@@ -97,21 +97,16 @@ class StepGraph:
         f = blk.fwd_flops_per_token(self.m.hidden, self.c.seq_len) * self.mb_tokens
         return self.K * f / hw.flops_per_s(self.mb_tokens, head=blk.kind == "head")
 
-    def _grad_numel(self, b: int) -> int:
-        """Elements of the gradients block ``b``'s backward accumulates into (its own and borrowed weights)."""
-        blk = self.m.blocks[b]
-        return blk.numel + sum(o.numel for o in self.m.blocks if o.name in blk.borrows)
-
     def _bwd_s(self, b: int) -> float:
         """Backward of block ``b`` over the step's micro-batches: the flat gradient buffer zeroed once,
-        then per micro-batch the backward proper and autograd adding the weight gradients into the
-        preset buffer (``grad_add_rate``); the embedding's backward is sparse, a scatter of the
-        tokens' rows (``fuyou.models.adapters``)."""
+        then per micro-batch the backward proper and, for layers, autograd adding the fresh weight
+        gradients into the preset buffer (``grad_add_rate``). The head adds its weight gradient in its
+        GEMM (``adapters.HeadLinear``); the embedding's backward is sparse, a scatter of the tokens' rows."""
         blk, hw = self.m.blocks[b], self.hw
         zero = 2 * blk.numel / hw.device_mem_Bps
         if blk.kind == "embed":
             return zero + self.K * self.mb_tokens * self.m.hidden * 2 / hw.device_mem_Bps
-        add = self._grad_numel(b) / hw.grad_add_rate
+        add = blk.numel / hw.grad_add_rate if blk.kind == "layer" else 0.0
         f = 2 * blk.fwd_flops_per_token(self.m.hidden, self.c.seq_len) * self.mb_tokens
         return zero + self.K * (add + f / hw.flops_per_s(self.mb_tokens, backward=True, head=blk.kind == "head"))
 

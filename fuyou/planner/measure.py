@@ -206,12 +206,20 @@ def block_compute(config: Any, backend: Any, block: int, micro_batch: int, seq_l
         backend.synchronize()
         return y
 
+    # as the engine runs them: the head adds its weight gradient into a preset .grad (adapters.HeadLinear);
+    # a layer's weight gradients come out fresh (the engine's add into its buffer is modelled apart:
+    # HardwareProfile.grad_add_elems_per_s)
+    head = block == len(specs) - 1
+    for p in params.values():
+        p.grad = torch.zeros_like(p) if head else None
+
     def fwd_bwd() -> None:
         y = fwd()
         y.float().square().mean().backward()  # a loss-like reduction (the head's logits included)
         backend.synchronize()
-        for p in params.values():
-            p.grad = None
+        if not head:
+            for p in params.values():
+                p.grad = None
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fwd()

@@ -53,6 +53,32 @@ def test_adam_overlaps_backward_but_the_last_blocks_are_exposed():
     assert p.busy_s["adam"] == pytest.approx((N0 + N1 + N2) / 1e9)
 
 
+def test_per_element_gradient_work_is_charged_per_block():
+    # backward adds a layer's fresh weight gradients into its preset buffer (1 G elements/s); the head
+    # adds in its GEMM and the embedding's backward is sparse: nothing dense; every block's norm reads
+    # its gradient (2 G/s), on the training thread before the hand-off
+    F = (1e9 + 32) / 1e12
+    hw = profile(device_peak_flops=1e12, grad_add_elems_per_s=1e9, grad_norm_elems_per_s=2e9)
+    p = predict(toy_shape(), Plan(), CFG, hw)
+    assert p.step_s == pytest.approx(F + 3e-3 + 3 * F + N1 / 1e9 + (N0 + N1 + N2) / 2e9, rel=1e-7)
+    # two micro-batches add twice; zeroing the buffer and the norm happen once
+    two = predict(toy_shape(), Plan(micro_batches=2), CFG, hw).step_s
+    assert two - p.step_s == pytest.approx(F + 3e-3 + 3 * F + N1 / 1e9, rel=1e-6)
+
+
+def test_ram_tier_weight_reads_are_memcpys_on_the_training_thread():
+    # every block in the RAM tier: reads (forward 3 blocks, backward 2) are memcpys at 1 GB/s that the
+    # issuing thread performs, so they add to the step rather than hide behind compute
+    hw = profile(device_peak_flops=1e12, host_mem_Bps=1e9)
+    cfg = dataclasses.replace(CFG, ram_weight_blocks=3, ram_state_blocks=3)
+    compute = predict(toy_shape(), Plan(), CFG, profile(device_peak_flops=1e12)).step_s
+    p = predict(toy_shape(), Plan(), cfg, hw)
+    reads = 2 * (2 * N0 + 2 * N1 + N2) / 1e9
+    writes = 2 * (N0 + N1 + N2) / 1e9  # new weights copied back into RAM
+    assert p.ssd_read_bytes == 0 and p.ssd_write_bytes == 0
+    assert p.step_s == pytest.approx(compute + reads + writes, rel=1e-6)
+
+
 def test_state_chunks_pipeline_read_adam_write():
     # one 4 Mi-element chunk: read 48 MiB, then Adam, then write; four chunks overlap the three stages
     hw = profile(device_peak_flops=1e12, adam_params_per_s=2e9, ssd_read_Bps=4e9, ssd_write_Bps=4e9)
@@ -61,18 +87,21 @@ def test_state_chunks_pipeline_read_adam_write():
     assert four < whole
 
 
-SPEEDS = ("ssd_read_Bps", "ssd_write_Bps", "adam_params_per_s", "h2d_Bps", "d2h_Bps", "host_mem_Bps", "device_peak_flops")
+SPEEDS = ("ssd_read_Bps", "ssd_write_Bps", "adam_params_per_s", "h2d_Bps", "d2h_Bps", "host_mem_Bps", "device_mem_Bps",
+          "grad_add_elems_per_s", "grad_norm_elems_per_s", "device_peak_flops")
 
 
 @pytest.mark.parametrize("policy", ["recompute", "swap_cpu", "swap_ssd", "keep"])
 @pytest.mark.parametrize("schedule", ["overlap_backward", "overlap_next_forward"])
-def test_faster_hardware_never_predicts_a_slower_step(policy, schedule):
+@pytest.mark.parametrize("ram", [0, 4])
+def test_faster_hardware_never_predicts_a_slower_step(policy, schedule, ram):
     shape = small_llama()
     base = dict(ssd_read_Bps=2e9, ssd_write_Bps=2.5e9, adam_params_per_s=1.5e9, h2d_Bps=1e10, d2h_Bps=1e10,
                 pageable_Bps=5e9, host_mem_Bps=1e10, device_mem_Bps=5e11, device_peak_flops=5e12,
-                flops_efficiency=0.7, flops_half_tokens=256, commit_s=0.003)
+                grad_add_elems_per_s=8e10, grad_norm_elems_per_s=2.5e11, flops_efficiency=0.7,
+                flops_half_tokens=256, commit_s=0.003)
     plan = Plan(micro_batches=2, activation_policy=("keep",) + (policy,) * 8 + ("keep",), schedule=schedule)
-    cfg = StepConfig(micro_batch_size=2, seq_len=128, state_chunk=1 << 22)
+    cfg = StepConfig(micro_batch_size=2, seq_len=128, state_chunk=1 << 22, ram_weight_blocks=ram, ram_state_blocks=ram)
     t0 = predict(shape, plan, cfg, profile(**base)).step_s
     for k in SPEEDS:
         for f in (1.5, 4.0):
