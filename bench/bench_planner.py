@@ -65,14 +65,15 @@ SETTINGS = {
 def profile_for(cfg: object, store_dir: str, mb: int, seq: int, threads: int, a: argparse.Namespace) -> HardwareProfile:
     """The planner's measurements for one setting (see the module docstring)."""
     backend = get_backend("cpu")
-    r, w, io_cpu = measure.ssd_measure([store_dir], a.ssd_mib << 20, repeats=a.profile_repeats)
-    mem = measure.host_memcpy(64 << 20)
+    n = a.profile_repeats
+    r, w, io_cpu = measure.ssd_measure([store_dir], a.ssd_mib << 20, repeats=n)
+    mem = measure.host_memcpy(64 << 20, n)
     shape = shape_from_config(cfg.to_dict())
     H = len(shape.blocks) - 1
-    pt, act = measure.block_compute(cfg, backend, 1, mb, seq, shape.blocks[1].fwd_flops_per_token(shape.hidden, seq))
-    hp, _ = measure.block_compute(cfg, backend, H, mb, seq, shape.blocks[H].fwd_flops_per_token(shape.hidden, seq))
-    adam = measure.adam_throughput(8 << 20 if a.smoke else 32 << 20, threads=threads or os.cpu_count())
-    add, norm = measure.device_elementwise(backend, 4 << 20 if a.smoke else 64 << 20)
+    pt, act = measure.block_compute(cfg, backend, 1, mb, seq, shape.blocks[1].fwd_flops_per_token(shape.hidden, seq), n)
+    hp, _ = measure.block_compute(cfg, backend, H, mb, seq, shape.blocks[H].fwd_flops_per_token(shape.hidden, seq), n)
+    adam = measure.adam_throughput(8 << 20 if a.smoke else 32 << 20, n, threads=threads or os.cpu_count())
+    add, norm = measure.device_elementwise(backend, 4 << 20 if a.smoke else 64 << 20, n)
     return HardwareProfile(ssd_read_Bps=r, ssd_write_Bps=w, adam_params_per_s=adam, name="bench", device="cpu",
                            compute=(pt,), head_compute=(hp,), h2d_Bps=mem, d2h_Bps=mem, host_mem_Bps=mem,
                            device_mem_Bps=mem, grad_add_elems_per_s=add, grad_norm_elems_per_s=norm,
@@ -129,7 +130,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--ssd-mib", type=int, default=512)
-    ap.add_argument("--profile-repeats", type=int, default=3)
+    ap.add_argument("--profile-repeats", type=int, default=5, help="repeats of each profile measurement (median)")
     ap.add_argument("--cpu-memory", default="16GiB")
     ap.add_argument("--no-compare", action="store_true", help="skip the planner-vs-default-rules pair")
     ap.add_argument("--smoke", action="store_true")

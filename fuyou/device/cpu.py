@@ -1,7 +1,8 @@
 """The CPU backend: the "device" is the CPU, streams are null and events are already complete.
 
 It enforces a configurable fake device capacity so budget logic is exercised without a GPU, and
-caches freed device blocks (``cpu_arena.py``) so layers streamed every step do not re-fault pages.
+caches freed device blocks (``cpu_arena.py``) so layers streamed every step do not re-fault pages;
+torch's own temporaries stay cached in the C library's heap (``cpu_malloc.py``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from fuyou.device import cpu_arena
+from fuyou.device import cpu_arena, cpu_malloc
 from fuyou.device.base import Backend, Event, MemoryStats, _DeviceAccounting, host_aligned_empty
 
 
@@ -34,6 +35,7 @@ class CPUBackend(Backend):
 
     def __init__(self, capacity: int = 2**62) -> None:
         self.device = torch.device("cpu")
+        cpu_malloc.keep_freed_memory()
         self._arena = cpu_arena.CachingArena(capacity) if cpu_arena.SUPPORTED else None
         self._acct = _DeviceAccounting(capacity)  # used only where torch lacks what the arena needs
 

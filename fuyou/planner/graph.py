@@ -10,7 +10,10 @@ all but ``ssd`` are one server, the cores):
 * activations — ``swap_cpu``: saved tensors copied out in forward and back in backward, synchronously
   on the compute stream (pageable copies); ``swap_ssd``: also packed by the thread and written to the
   SSD, read back one block ahead in backward; ``recompute``: forward again before backward.
-* hand-off — the gradient norm syncs the thread with compute; gradient device→host copy; Adam per
+* backward — per block: the flat gradient buffer zeroed, the backward FLOPs, and for decoder layers
+  the add of their fresh weight gradients into it (``grad_add_rate``; the head accumulates in its
+  GEMM, the embedding's backward is a sparse scatter).
+* hand-off — the gradient norm (``grad_norm_rate``) syncs the thread with compute; gradient device→host copy; Adam per
   state chunk: SSD read → Adam (one worker, FIFO) → SSD write; the new weights written after the
   last chunk. The thread blocks acquiring buffers: 2 gradient buffers, 2 new-weight buffers and
   ``state_buffers`` state buffers (so a block with more chunks than buffers holds the thread until

@@ -71,9 +71,10 @@ class HardwareProfile:
     device_mem_Bps: float = 1e12
     """Device memset/copy rate (zeroing gradient buffers), bytes/s; on ``cpu`` the host memcpy rate."""
     grad_add_elems_per_s: float = 0.0
-    """Device rate of ``grad += g`` in the compute dtype, elements/s: autograd accumulating each
-    micro-batch's weight gradient into the engine's preset flat gradient buffer. 0: ``device_mem_Bps / 6``
-    (read two bf16 operands, write one)."""
+    """Device rate of ``grad += g`` in the compute dtype, elements/s: autograd adding each micro-batch's
+    fresh decoder-layer weight gradients into the engine's preset flat gradient buffer (the LM head adds
+    inside its GEMM, the embedding's backward is sparse). 0: ``device_mem_Bps / 6`` (two bf16 reads, one
+    write)."""
     grad_norm_elems_per_s: float = 0.0
     """Device rate of the per-block gradient norm (``fuyou.optim.norm.sum_squares``), elements/s.
     0: ``device_mem_Bps / 2`` (one bf16 read)."""
