@@ -11,7 +11,8 @@ tokens, keep / recompute) and Adam-bound (a 0.6 B-parameter model, mostly embedd
 8 tokens, one Adam thread, every block's weights and state in the RAM tier: no SSD traffic). For the settings whose plan is the engine's default rules (``ssd``,
 ``recompute``: every layer recomputed, prefetch depth 2) the planner's own plans for the same model,
 batch and budgets (state on SSD only; RAM tiers allowed) run too: three engines, steps taken
-round-robin, speed-up = median rules step ÷ median planner step (and the median of per-round ratios).
+round-robin with the order rotating each round, speed-up = median rules step ÷ median planner step
+(and the median of per-round ratios).
 
     python bench/bench_planner.py                      # full run (several minutes)
     python bench/bench_planner.py --only ssd,keep      # some settings
@@ -102,7 +103,8 @@ def run_engine(cfg: object, sd: dict, store: str, plan: Plan, chunk: int | None,
 def run_interleaved(cfg: object, sd: dict, work: str, specs: list[tuple[Plan, int | None]], threads: int,
                     ids: torch.Tensor, a: argparse.Namespace) -> list[list[float]]:
     """Step times of several plans run side by side: one engine per plan (own store directory), steps
-    taken round-robin so machine drift hits all alike; ``--warmup`` rounds dropped."""
+    taken round-robin, the order rotating every round, so machine drift and position hit all alike;
+    ``--warmup`` rounds dropped."""
     engines = []
     try:
         for i, (plan, chunk) in enumerate(specs):
@@ -112,9 +114,10 @@ def run_interleaved(cfg: object, sd: dict, work: str, specs: list[tuple[Plan, in
                               plan=plan, adam_threads=threads or None, **({"state_chunk": chunk} if chunk else {}))
             engines.append(Engine.from_state_dict(cfg, sd, ec))
         times: list[list[float]] = [[] for _ in specs]
+        n = len(engines)
         for rep in range(a.warmup + a.repeats):
-            for i, eng in enumerate(engines):
-                st = eng.train_step(ids)
+            for i in [(rep + k) % n for k in range(n)]:  # the order rotates: no plan always goes first
+                st = engines[i].train_step(ids)
                 if rep >= a.warmup:
                     times[i].append(st["step_time_s"])
         return times
@@ -186,7 +189,7 @@ def setting(name: str, model: str, batch: int, seq: int, policy: str, threads: i
               "speedup": statistics.median(rules_t) / statistics.median(p_t),
               "speedup_pair_median": statistics.median(pairs), "planner_predicted_s": r.prediction.step_s,
               "rules_predicted_s": pred.step_s, "rules_measured_all_s": rules_t, "planner_measured_all_s": p_t,
-              "cpu_memory": a.cpu_memory, "method": "interleaved: rules, planner (SSD only), planner (RAM tiers) round-robin",
+              "cpu_memory": a.cpu_memory, "method": "interleaved: rules, planner (SSD only), planner (RAM tiers) round-robin, order rotating each round",
               "smoke": a.smoke, "hardware": hw}, a.out)
 
 if __name__ == "__main__":
