@@ -22,6 +22,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from bench.common import emit, hardware_info  # noqa: E402
 from fuyou.checkpoint import take  # noqa: E402
+from fuyou.device import get_backend  # noqa: E402
+from fuyou.device.precision import choose_precision  # noqa: E402
 from fuyou.checkpoint.snapshot import disk_usage  # noqa: E402
 from fuyou.engine import Engine, EngineConfig  # noqa: E402
 
@@ -53,7 +55,8 @@ def run(a: argparse.Namespace, work: str) -> None:
     nparams = sum(v.numel() for v in sd.values())
     ssd = os.path.join(work, "ssd")
     os.makedirs(ssd)
-    ec = EngineConfig(ssd_dirs=(ssd,), cpu_memory="1GiB", max_grad_norm=1.0)
+    precision = choose_precision("auto", get_backend("auto")).precision  # as `fuyou finetune` would run here
+    ec = EngineConfig(ssd_dirs=(ssd,), cpu_memory="1GiB", max_grad_norm=1.0, precision=precision)
     ids = torch.randint(0, 8000, (2, 128), generator=torch.Generator().manual_seed(0))
     steps, stalls, links, copies, usage = [], [], [], [], []
     with Engine.from_state_dict(cfg, sd, ec) as eng:
@@ -76,7 +79,7 @@ def run(a: argparse.Namespace, work: str) -> None:
             os.sync()
             copies.append(time.perf_counter() - t0)
             shutil.rmtree(dst)
-    emit({"bench": "checkpoint", "smoke": a.smoke, "params": nparams, "state_bytes": state,
+    emit({"bench": "checkpoint", "smoke": a.smoke, "params": nparams, "state_bytes": state, "precision": precision,
           "files_per_checkpoint": info["files"], "store_bytes_before": base,
           "disk_bytes_after_each": usage, "extra_bytes_per_checkpoint": [u - base for u in usage],
           "step_s_median": statistics.median(steps), "stall_s": stalls, "stall_s_median": statistics.median(stalls),

@@ -4,8 +4,10 @@
 The model is random-init and never whole in RAM: the Hugging Face skeleton lives on the meta device
 (the engine builds its own), and the engine's import pulls tensors from a lazy mapping whose
 ``__getitem__`` makes each one on demand (normal(0, initializer_range) for matrices, ones for
-norms, from a generator seeded by the tensor's name), one block at a time. bf16 compute weights,
-fp32 master/m/v, every decoder layer ``recompute``, store under ``--dir``.
+norms, from a generator seeded by the tensor's name), one block at a time. compute weights in the
+precision ``fuyou finetune`` would pick here (``--precision``), fp32 master/m/v, every decoder layer
+``recompute``, clipping on as ``fuyou finetune`` defaults to (``--max-grad-norm``; gradients parked on
+SSD where the budget is short), store under ``--dir``.
 
 Memory is measured two ways: ``ru_maxrss`` (the kernel's peak for the process) and a thread that
 samples ``VmRSS`` from /proc/self/status every 10 ms, kept per phase (imports, engine build +
@@ -14,7 +16,7 @@ device capacity (``--gpu-memory``) is memory the process uses besides the host b
 reported.
 
     python bench/bench_scale.py                       # ≥ 1.5B params (~45 GB of store on --dir)
-    python bench/bench_scale.py --smoke               # tiny (40 small layers), same 1/10 rule; seconds
+    python bench/bench_scale.py --smoke               # tiny (48 small layers), same 1/10 rule; seconds
 """
 
 from __future__ import annotations
@@ -120,8 +122,8 @@ PRESETS = {
     # Qwen2-1.5B widths (hidden 1536, MLP 8960, 12 heads / 2 KV heads) with a 32k Llama vocabulary,
     # 30 layers: 1.50B parameters. The largest block (embedding, 49M) sets the host buffers.
     "full": dict(hidden=1536, inter=8960, heads=12, kv_heads=2, layers=30, vocab=32000, batch=1, seq=128),
-    # 40 equal small layers: the same 1/10 rule holds (host buffers ≈ 36 B × largest block).
-    "smoke": dict(hidden=64, inter=128, heads=4, kv_heads=4, layers=40, vocab=64, batch=1, seq=16),
+    # 48 equal small layers: the same 1/10 rule holds in fp32 too (host buffers ≈ 44 B × largest block).
+    "smoke": dict(hidden=64, inter=128, heads=4, kv_heads=4, layers=48, vocab=64, batch=1, seq=16),
 }
 
 
@@ -134,6 +136,11 @@ def main() -> None:
     ap.add_argument("--budget-frac", type=float, default=0.1, help="host budget ÷ fp32 state (≤ 0.1 for P5)")
     ap.add_argument("--gpu-memory", default=None, help="fake device capacity (CPU backend); default 1GiB (smoke 64MiB)")
     ap.add_argument("--depth", type=int, default=1, help="prefetch depth")
+    ap.add_argument("--max-grad-norm", type=float, default=1.0,
+                    help="global-norm clipping as `fuyou finetune` defaults to (0 = off); with it every block's "
+                         "gradient is parked until backward ends, on SSD where the budget is short")
+    ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                    help="compute dtype; auto: as `fuyou finetune` picks on this machine")
     ap.add_argument("--keep-store", action="store_true", help="leave the store on disk")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None, help="also append JSON lines to this file")
@@ -163,16 +170,20 @@ def run(a: argparse.Namespace, rss: RssSampler, baseline: int, cfg: Any, shapes:
     state = STATE_BYTES_PER_PARAM * params
     budget = int(state * a.budget_frac)
     base = a.dir or ("/work" if os.path.isdir("/work") else tempfile.gettempdir())
-    need_disk = 2 * 14 * params  # bf16 weights + fp32 master/m/v, current and next version
+    from fuyou.device import get_backend
+    from fuyou.device.precision import choose_precision
+
+    precision = choose_precision(a.precision, get_backend("auto")).precision
+    need_disk = 2 * (12 + (2 if precision == "bf16" else 4)) * params  # weights + fp32 master/m/v, 2 versions
     free = shutil.disk_usage(base).free
     if free < need_disk * 1.05:
-        sys.exit(f"{base} has {free / 1e9:.1f} GB free; the store needs ~{need_disk / 1e9:.1f} GB (2 × 14 B/param)")
+        sys.exit(f"{base} has {free / 1e9:.1f} GB free; the store needs ~{need_disk / 1e9:.1f} GB (2 versions)")
     work = tempfile.mkdtemp(prefix="fuyou-bench-scale-", dir=base)
     hw = {**hardware_info([work]), "code": code_version()}
     nblocks = a.layers + 2
     plan = Plan(prefetch_depth=a.depth, activation_policy=("keep",) + ("recompute",) * a.layers + ("keep",))
-    ec = EngineConfig(ssd_dirs=(work,), precision="bf16", cpu_memory=budget, gpu_memory=a.gpu_memory, lr=1e-4,
-                      weight_decay=0.01, plan=plan)
+    ec = EngineConfig(ssd_dirs=(work,), precision=precision, cpu_memory=budget, gpu_memory=a.gpu_memory, lr=1e-4,
+                      weight_decay=0.01, plan=plan, max_grad_norm=a.max_grad_norm)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
     steps: list[dict] = []
@@ -186,7 +197,8 @@ def run(a: argparse.Namespace, rss: RssSampler, baseline: int, cfg: Any, shapes:
         build_s = time.perf_counter() - t
         pool_reserved = eng.pool.reserved
         effective = {"prefetch_depth": eng.plan.prefetch_depth, "state_buffers": eng.plan.state_buffers,
-                     "state_chunk_elems": eng.layout.state_chunk}
+                     "state_chunk_elems": eng.layout.state_chunk, "schedule": eng.plan.schedule,
+                     "park_ram_blocks": eng.plan.park_ram_blocks}
         for i in range(a.steps):
             rss.set_phase(f"step{i + 1}")
             st = eng.train_step(ids)
@@ -213,9 +225,10 @@ def run(a: argparse.Namespace, rss: RssSampler, baseline: int, cfg: Any, shapes:
     emit({"bench": "scale_p5", "smoke": a.smoke,
           "model": {"arch": "LlamaForCausalLM (untied)", "hidden": a.hidden, "intermediate": a.inter, "heads": a.heads,
                     "kv_heads": a.kv_heads, "layers": a.layers, "vocab": a.vocab, "params": params, "blocks": nblocks},
-          "batch": a.batch, "seq": a.seq, "precision": "bf16 compute, fp32 master/m/v",
+          "batch": a.batch, "seq": a.seq, "precision": f"{precision} compute, fp32 master/m/v",
+          "max_grad_norm": a.max_grad_norm,
           "plan": {"activation_policy": f"keep(embed), recompute × {a.layers}, keep(head)", "prefetch_depth": a.depth,
-                   "schedule": plan.schedule, "state_buffers": plan.state_buffers, "effective": effective},
+                   "schedule": ec.plan.schedule, "state_buffers": plan.state_buffers, "effective": effective},
           "fp32_state_bytes": state, "host_budget_bytes": budget, "state_over_budget": state / budget,
           "target_state_over_budget": 10.0, "met_ratio": state / budget >= 10.0,
           "host_pool_reserved_bytes": pool_reserved,

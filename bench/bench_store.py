@@ -2,7 +2,8 @@
 
 Sequential write and read of ≥ 1 GiB through ``TensorStore`` (extents of ``--extent-mib`` written
 and read concurrently from pre-allocated host buffers, O_DIRECT) against
-``fio --direct=1 --bs=1M --iodepth=8 --ioengine=libaio`` on the same directory. Repeats are
+``fio --direct=1 --bs=1M --ioengine=libaio`` on the same directory, at ``--iodepth=8`` and at the
+store's own queue depth (``--threads`` 1 MiB blocks in flight: ``ratio_store_qd``). Repeats are
 interleaved (fio, store, fio, store, …) so drift hits both alike; medians of ``--repeats`` after a
 warm-up. Prints one JSON line per figure (see bench/common.py).
 
@@ -32,9 +33,9 @@ from fuyou.storage import ExtentSpec, TensorSpec, TensorStore  # noqa: E402
 from fuyou.transfer.buffers import HostBufferPool  # noqa: E402
 
 
-def fio(directory: str, rw: str, size_mib: int) -> float:
-    """Run fio once (O_DIRECT, 1 MiB blocks, QD8 libaio) and return bytes/s."""
-    cmd = ["fio", "--name=fuyou-bench", f"--directory={directory}", f"--rw={rw}", "--bs=1M", "--iodepth=8",
+def fio(directory: str, rw: str, size_mib: int, iodepth: int = 8) -> float:
+    """Run fio once (O_DIRECT, 1 MiB blocks, libaio at ``iodepth``) and return bytes/s."""
+    cmd = ["fio", "--name=fuyou-bench", f"--directory={directory}", f"--rw={rw}", "--bs=1M", f"--iodepth={iodepth}",
            "--direct=1", "--ioengine=libaio", f"--size={size_mib}M", "--numjobs=1", "--output-format=json"]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     job = json.loads(out[out.index("{"):])["jobs"][0]
@@ -89,7 +90,8 @@ def run(a: argparse.Namespace, work: str) -> None:
         sys.exit("fio is not installed (apt-get install fio); it is the reference this benchmark compares against")
     store = TensorStore.create([sdir], extents, io="posix", direct="on", threads=a.threads, block_bytes=a.block_kib << 10)
     names = [e.name for e in extents]
-    res: dict[str, list[float]] = {"store_write": [], "store_read": [], "fio_write": [], "fio_read": [], "commit_s": []}
+    res: dict[str, list[float]] = {"store_write": [], "store_read": [], "fio_write": [], "fio_read": [], "commit_s": [],
+                                   "fioqd_write": [], "fioqd_read": []}
     with store:
         for rep in range(a.repeats + 2):  # repeats 0 and 1 are warm-up: after them writes recycle files, as in training
             w = store_run(store, names, bufs, "write")
@@ -99,8 +101,10 @@ def run(a: argparse.Namespace, work: str) -> None:
             r = store_run(store, names, bufs, "read")
             fw = fio(fdir, "write", a.size_mib) if have_fio else float("nan")
             fr = fio(fdir, "read", a.size_mib) if have_fio else float("nan")
+            qw = fio(fdir, "write", a.size_mib, a.threads) if have_fio else float("nan")
+            qr = fio(fdir, "read", a.size_mib, a.threads) if have_fio else float("nan")
             if rep >= 2:
-                for k, v in zip(res, (w, r, fw, fr, c)):
+                for k, v in zip(res, (w, r, fw, fr, c, qw, qr)):
                     res[k].append(v)
     med = {k: statistics.median(v) for k, v in res.items()}
     common = {"bench": "store_vs_fio", "smoke": a.smoke, "size_mib": a.size_mib, "extent_mib": a.extent_mib,
@@ -109,7 +113,9 @@ def run(a: argparse.Namespace, work: str) -> None:
     for op in ("write", "read"):
         emit({**common, "op": op, "store_GBps": med[f"store_{op}"] / 1e9, "fio_GBps": med[f"fio_{op}"] / 1e9,
               "ratio": med[f"store_{op}"] / med[f"fio_{op}"], "store_all_GBps": [x / 1e9 for x in res[f"store_{op}"]],
-              "fio_all_GBps": [x / 1e9 for x in res[f"fio_{op}"]]}, a.out)
+              "fio_all_GBps": [x / 1e9 for x in res[f"fio_{op}"]],
+              "fio_store_qd": a.threads, "fio_store_qd_GBps": med[f"fioqd_{op}"] / 1e9,
+              "ratio_store_qd": med[f"store_{op}"] / med[f"fioqd_{op}"]}, a.out)
     emit({**common, "op": "commit", "commit_s_median": med["commit_s"]}, a.out)
 
 

@@ -11,13 +11,20 @@ import os
 
 import click
 
-DEFAULT_PROFILE = os.path.join(os.path.expanduser("~"), ".cache", "fuyou", "hw.json")
+DEFAULT_PROFILE = "$FUYOU_CACHE/hw.json (default ~/.cache/fuyou/hw.json)"
+"""How the default profile path reads in help texts; ``_default_profile()`` is the path."""
+
+
+def _default_profile() -> str:
+    from fuyou.machine import cache_dir
+
+    return os.path.join(cache_dir(), "hw.json")
 
 
 def _profile_path(path: str | None) -> str:
     from fuyou.errors import ConfigError
 
-    path = path or os.environ.get("FUYOU_PROFILE") or DEFAULT_PROFILE
+    path = path or os.environ.get("FUYOU_PROFILE") or _default_profile()
     if not os.path.isfile(path):
         raise ConfigError(f"no hardware profile at {path}; run `fuyou profile --ssd DIR` first, or pass --profile "
                           "(hand-written examples: bench/profiles/)")
@@ -125,9 +132,11 @@ def print_result(res: object, params: int) -> None:
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
 @click.option("--ssd-bytes", default="512MiB", show_default=True, help="Bytes written and read per SSD measurement.")
 @click.option("--name", default="", help="Profile name (default: the host name).")
-@click.option("--out", type=click.Path(), default=DEFAULT_PROFILE, show_default=True, help="Where to write the JSON.")
+@click.option("--out", type=click.Path(), help=f"Where to write the JSON (default {DEFAULT_PROFILE}).")
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Compute dtype to time the matmul peak and the layers in.")
 def profile_cmd(ssd_dirs: tuple[str, ...], model: str | None, seq_len: int, micro_batches: str, device: str,
-                ssd_bytes: str, name: str, out: str) -> None:
+                ssd_bytes: str, name: str, out: str | None, precision: str) -> None:
     """Measure this machine (SSD, Adam, memory, copies, per-layer compute) and save a hardware profile."""
     from fuyou.planner.measure import measure_profile
     from fuyou.planner.profile import save_profile
@@ -145,7 +154,8 @@ def profile_cmd(ssd_dirs: tuple[str, ...], model: str | None, seq_len: int, micr
     except ValueError:
         raise click.BadParameter(f"expected sizes like 1,2,4, got {micro_batches!r}", param_hint="--micro-batches") from None
     prof = measure_profile(dirs, config, mbs, seq_len, device, parse_size(ssd_bytes, "--ssd-bytes"), name=name,
-                           log=lambda s: click.echo(s, err=True))
+                           log=lambda s: click.echo(s, err=True), precision=precision)
+    out = out or _default_profile()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_profile(prof, out)
     click.echo(f"SSD read {prof.ssd_read_Bps / 1e9:.2f} GB/s, write {prof.ssd_write_Bps / 1e9:.2f} GB/s; Adam "

@@ -18,13 +18,14 @@ import sys
 import warnings
 
 from fuyou.errors import FuyouError, FuyouWarning
+from fuyou.machine import cache_dir
 
 DEMO_NAME = "SmolLM2-135M-Instruct"
 
 
 def default_cache() -> str:
-    """``$FUYOU_CACHE`` or ``~/.cache/fuyou``."""
-    return os.environ.get("FUYOU_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "fuyou"))
+    """``$FUYOU_CACHE`` or ``~/.cache/fuyou`` (``fuyou.machine.cache_dir``)."""
+    return cache_dir()
 
 
 def smollm2_gguf() -> str | None:

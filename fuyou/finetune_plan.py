@@ -10,10 +10,13 @@ state live in host RAM instead of on SSD (``Plan.ram_weight_blocks``/``ram_state
 engine's simple budget rules instead (``fuyou.engine.rules``).
 
 The planner reads a hardware profile: ``--profile PATH``, else ``$FUYOU_PROFILE``, else
-``~/.cache/fuyou/hw.json`` (written by ``fuyou profile``) if it was measured on the same kind of
-device. Without one, a quick profile of this machine and model is measured now (seconds: a 64 MiB
-SSD test in the first store directory, CPU Adam, memcpy, one layer and the head at the run's
-micro-batch) and saved as ``OUTPUT/profile.json``.
+``hw.json`` in the cache directory (``$FUYOU_CACHE``, default ``~/.cache/fuyou``; written by
+``fuyou profile``) if it was measured on the same kind of device. Without one, a quick profile is
+measured (seconds: a 64 MiB SSD test in the first store directory, CPU Adam, memcpy, one layer and the
+head at the run's micro-batch, in the run's compute dtype), cached per machine (``fuyou.machine``:
+the machine's figures per store filesystem, the model's per model shape, batch and dtype) so a re-run,
+a resumed run or another run on this machine does not measure again, and saved as
+``OUTPUT/profile.json``.
 """
 
 from __future__ import annotations
@@ -27,9 +30,13 @@ from fuyou.errors import ConfigError
 from fuyou.finetune_config import FinetuneConfig
 from fuyou.units import parse_size
 
-DEFAULT_PROFILE = os.path.join(os.path.expanduser("~"), ".cache", "fuyou", "hw.json")
-QUICK_SSD_BYTES = 64 << 20
-QUICK_ADAM_PARAMS = 4 << 20
+
+def default_profile() -> str:
+    """Where ``fuyou profile`` keeps this machine's profile: ``hw.json`` in the cache directory."""
+    from fuyou.machine import cache_dir
+
+    return os.path.join(cache_dir(), "hw.json")
+
 
 
 @dataclass(frozen=True)
@@ -60,21 +67,52 @@ def _profile(cfg: FinetuneConfig, config: Any, log: Callable[[str], None]) -> tu
             raise ConfigError(f"no hardware profile at {path}; run `fuyou profile --ssd DIR --out {path}` or drop --profile")
         return load_profile(path), path
     kind = _device_kind(cfg.device)
-    if os.path.isfile(DEFAULT_PROFILE):
-        prof = load_profile(DEFAULT_PROFILE)
+    if os.path.isfile(default_profile()):
+        prof = load_profile(default_profile())
         if prof.device == kind:
-            return prof, DEFAULT_PROFILE
-    from fuyou.planner.measure import measure_profile
+            return prof, default_profile()
     from fuyou.storage.dirs import check_dir
 
     for d in cfg.store_dirs:
         check_dir(d)  # unusable directories get the store's one-line error before anything is measured
-    log("planner: no hardware profile for this machine yet; measuring a quick one (seconds) …")
+    prof = quick_profile(cfg, config, kind, _stderr)  # said even without progress output: it explains a wait
     out = os.path.join(cfg.output, "profile.json")
-    prof = measure_profile(list(cfg.store_dirs[:1]), config, (cfg.micro_batch_size,), cfg.seq_len, kind,
-                           QUICK_SSD_BYTES, QUICK_ADAM_PARAMS, name="quick (fuyou finetune)")
     save_profile(prof, out)
     return prof, out
+
+
+def quick_profile(cfg: FinetuneConfig, config: Any, kind: str, log: Callable[[str], None]) -> Any:
+    """The quick profile for this run, from the per-machine cache where measured before (see the
+    module docstring). ``cfg.precision`` must be resolved (bf16 or fp32)."""
+    from fuyou.device import get_backend
+    from fuyou.machine import cached, machine_key
+    from fuyou.planner.measure import QUICK, machine_figures, model_figures, profile_from
+    from fuyou.planner.shapes import shape_from_config
+
+    backend = get_backend(kind)
+    ssd = os.path.abspath(cfg.store_dirs[0])
+    base = f"{machine_key(kind + ':' + backend.describe())}/{cfg.precision}"
+    said = []
+
+    def measuring(what: str) -> Callable[[], Any]:
+        def run() -> Any:
+            if not said:
+                log("planner: measuring a quick hardware profile of this machine (once; seconds) …")
+                said.append(1)
+            return (machine_figures(backend, [ssd], cfg.precision, QUICK) if what == "machine" else
+                    model_figures(config, backend, (cfg.micro_batch_size,), cfg.seq_len, cfg.precision, QUICK))
+        return run
+
+    machine, _ = cached("quick-profile", f"{base}/fs{os.stat(ssd).st_dev}", measuring("machine"))
+    sig = shape_from_config(config.to_dict()).signature
+    model, _ = cached("quick-profile", f"{base}/{sig}/{cfg.micro_batch_size}x{cfg.seq_len}", measuring("model"))
+    return profile_from(machine, model, "quick (fuyou finetune)")
+
+
+def _stderr(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr)
 
 
 def choose_plan(cfg: FinetuneConfig, config: Any, log: Callable[[str], None] = lambda s: None) -> ChosenPlan:
@@ -99,7 +137,7 @@ def choose_plan(cfg: FinetuneConfig, config: Any, log: Callable[[str], None] = l
     req = Request(seq_len=cfg.seq_len, tokens_per_step=cfg.seq_len * cfg.micro_batch_size * cfg.grad_accum,
                   clip=cfg.max_grad_norm > 0, micro_batch_size=cfg.micro_batch_size,
                   prefetch_depth=cfg.prefetch_depth, activations=cfg.activations,
-                  ram_tiers=cfg.precision == "bf16")  # the planner counts RAM-tier weights at 2 B/param
+                  precision=cfg.precision)
     res = search(shape, prof, budgets, req)
     p = res.prediction
     info = {"source": "planner", "profile": where, "predicted_step_s": p.step_s, "predicted_bottleneck": p.bottleneck,

@@ -11,6 +11,20 @@ import pytest
 import torch
 
 
+@pytest.fixture(scope="session", autouse=True)
+def fuyou_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One per-machine measurement cache (``$FUYOU_CACHE``) for the whole session, away from the user's:
+    the first test that needs the bf16 probe or a quick profile measures it, the rest reuse it."""
+    old = os.environ.get("FUYOU_CACHE")
+    path = str(tmp_path_factory.mktemp("fuyou-cache"))
+    os.environ["FUYOU_CACHE"] = path
+    yield path
+    if old is None:
+        os.environ.pop("FUYOU_CACHE", None)
+    else:
+        os.environ["FUYOU_CACHE"] = old
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip @pytest.mark.gpu tests cleanly when no CUDA device is visible."""
     if torch.cuda.is_available():

@@ -116,6 +116,10 @@ class Backend(ABC):
     name: str
     device: torch.device
 
+    def describe(self) -> str:
+        """The device's model in words (the GPU's name and memory; ``cpu`` for the CPU backend)."""
+        return self.name
+
     @abstractmethod
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """A page-aligned uint8 host tensor of exactly ``nbytes`` (pinned on CUDA)."""

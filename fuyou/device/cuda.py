@@ -56,6 +56,11 @@ class CUDABackend(Backend):
         self.capacity = total if capacity is None else min(capacity, total)
         self._cudart = torch.cuda.cudart()
 
+    def describe(self) -> str:
+        """The GPU's name, memory and CUDA version."""
+        p = torch.cuda.get_device_properties(self.device)
+        return f"{p.name}, {format_size(p.total_memory)}, CUDA {torch.version.cuda}"
+
     def host_empty(self, nbytes: int) -> torch.Tensor:
         """A page-aligned uint8 host tensor of exactly ``nbytes``, pinned with cudaHostRegister.
 

@@ -25,7 +25,8 @@ from fuyou.engine.config import EngineConfig
 from fuyou.engine.layout import ModelLayout, elem_size
 from fuyou.engine.optimizer import STATE, AdamStage
 from fuyou.engine.ram_tier import RamTier, refuse_stale, rollback_blocks
-from fuyou.engine.rules import fit_host
+from fuyou.engine.grad_park import GradientParking
+from fuyou.engine.rules import fit_host, parked
 from fuyou.engine.step import StepRunner, StepState, gate_for, park_class, settle
 from fuyou.engine.timeline import Timeline
 from fuyou.engine.weights import HOST_CLASS, WeightLoader
@@ -89,6 +90,10 @@ class Engine:
         hyper = AdamWHyper(cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
         self.stage = AdamStage(self.tier, self.backend, self.pool, self.layout, hyper, self.timeline,
                                self.backend.new_stream(), cfg.adam_threads, cfg.no_decay)
+        self.parking = GradientParking(self.stage, self.pool, self.layout, self.store.engine, self.store.dirs,
+                                       self.store.direct, self.timeline,
+                                       [b for b in parked(self.layout, self.plan) if not self.plan.parks_in_ram(b)],
+                                       cfg.checksums)
         self.act_space = ActivationSpace(self.backend, self.pool, self.store.engine, self.store.dirs,
                                          self.store.direct, self.timeline)
         self.runner = StepRunner(self)
@@ -157,10 +162,12 @@ class Engine:
             self._reserve_parks(range(len(lay.blocks)))
 
     def _reserve_parks(self, blocks: range) -> None:
-        """One parked-gradient host buffer per block in ``blocks``."""
+        """One parked-gradient host buffer per block in ``blocks`` that parks in RAM (the others park
+        on SSD through the Adam stage's gradient buffers: ``grad_park``)."""
         lay = self.layout
         for b in blocks:
-            self.pool.reserve(park_class(b), lay.numel(b) * elem_size(lay.compute_dtype), 1)
+            if self.plan.parks_in_ram(b):
+                self.pool.reserve(park_class(b), lay.numel(b) * elem_size(lay.compute_dtype), 1)
 
     def _import(self, tensors: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
         """Write every block's weights and zeroed state to the store (and the RAM tier's copies), one
@@ -325,6 +332,7 @@ class Engine:
             self.flush()
         finally:
             self.stage.close()
+            self.parking.close()
             self.act_space.close()
             self.store.close()
 

@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from typing import Callable
 
 import torch
 
@@ -76,11 +77,14 @@ class AdamStage:
             self.backend.keep_alive(grad, self.stream)  # hazard: the caller frees grad while the copy still reads it
         return buf, self.backend.record(self.stream)
 
-    def update(self, b: int, grad: HostBuffer, ready: Event, lr: float, step: int, scale: float) -> Future:
+    def update(self, b: int, grad: HostBuffer | Callable[[], tuple[HostBuffer, Event]], ready: Event | None,
+               lr: float, step: int, scale: float) -> Future:
         """Queue AdamW for block ``b``; returns at once with a future for the written block.
 
-        The feeder thread takes the state and weight buffers (waiting there, not on the training
-        thread, when all are in flight) and chains read → update → write; see ``_update_now``.
+        ``grad`` is the host gradient (complete once ``ready``), or a callable the feeder runs first
+        to obtain both (a gradient parked on SSD: ``grad_park``). The feeder thread takes the state
+        and weight buffers (waiting there, not on the training thread, when all are in flight) and
+        chains read → update → write; see ``_update_now``.
         """
         out: Future = Future()
         self._queue.put((b, grad, ready, lr, step, scale, out))
@@ -91,9 +95,12 @@ class AdamStage:
         while (item := self._queue.get()) is not None:
             b, grad, ready, lr, step, scale, out = item
             try:
+                if callable(grad):
+                    grad, ready = grad()
                 fut = self._update_now(b, grad, ready, lr, step, scale)
             except BaseException as e:  # noqa: BLE001 - surfaced through the block's future
-                self.pool.release(grad)
+                if isinstance(grad, HostBuffer):
+                    self.pool.release(grad)
                 out.set_exception(e)
                 continue
             fut.add_done_callback(lambda f, out=out: out.set_exception(f.exception()) if f.exception()

@@ -37,6 +37,11 @@ class Plan:
     memcpys, and per-step commits do not write them (``fuyou.engine.ram_tier``). ≤ the block count."""
     ram_state_blocks: int = 0
     """Blocks 0…M−1 whose fp32 master + m + v live in host RAM instead of on SSD. ≤ the block count."""
+    park_ram_blocks: int | None = None
+    """Where parked gradients wait (the clipping schedule parks every block's until backward ends;
+    ``overlap_backward`` with a RAM tier parks blocks 1…R−1's): blocks 0…N−1 in host RAM, later blocks
+    on SSD (written as backward finishes them, read back by the Adam pass: ``fuyou.engine.grad_park``).
+    None: every block in RAM."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -51,6 +56,8 @@ class Plan:
         for name in ("ram_weight_blocks", "ram_state_blocks"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be ≥ 0, got {getattr(self, name)}")
+        if self.park_ram_blocks is not None and self.park_ram_blocks < 0:
+            problems.append(f"park_ram_blocks must be ≥ 0 or None, got {self.park_ram_blocks}")
         bad = [p for p in self.activation_policy if p not in POLICIES]
         if bad:
             problems.append(f"activation policies must be in {POLICIES}, got {bad}")
@@ -64,6 +71,10 @@ class Plan:
                 raise ConfigError(f"plan has {len(self.activation_policy)} activation policies for {nblocks} blocks")
             return self.activation_policy[block]
         return "keep" if block == 0 else "recompute"
+
+    def parks_in_ram(self, block: int) -> bool:
+        """Whether ``block``'s parked gradient waits in host RAM (else on SSD)."""
+        return self.park_ram_blocks is None or block < self.park_ram_blocks
 
     def to_json(self) -> dict:
         """Plain data (for logs and the planner)."""

@@ -9,9 +9,10 @@ once complete:
   b−1. A non-finite gradient stops further updates and rolls the step back (``store.abort``). RAM-tier
   writes cannot be rolled back, so RAM-tier blocks 1…R−1 park their gradients until block 0's
   backward proves the whole step finite (``ram_tier.rollback_blocks``), then update.
-* ``overlap_next_forward`` — gradients are parked in host memory and the global norm accumulates;
-  after backward the clipping coefficient is exact, and Adam(0…H) is submitted in forward order to
-  overlap the *next* step's forward, whose reads of block b wait for Adam(b)'s write.
+* ``overlap_next_forward`` — gradients are parked (in host memory, or on SSD for blocks from
+  ``Plan.park_ram_blocks`` on: ``grad_park``) and the global norm accumulates; after backward the
+  clipping coefficient is exact, and Adam(0…H) is submitted in forward order to overlap the *next*
+  step's forward, whose reads of block b wait for Adam(b)'s write.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ import torch
 
 from fuyou.engine import activations
 from fuyou.engine.futures import done_future
+from fuyou.engine.grad_park import Parked, park_class  # noqa: F401 - park_class: the engine's import path
 from fuyou.engine.optimizer import AdamStage
 from fuyou.optim.norm import sum_squares
 from fuyou.engine.ram_tier import rollback_blocks
-from fuyou.transfer.buffers import HostBuffer
 
 
 @dataclass
@@ -46,12 +47,7 @@ class StepState:
     norm_sq: float = 0.0
     finite: bool = True
     written: dict[int, Future] = field(default_factory=dict)
-    parked: dict[int, tuple[HostBuffer, object]] = field(default_factory=dict)
-
-
-def park_class(b: int) -> str:
-    """Host buffer class for block ``b``'s parked gradient (overlap_next_forward)."""
-    return f"park/{b}"
+    parked: dict[int, Parked] = field(default_factory=dict)
 
 
 class StepRunner:
@@ -173,12 +169,11 @@ class StepRunner:
         st.norm_sq += sq
         st.finite = st.finite and math.isfinite(sq)
         if e.plan.schedule == "overlap_next_forward" or (st.finite and b in self._held_back()):
-            st.parked[b] = e.stage.offload(b, grad, park_class(b))
+            st.parked[b] = e.parking.park(b, grad)
         elif st.finite:
             if b == 0:  # the whole step is finite: RAM-tier blocks held back may update now
                 for o in sorted(st.parked, reverse=True):
-                    buf, ready = st.parked.pop(o)
-                    st.written[o] = e.stage.update(o, buf, ready, e.lr, e.step + 1, 1.0)
+                    st.written[o] = e.stage.update(o, *e.parking.source(st.parked.pop(o)), e.lr, e.step + 1, 1.0)
             buf, ready = e.stage.offload(b, grad)
             st.written[b] = e.stage.update(b, buf, ready, e.lr, e.step + 1, 1.0)
 
@@ -195,9 +190,8 @@ class StepRunner:
         e = self.e
         if e.plan.schedule == "overlap_backward":
             wait(list(st.written.values()))
-            for buf, ready in st.parked.values():  # held-back RAM-tier gradients of a non-finite step
-                ready.wait()
-                e.pool.release(buf)
+            for p in st.parked.values():  # held-back RAM-tier gradients of a non-finite step
+                e.parking.discard(p)
             st.parked.clear()
             if not st.finite:
                 e.stage.worker.wait()
@@ -209,14 +203,13 @@ class StepRunner:
             e.tier.commit(e.commit_meta())
             return True
         if not st.finite:
-            for buf, _ in st.parked.values():
-                e.pool.release(buf)
+            for p in st.parked.values():
+                e.parking.discard(p)
             return False
         norm = math.sqrt(st.norm_sq)
         scale = min(1.0, e.max_grad_norm / (norm + 1e-6)) if e.max_grad_norm else 1.0
         for b in range(len(e.layout.blocks)):
-            buf, ready = st.parked.pop(b)
-            e.pending[b] = e.stage.update(b, buf, ready, e.lr, e.step + 1, scale)
+            e.pending[b] = e.stage.update(b, *e.parking.source(st.parked.pop(b)), e.lr, e.step + 1, scale)
         e.step += 1
         return True
 

@@ -83,25 +83,25 @@ class Prediction:
 def host_buffers(shape: ModelShape, plan: object, cfg: StepConfig) -> int:
     """Bytes of host buffers the engine reserves besides the RAM tier (``engine.rules.host_need`` =
     this + ``ram_tier_bytes``), parked gradients included: every block's with ``overlap_next_forward``,
-    RAM-tier blocks 1…R−1's with ``overlap_backward`` (``engine.ram_tier.rollback_blocks``)."""
+    RAM-tier blocks 1…R−1's with ``overlap_backward`` (``engine.ram_tier.rollback_blocks``), those
+    that ``plan.park_ram_blocks`` keeps in RAM."""
     numel = [b.numel for b in shape.blocks]
-    w = _align(2 * max(numel))
-    g = _align(2 * max(numel))
+    cb = cfg.compute_bytes
+    w = _align(cb * max(numel))
+    g = _align(cb * max(numel))
     chunk = min(cfg.state_chunk, max(numel))
     state = _align(_state_extent_bytes(chunk, cfg.state_bytes_per_param))
     need = (plan.prefetch_depth + 1) * w + 2 * g + 2 * w + plan.state_buffers * state
-    if plan.schedule == "overlap_next_forward":
-        need += sum(_align(2 * n) for n in numel)
-    else:
-        need += sum(_align(2 * n) for n in numel[1 : max(cfg.ram_weight_blocks, cfg.ram_state_blocks)])
-    return need
+    parked = range(len(numel)) if plan.schedule == "overlap_next_forward" else \
+        range(1, max(cfg.ram_weight_blocks, cfg.ram_state_blocks))
+    return need + sum(_align(cb * numel[b]) for b in parked if plan.parks_in_ram(b))
 
 
 def ram_tier_bytes(shape: ModelShape, cfg: StepConfig) -> int:
-    """Host bytes of the RAM tier: 2 B/param bf16 weights of the first ``ram_weight_blocks`` blocks and
+    """Host bytes of the RAM tier: compute-dtype weights (2 B/param bf16, 4 fp32) of the first ``ram_weight_blocks`` blocks and
     ``state_bytes_per_param`` (12 fp32, 8 with bf16 m/v) of the first ``ram_state_blocks``, each
     extent (a block's weights, a state chunk) 4 KiB-rounded as the engine's pool counts it."""
-    total = sum(_align(2 * b.numel) for b in shape.blocks[: cfg.ram_weight_blocks])
+    total = sum(_align(cfg.compute_bytes * b.numel) for b in shape.blocks[: cfg.ram_weight_blocks])
     for b in shape.blocks[: cfg.ram_state_blocks]:
         for lo in range(0, max(b.numel, 1), cfg.state_chunk):
             total += _align(_state_extent_bytes(min(cfg.state_chunk, b.numel - lo), cfg.state_bytes_per_param))
@@ -120,19 +120,20 @@ def memory(shape: ModelShape, plan: object, cfg: StepConfig, prof: HardwareProfi
     H, K, mbt = g.H, g.K, g.mb_tokens
     T = K * mbt
     pol = [g._policy(b) for b in range(H)]
-    boundary = 0 if cfg.boundary_offload else H * T * shape.hidden * 2
+    cb = cfg.compute_bytes
+    boundary = 0 if cfg.boundary_offload else H * T * shape.hidden * cb
     keep = sum(g.act_bytes(b) for b in range(1, H) if pol[b] == "keep")
-    layer_ws = max(4 * blk.numel + 2 * g.act_bytes(b) / K for b, blk in enumerate(shape.blocks[:H]))
+    layer_ws = max(2 * cb * blk.numel + 2 * g.act_bytes(b) / K for b, blk in enumerate(shape.blocks[:H]))
     head = shape.blocks[H]
-    tied = sum(4 * blk.numel for blk in shape.blocks if blk.name in head.borrows)
-    head_ws = 4 * head.numel + tied + 12 * mbt * shape.vocab
+    tied = sum(2 * cb * blk.numel for blk in shape.blocks if blk.name in head.borrows)
+    head_ws = 2 * cb * head.numel + tied + (8 + 2 * cb) * mbt * shape.vocab
     device = int(boundary + keep + max(layer_ws, head_ws))
     swap_cpu = sum(g.act_bytes(b) for b in range(H) if pol[b] == "swap_cpu")
     ssd_blocks = [b for b in range(H) if pol[b] == "swap_ssd"]
     staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)
     if cfg.boundary_offload:
-        swap_cpu += H * T * shape.hidden * 2
-    store = sum(2 * b.numel + cfg.state_bytes_per_param * b.numel for b in shape.blocks)
+        swap_cpu += H * T * shape.hidden * cb
+    store = sum(cb * b.numel + cfg.state_bytes_per_param * b.numel for b in shape.blocks)
     return Memory(device=device, host_buffers=host_buffers(shape, plan, cfg), host_activations=int(swap_cpu + staging),
                   host_ram_tiers=ram_tier_bytes(shape, cfg), ssd=int(2 * store + sum(g.act_bytes(b) for b in ssd_blocks)))
 

@@ -18,8 +18,9 @@ all but ``ssd`` are one server, the cores):
   last chunk. The thread blocks acquiring buffers: 2 gradient buffers, 2 new-weight buffers and
   ``state_buffers`` state buffers (so a block with more chunks than buffers holds the thread until
   most of its chunks are written).
-* ``overlap_backward`` waits for every write and commits; ``overlap_next_forward`` parks gradients,
-  submits Adam(0…H) after backward, and the next step's forward reads of block b wait for Adam(b)'s
+* ``overlap_backward`` waits for every write and commits; ``overlap_next_forward`` parks gradients
+  (blocks from ``Plan.park_ram_blocks`` on: written to SSD after their device→host copy, read back
+  before their Adam), submits Adam(0…H) after backward, and the next step's forward reads of block b wait for Adam(b)'s
   weight write; the next step's turnaround waits for every write (``settle``).
 
 RAM tiers (``StepConfig.ram_*``, executed by ``fuyou.engine.ram_tier``) turn the SSD reads and
@@ -57,6 +58,9 @@ class StepConfig:
     async_swap: bool = False
     """NOT YET EXECUTABLE: swapped activations move on the copy streams (pinned buffers) overlapped
     with compute, read back a block ahead, instead of synchronous pageable copies on the compute stream."""
+    compute_bytes: int = 2
+    """Bytes per element of the compute dtype (``--precision``): 2 for bf16, 4 for fp32. Weights,
+    gradients, block inputs and activations on the device and in host buffers are this size."""
 
     @property
     def needs(self) -> tuple[str, ...]:
@@ -91,12 +95,12 @@ class StepGraph:
 
     # ------------------------------------------------------------------ durations (s)
     def _w_bytes(self, b: int) -> int:
-        return 2 * self.m.blocks[b].numel
+        return self.c.compute_bytes * self.m.blocks[b].numel
 
     def _fwd_s(self, b: int) -> float:
         blk, hw = self.m.blocks[b], self.hw
         if blk.kind == "embed":
-            return self.K * self.mb_tokens * self.m.hidden * 2 / hw.device_mem_Bps
+            return self.K * self.mb_tokens * self.m.hidden * self.c.compute_bytes / hw.device_mem_Bps
         f = blk.fwd_flops_per_token(self.m.hidden, self.c.seq_len) * self.mb_tokens
         return self.K * f / hw.flops_per_s(self.mb_tokens, head=blk.kind == "head")
 
@@ -106,18 +110,22 @@ class StepGraph:
         gradients into the preset buffer (``grad_add_rate``). The head adds its weight gradient in its
         GEMM (``adapters.HeadLinear``); the embedding's backward is sparse, a scatter of the tokens' rows."""
         blk, hw = self.m.blocks[b], self.hw
-        zero = 2 * blk.numel / hw.device_mem_Bps
+        zero = self.c.compute_bytes * blk.numel / hw.device_mem_Bps
         if blk.kind == "embed":
-            return zero + self.K * self.mb_tokens * self.m.hidden * 2 / hw.device_mem_Bps
+            return zero + self.K * self.mb_tokens * self.m.hidden * self.c.compute_bytes / hw.device_mem_Bps
         add = blk.numel / hw.grad_add_rate if blk.kind == "layer" else 0.0
         f = 2 * blk.fwd_flops_per_token(self.m.hidden, self.c.seq_len) * self.mb_tokens
         return zero + self.K * (add + f / hw.flops_per_s(self.mb_tokens, backward=True, head=blk.kind == "head"))
 
     def act_bytes(self, b: int) -> float:
-        """Bytes block ``b`` saves for backward over all micro-batches of a step."""
+        """Bytes block ``b`` saves for backward over all micro-batches of a step: measured (in the
+        profile's compute dtype) or the shape formula (bf16), scaled to this run's compute dtype."""
         blk = self.m.blocks[b]
         measured = self.hw.layer_act_bytes_per_token and self.hw.model_signature == self.m.signature
-        per = self.hw.layer_act_bytes_per_token if (blk.kind == "layer" and measured) else blk.act_bytes_per_token
+        if blk.kind == "layer" and measured:
+            per = self.hw.layer_act_bytes_per_token * self.c.compute_bytes / self.hw.compute_bytes
+        else:
+            per = blk.act_bytes_per_token * self.c.compute_bytes / 2
         return per * self.K * self.mb_tokens
 
     def _policy(self, b: int) -> str:
@@ -171,6 +179,7 @@ class StepGraph:
         self.writes: dict[int, int] = {}
         self.all_writes: list[int] = []
         self.parked: dict[int, int] = {}
+        self.on_ssd: set[int] = set()
         for pos in range(min(self.p.prefetch_depth + 1, len(self.order))):
             self._issue(pos, (start,))
         self.forward()
@@ -188,7 +197,7 @@ class StepGraph:
             pol = self._policy(b)
             a = self.act_bytes(b)
             swapped = pol in ("swap_cpu", "swap_ssd")
-            boundary = self.c.boundary_offload * self.K * self.mb_tokens * self.m.hidden * 2
+            boundary = self.c.boundary_offload * self.K * self.mb_tokens * self.m.hidden * self.c.compute_bytes
             if self.c.async_swap:  # copy stream, overlapped with the next block's compute
                 f = self._compute(self._fwd_s(b), cp)
                 out = self.sim.op("d2h", (a * swapped + boundary) / self.hw.d2h_Bps, (f,))
@@ -219,7 +228,7 @@ class StepGraph:
             cp = self._next(first + i)
             pol = self._policy(b)
             swapped = pol in ("swap_cpu", "swap_ssd")
-            boundary = self.c.boundary_offload * self.K * self.mb_tokens * self.m.hidden * 2
+            boundary = self.c.boundary_offload * self.K * self.mb_tokens * self.m.hidden * self.c.compute_bytes
             dur = self._bwd_s(b) + (self._fwd_s(b) if pol == "recompute" else 0.0)
             if self.c.async_swap:  # back in on the copy stream, issued a block ahead
                 back = self.sim.op("h2d", (self.act_bytes(b) * swapped + boundary) / self.hw.h2d_Bps,
@@ -256,13 +265,16 @@ class StepGraph:
         self._t(bwd)
         self._t(self.sim.op("compute", self.m.blocks[b].numel / self.hw.grad_norm_rate, (self.thread,), "norm"))
         if self.p.schedule == "overlap_next_forward" or self._held_back(b):
-            d = self.sim.op("d2h", 2 * self.m.blocks[b].numel / self.hw.d2h_Bps, (self.thread, bwd))
-            self.parked[b] = d
+            d = self.sim.op("d2h", self._w_bytes(b) / self.hw.d2h_Bps, (self.thread, bwd))
             if self.cpu:
                 self._t(d)
+            if not self.p.parks_in_ram(b):  # parked on SSD (``grad_park``)
+                d = self._ssd(self._w_bytes(b), "ssd_write", (d,))
+                self.on_ssd.add(b)
+            self.parked[b] = d
             return
         self._acquire(self.grad_rel, 2)
-        d = self.sim.op("d2h", 2 * self.m.blocks[b].numel / self.hw.d2h_Bps, (self.thread, bwd))
+        d = self.sim.op("d2h", self._w_bytes(b) / self.hw.d2h_Bps, (self.thread, bwd))
         if self.cpu:
             self._t(d)
         if b == 0:
@@ -273,6 +285,8 @@ class StepGraph:
     def update(self, b: int, grad: int) -> None:
         """Adam for block ``b``, chunk by chunk, and the new weights' write."""
         hw, n = self.hw, self.m.blocks[b].numel
+        if b in self.on_ssd:  # the parked gradient comes back from SSD first
+            grad = self._ssd(self._w_bytes(b), "ssd_read", (self.thread, grad))
         self._acquire(self.ww_rel, 2)
         in_ram = b < self.c.ram_state_blocks
         jobs, writes = [], []
@@ -290,9 +304,9 @@ class StepGraph:
         done = self.sim.op(None, 0.0, jobs)
         self.grad_rel.append(done)
         if b < self.c.ram_weight_blocks:
-            ww = self.sim.op("thread", 2 * n / hw.host_mem_Bps, (done,))
+            ww = self.sim.op("thread", self._w_bytes(b) / hw.host_mem_Bps, (done,))
         else:
-            ww = self._ssd(2 * n, "ssd_write", (done,))
+            ww = self._ssd(self._w_bytes(b), "ssd_write", (done,))
         self.ww_rel.append(ww)
         self.writes[b] = ww
         self.all_writes += writes + [ww]

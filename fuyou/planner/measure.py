@@ -7,6 +7,7 @@ planner package itself stays importable without them. Each function returns plai
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import statistics
@@ -103,16 +104,23 @@ def adam_throughput(params: int = 32 << 20, repeats: int = 3, threads: int | Non
         numba.set_num_threads(before)
 
 
-def device_elementwise(backend: Any, elems: int = 64 << 20, repeats: int = 3) -> tuple[float, float]:
-    """(gradient accumulation, gradient norm) elements/s on the device, in bf16: ``g += x`` into a
-    device buffer (autograd's AccumulateGrad into the engine's preset gradients) and the engine's
-    ``sum_squares`` norm. See ``HardwareProfile.grad_add_elems_per_s``."""
+def _dtype(precision: str) -> Any:
+    import torch
+
+    return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
+def device_elementwise(backend: Any, elems: int = 64 << 20, repeats: int = 3,
+                       precision: str = "bf16") -> tuple[float, float]:
+    """(gradient accumulation, gradient norm) elements/s on the device, in the compute dtype
+    (``precision``): ``g += x`` into a device buffer (autograd's AccumulateGrad into the engine's preset
+    gradients) and the engine's ``sum_squares`` norm. See ``HardwareProfile.grad_add_elems_per_s``."""
     import torch
 
     from fuyou.optim.norm import sum_squares
 
-    g = backend.device_empty((elems,), torch.bfloat16, "profile gradient").zero_()
-    x = torch.ones(elems, dtype=torch.bfloat16, device=backend.device)
+    g = backend.device_empty((elems,), _dtype(precision), "profile gradient").zero_()
+    x = torch.ones(elems, dtype=_dtype(precision), device=backend.device)
 
     def add() -> None:
         g.add_(x)
@@ -148,12 +156,12 @@ def host_device_copy(backend: Any, nbytes: int = 256 << 20, repeats: int = 3) ->
     return nbytes / _median(h2d, repeats), nbytes / _median(d2h, repeats)
 
 
-def matmul_peak(backend: Any, n: int = 2048, repeats: int = 3) -> float:
-    """Achieved bf16 FLOP/s of an ``n × n × n`` matmul on the device (the MFU reference)."""
+def matmul_peak(backend: Any, n: int = 2048, repeats: int = 3, precision: str = "bf16") -> float:
+    """Achieved FLOP/s of an ``n × n × n`` matmul in the compute dtype on the device (the MFU reference)."""
     import torch
 
-    a = torch.randn(n, n, device=backend.device).to(torch.bfloat16)
-    b = torch.randn(n, n, device=backend.device).to(torch.bfloat16)
+    a = torch.randn(n, n, device=backend.device).to(_dtype(precision))
+    b = torch.randn(n, n, device=backend.device).to(_dtype(precision))
 
     def run() -> None:
         a @ b
@@ -163,10 +171,11 @@ def matmul_peak(backend: Any, n: int = 2048, repeats: int = 3) -> float:
 
 
 def block_compute(config: Any, backend: Any, block: int, micro_batch: int, seq_len: int, flops_per_token: int,
-                  repeats: int = 3) -> tuple[ComputePoint, float]:
-    """Forward and backward speed of one block of ``config``'s model on the device, with random bf16
-    weights of the block's shapes, at ``micro_batch × seq_len`` tokens (through the model adapter, as
-    the engine runs it). Returns (the ComputePoint, bytes the block saved for backward per token).
+                  repeats: int = 3, precision: str = "bf16") -> tuple[ComputePoint, float]:
+    """Forward and backward speed of one block of ``config``'s model on the device, with random
+    weights of the block's shapes in the compute dtype (``precision``), at ``micro_batch × seq_len``
+    tokens (through the model adapter, as the engine runs it). Returns (the ComputePoint, bytes the
+    block saved for backward per token).
 
     ``flops_per_token`` is the block's forward FLOPs per token (``shapes.BlockShape.fwd_flops_per_token``).
     """
@@ -180,7 +189,7 @@ def block_compute(config: Any, backend: Any, block: int, micro_batch: int, seq_l
     dev = backend.device
     specs: list[BlockSpec] = ad.blocks
     def rand(spec: BlockSpec) -> dict[str, torch.Tensor]:
-        return {p.key: (torch.randn(p.shape, device=dev) * 0.02).to(torch.bfloat16) for p in spec.params}
+        return {p.key: (torch.randn(p.shape, device=dev) * 0.02).to(_dtype(precision)) for p in spec.params}
 
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=dev)
     embed = rand(specs[0])
@@ -192,7 +201,7 @@ def block_compute(config: Any, backend: Any, block: int, micro_batch: int, seq_l
     for other in specs[block].borrows:
         tensors.update(embed if other == specs[0].name else rand(next(s for s in specs if s.name == other)))
     params = ad.bind(block, tensors)
-    x = ids if block == 0 else (torch.randn(x.shape, device=dev) * 0.5).to(torch.bfloat16)
+    x = ids if block == 0 else (torch.randn(x.shape, device=dev) * 0.5).to(_dtype(precision))
     saved = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -232,58 +241,99 @@ def block_compute(config: Any, backend: Any, block: int, micro_batch: int, seq_l
     return ComputePoint(tokens, flops / t_f, 2 * flops / t_b, seq_len), saved[0] / tokens
 
 
-def measure_profile(ssd_dirs: list[str], config: Any = None, micro_batches: tuple[int, ...] = (1, 2, 4),
-                    seq_len: int = 256, device: str = "auto", ssd_bytes: int = 512 << 20, adam_params: int = 32 << 20,
-                    name: str = "", log: Callable[[str], None] = lambda s: None) -> HardwareProfile:
-    """Measure everything a profile holds on this machine (see each function above).
+QUICK = {"ssd_bytes": 64 << 20, "adam_params": 4 << 20, "copy_bytes": 64 << 20, "elems": 16 << 20,
+         "matmul_n": 1024, "repeats": 3, "compute_repeats": 1, "head_tokens": 256}
+"""Sizes of the quick profile ``fuyou finetune`` measures when it has none (seconds on any CPU)."""
+FULL = {"ssd_bytes": 512 << 20, "adam_params": 32 << 20, "copy_bytes": 256 << 20, "elems": 64 << 20,
+        "matmul_n": 2048, "repeats": 3, "compute_repeats": 3, "head_tokens": 0}
+"""Sizes of ``fuyou profile``."""
 
-    ``config`` (a transformers config) adds per-layer and head compute points at ``micro_batches``
-    × ``seq_len`` and the measured activation bytes per token. Raises FuyouError subclasses for
-    unusable directories; the backend's errors if ``device`` is unavailable.
+
+def machine_figures(backend: Any, ssd_dirs: list[str], precision: str = "bf16", sizes: dict | None = None,
+                    log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """The model-independent ``HardwareProfile`` fields of this machine as plain data: SSD (per
+    directory and striped), CPU Adam, host memcpy, host↔device copies, element-wise device rates and
+    the matmul peak in the compute dtype. ``sizes``: ``FULL`` (default) or ``QUICK``.
+
+    Raises StoreError subclasses for unusable or full directories.
     """
-    import socket
-
-    from fuyou.device import get_backend
-    from fuyou.planner.shapes import shape_from_config
-
-    backend = get_backend(device)
+    z = {**FULL, **(sizes or {})}
     per_dir = []
     for d in ssd_dirs:
         log(f"SSD {d} …")
-        r, w, io_cpu = ssd_measure([d], ssd_bytes)
+        r, w, io_cpu = ssd_measure([d], z["ssd_bytes"])
         per_dir.append({"dir": d, "read_Bps": r, "write_Bps": w, "io_cpu_s_per_byte": io_cpu})
-    r, w, io_cpu = ssd_measure(ssd_dirs, ssd_bytes) if len(ssd_dirs) > 1 else (
+    r, w, io_cpu = ssd_measure(ssd_dirs, z["ssd_bytes"]) if len(ssd_dirs) > 1 else (
         per_dir[0]["read_Bps"], per_dir[0]["write_Bps"], per_dir[0]["io_cpu_s_per_byte"])
     log("CPU Adam …")
-    adam = adam_throughput(adam_params)
+    adam = adam_throughput(z["adam_params"], z["repeats"])
     log("host memory …")
-    mem = host_memcpy()
-    h2d, d2h = host_device_copy(backend)
+    mem = host_memcpy(z["copy_bytes"], z["repeats"])
+    h2d, d2h = host_device_copy(backend, z["copy_bytes"], z["repeats"])
     log("device element-wise work …")
-    add, norm = device_elementwise(backend)
-    compute, head, act, sig = [], [], 0.0, ""
-    dev_mem = 0
-    if config is not None:
-        shape = shape_from_config(config.to_dict())
-        sig = shape.signature
-        H = len(shape.blocks) - 1
-        for mb in micro_batches:
-            log(f"compute, micro-batch {mb} × {seq_len} …")
-            pt, act = block_compute(config, backend, 1, mb, seq_len, shape.blocks[1].fwd_flops_per_token(shape.hidden, seq_len))
-            compute.append(pt)
-            hp, _ = block_compute(config, backend, H, mb, seq_len, shape.blocks[H].fwd_flops_per_token(shape.hidden, seq_len))
-            head.append(hp)
+    add, norm = device_elementwise(backend, z["elems"], z["repeats"], precision)
     total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = backend.name == "cpu"
-    dev_mem = total_ram // 4 if cpu else backend.memory().capacity
-    free = sum(shutil.disk_usage(d).total for d in ssd_dirs)
-    return HardwareProfile(
-        ssd_read_Bps=r, ssd_write_Bps=w, adam_params_per_s=adam, name=name or socket.gethostname(),
-        device="cpu" if cpu else "cuda", compute=tuple(compute), head_compute=tuple(head), h2d_Bps=h2d, d2h_Bps=d2h,
-        host_mem_Bps=mem, device_mem_Bps=mem if cpu else 1e12, grad_add_elems_per_s=add, grad_norm_elems_per_s=norm,
-        io_cpu_s_per_byte=io_cpu, device_memory_bytes=int(dev_mem),
-        host_memory_bytes=int(total_ram), ssd_capacity_bytes=int(free), ssd_count=len(ssd_dirs),
-        layer_act_bytes_per_token=act, model_signature=sig, per_dir=tuple(per_dir),
-        device_peak_flops=matmul_peak(backend),
-        notes={"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "seq_len": seq_len, "ssd_bytes": ssd_bytes,
-               "adam_params": adam_params, "method": "fuyou.planner.measure"})
+    return {"ssd_read_Bps": r, "ssd_write_Bps": w, "adam_params_per_s": adam, "device": "cpu" if cpu else "cuda",
+            "h2d_Bps": h2d, "d2h_Bps": d2h, "host_mem_Bps": mem, "device_mem_Bps": mem if cpu else 1e12,
+            "grad_add_elems_per_s": add, "grad_norm_elems_per_s": norm, "io_cpu_s_per_byte": io_cpu,
+            "device_memory_bytes": int(total_ram // 4 if cpu else backend.memory().capacity),
+            "host_memory_bytes": int(total_ram), "ssd_capacity_bytes": int(sum(shutil.disk_usage(d).total for d in ssd_dirs)),
+            "ssd_count": len(ssd_dirs), "per_dir": per_dir,
+            "device_peak_flops": matmul_peak(backend, z["matmul_n"], z["repeats"], precision),
+            "notes": {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "ssd_bytes": z["ssd_bytes"],
+                      "adam_params": z["adam_params"], "method": "fuyou.planner.measure"}}
+
+
+def model_figures(config: Any, backend: Any, micro_batches: tuple[int, ...], seq_len: int, precision: str = "bf16",
+                  sizes: dict | None = None, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+    """The model-dependent ``HardwareProfile`` fields as plain data: decoder-layer and head compute
+    points at ``micro_batches`` × ``seq_len`` in the compute dtype, and the layer's activation bytes.
+    With ``sizes["head_tokens"]`` (``QUICK``) the head is timed at no more than that many tokens (its
+    speed there stands for larger micro-batches: the planner holds the nearest point)."""
+    from fuyou.planner.shapes import shape_from_config
+
+    z = {**FULL, **(sizes or {})}
+    shape = shape_from_config(config.to_dict())
+    H = len(shape.blocks) - 1
+    compute, head, act = [], [], 0.0
+    for mb in micro_batches:
+        log(f"compute, micro-batch {mb} × {seq_len} …")
+        pt, act = block_compute(config, backend, 1, mb, seq_len, shape.blocks[1].fwd_flops_per_token(shape.hidden, seq_len),
+                                z["compute_repeats"], precision)
+        compute.append(dataclasses.asdict(pt))
+        hmb = mb if not z["head_tokens"] else max(1, min(mb, z["head_tokens"] // seq_len))
+        hp, _ = block_compute(config, backend, H, hmb, seq_len, shape.blocks[H].fwd_flops_per_token(shape.hidden, seq_len),
+                              z["compute_repeats"], precision)
+        head.append(dataclasses.asdict(hp))
+    return {"compute": compute, "head_compute": head, "layer_act_bytes_per_token": act,
+            "model_signature": shape.signature, "compute_bytes": 4 if precision == "fp32" else 2}
+
+
+def profile_from(machine: dict[str, Any], model: dict[str, Any] | None, name: str = "",
+                 notes: dict | None = None) -> HardwareProfile:
+    """A ``HardwareProfile`` from ``machine_figures`` and (optionally) ``model_figures`` data."""
+    import socket
+
+    fields = {**machine, **(model or {})}
+    fields["notes"] = {**machine.get("notes", {}), **(notes or {})}
+    return HardwareProfile.from_json({**fields, "name": name or socket.gethostname()})
+
+
+def measure_profile(ssd_dirs: list[str], config: Any = None, micro_batches: tuple[int, ...] = (1, 2, 4),
+                    seq_len: int = 256, device: str = "auto", ssd_bytes: int = 512 << 20, adam_params: int = 32 << 20,
+                    name: str = "", log: Callable[[str], None] = lambda s: None,
+                    precision: str = "bf16") -> HardwareProfile:
+    """Measure everything a profile holds on this machine (``machine_figures``, and with ``config``
+    — a transformers config — ``model_figures`` at ``micro_batches`` × ``seq_len``), at full size.
+
+    Raises FuyouError subclasses for unusable directories; the backend's errors if ``device`` is
+    unavailable.
+    """
+    from fuyou.device import get_backend
+
+    backend = get_backend(device)
+    sizes = {"ssd_bytes": ssd_bytes, "adam_params": adam_params}
+    machine = machine_figures(backend, ssd_dirs, precision, sizes, log)
+    model = model_figures(config, backend, micro_batches, seq_len, precision, log=log) if config is not None else None
+    return profile_from(machine, model, name, {"seq_len": seq_len})

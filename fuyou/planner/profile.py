@@ -95,6 +95,9 @@ class HardwareProfile:
     """Time to commit a store version (fsync + atomic manifest), seconds."""
     layer_act_bytes_per_token: float = 0.0
     """Measured bytes a decoder layer saves for backward per token; 0: the shape formula."""
+    compute_bytes: int = 2
+    """Bytes per element of the dtype the compute points and activation bytes were measured in
+    (2: bf16, 4: fp32)."""
     model_signature: str = ""
     """The model the compute points and activation bytes were measured on (``hidden×layers×vocab``)."""
     per_dir: tuple[dict, ...] = ()

@@ -77,8 +77,10 @@ class Request:
     allow_engine_changes: bool = False
     """Let the chosen plan need an engine change (block-input offload) when nothing else fits."""
     ram_tiers: bool = True
-    """Consider keeping the first blocks' bf16 weights, then optimizer state, in host RAM when it is
-    predicted faster (assumes bf16 compute weights: 2 B/param)."""
+    """Consider keeping the first blocks' weights, then optimizer state, in host RAM when it is
+    predicted faster."""
+    precision: str = "bf16"
+    """Compute dtype (``--precision`` after ``auto`` is resolved): bf16 (2 B/element) or fp32 (4)."""
 
 
 class _Search:
@@ -87,6 +89,9 @@ class _Search:
         self.H = len(shape.blocks) - 1
         self.seqs = max(1, math.ceil(req.tokens_per_step / req.seq_len))
         self.spp = 12 if req.state_precision == "fp32" else 8
+        self.cb = 4 if req.precision == "fp32" else 2
+        self.park: int | None = None
+        """``Plan.park_ram_blocks`` of every candidate with the clipping schedule (None: all in RAM)."""
         self.evals = 0
         layers = [b for b in range(1, self.H)]
         ob = {b: shape.blocks[b].fwd_flops_per_token(shape.hidden, req.seq_len) / max(shape.blocks[b].act_bytes_per_token, 1)
@@ -102,10 +107,10 @@ class _Search:
     # ------------------------------------------------------------------ candidates
     def plan(self, mb: int, pol: tuple[str, ...], depth: int, bufs: int, sched: str) -> Plan:
         return Plan(micro_batches=self.seqs // mb, prefetch_depth=depth, activation_policy=pol, schedule=sched,
-                    state_buffers=bufs)
+                    state_buffers=bufs, park_ram_blocks=self.park if sched == "overlap_next_forward" else None)
 
     def cfg(self, mb: int, chunk: int, boundary: bool = False, ram_w: int = 0, ram_s: int = 0) -> StepConfig:
-        return StepConfig(mb, self.r.seq_len, chunk, self.spp, ram_w, ram_s, boundary, self.changes)
+        return StepConfig(mb, self.r.seq_len, chunk, self.spp, ram_w, ram_s, boundary, self.changes, self.cb)
 
     def fits(self, plan: Plan, cfg: StepConfig) -> bool:
         mem = memory(self.m, plan, cfg, self.hw)
@@ -133,16 +138,33 @@ class _Search:
         return predict(self.m, plan, cfg, self.hw)
 
     def knobs(self, sched: str, chunk: int) -> tuple[int, int, int]:
-        """Default depth/buffers/chunk shrunk like ``engine.rules.fit_host`` until the buffers fit."""
+        """Default depth/buffers/chunk shrunk like ``engine.rules.fit_host`` until the buffers fit:
+        the state chunk, then (clipping) parked gradients moved to SSD (``self.park``), then depth."""
         depth = self.r.prefetch_depth or 2
+        clip = sched == "overlap_next_forward"
         while True:
-            need = host_buffers(self.m, Plan(prefetch_depth=depth, schedule=sched), self.cfg(1, chunk))
-            if need <= self.b.cpu_memory or (chunk <= CHUNKS[0] and (depth == 1 or self.r.prefetch_depth)):
+            need = host_buffers(self.m, self.plan(1, (), depth, 2, sched), self.cfg(1, chunk))
+            if need <= self.b.cpu_memory:
                 return depth, 2, chunk
             if chunk > CHUNKS[0]:
                 chunk = max(CHUNKS[0], chunk // 2 // 32 * 32)
-            else:
+            elif clip and self.park != 0:
+                self.park = self._ram_parks(depth, sched, chunk)
+            elif depth > 1 and not self.r.prefetch_depth:
                 depth -= 1
+            else:
+                return depth, 2, chunk
+
+    def _ram_parks(self, depth: int, sched: str, chunk: int) -> int:
+        """The most blocks (from the first) whose parked gradients fit in RAM beside the buffers."""
+        n = len(self.m.blocks) if self.park is None else self.park
+        while n > 0:
+            self.park = n
+            if host_buffers(self.m, self.plan(1, (), depth, 2, sched), self.cfg(1, chunk)) <= self.b.cpu_memory:
+                return n
+            n -= 1
+        self.park = 0
+        return 0
 
     # ------------------------------------------------------------------ the search
     def run(self) -> PlannerResult:
@@ -214,31 +236,31 @@ class _Search:
 
     # ------------------------------------------------------------------ errors
     def _check_static(self, sched: str) -> None:
-        m, spp = self.m, self.spp
-        store = 2 * sum((2 + spp) * b.numel for b in m.blocks)
+        m, spp, cb = self.m, self.spp, self.cb
+        store = 2 * sum((cb + spp) * b.numel for b in m.blocks)
         if self.b.ssd_bytes and store > self.b.ssd_bytes:
-            raise InfeasibleError(f"SSD space: the store needs {fs(store)} (two versions of {2 + spp} B/param × "
+            raise InfeasibleError(f"SSD space: the store needs {fs(store)} (two versions of {cb + spp} B/param × "
                                   f"{m.params / 1e9:.2f} B params), {fs(self.b.ssd_bytes)} is free; add --ssd "
                                   f"directories or use --state-precision bf16")
-        need = host_buffers(m, Plan(prefetch_depth=1, schedule=sched), self.cfg(1, CHUNKS[0]))
+        need = host_buffers(m, Plan(prefetch_depth=1, schedule=sched, park_ram_blocks=0), self.cfg(1, CHUNKS[0]))
         if need > self.b.cpu_memory:
             big = max(b.numel for b in m.blocks)
-            park = " + parked gradients of every block for clipping (2 B/param)" if sched == "overlap_next_forward" else ""
+            park = "; clipping's parked gradients already on SSD" if sched == "overlap_next_forward" else ""
             raise InfeasibleError(
                 f"host memory: the smallest buffer set needs {fs(need)} (2 weight + 2 gradient + 2 new-weight buffers "
-                f"of the largest block, {fs(2 * big)} each, + 2 state chunks{park}); --cpu-memory is "
+                f"of the largest block, {fs(cb * big)} each, + 2 state chunks of 1 Mi params{park}); --cpu-memory is "
                 f"{fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(need)}")
 
     def _device_error(self, mb: int, depth: int, bufs: int, sched: str, chunk: int) -> None:
         pol = ("keep",) + ("recompute",) * (self.H - 1) + ("keep",)
         plan, cfg = self.plan(mb, pol, depth, bufs, sched), self.cfg(mb, chunk)
         mem = memory(self.m, plan, cfg, self.hw)
-        per_tok = self.H * self.m.hidden * 2
+        per_tok = self.H * self.m.hidden * self.cb
         boundary = per_tok * self.seqs * self.r.seq_len
         work = mem.device - boundary
         fit_tokens = max(0, (self.b.gpu_memory - work) // per_tok // self.r.seq_len * self.r.seq_len)
         msg = (f"device memory: block inputs kept for backward need {fs(boundary)} ({self.H} blocks × "
-               f"{self.seqs * self.r.seq_len} tokens × {self.m.hidden} × 2 B) plus a working set of {fs(work)} at "
+               f"{self.seqs * self.r.seq_len} tokens × {self.m.hidden} × {self.cb} B) plus a working set of {fs(work)} at "
                f"micro-batch {mb}; --gpu-memory is {fs(self.b.gpu_memory)}. Lower --tokens-per-step to ≤ {fit_tokens} "
                f"(or --seq-len), or raise --gpu-memory to ≥ {fs(mem.device)}")
         if work > self.b.gpu_memory:
@@ -279,9 +301,9 @@ class _Search:
         spare = self.b.cpu_memory - memory(self.m, plan, cfg, self.hw).host
         w = s = 0
         for blk in self.m.blocks:
-            if 2 * blk.numel > spare:
+            if self.cb * blk.numel > spare:
                 break
-            spare -= 2 * blk.numel
+            spare -= self.cb * blk.numel
             w += 1
         for blk in (self.m.blocks if w == len(self.m.blocks) else ()):
             if self.spp * blk.numel > spare:

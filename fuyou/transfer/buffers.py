@@ -44,6 +44,11 @@ class HostBuffer:
         return self.data[offset : offset + numel * size].view(dtype)
 
 
+WAYS_OUT = ("raise --cpu-memory, lower --prefetch-depth, park gradients on SSD (Plan.park_ram_blocks; "
+            "--plan auto/rules do so when RAM is short), or turn clipping off (--max-grad-norm 0)")
+"""Every way out of a host budget that is too small, for the one-line error."""
+
+
 class HostBufferPool:
     """Fixed host buffers in named classes, within ``budget`` bytes of host memory."""
 
@@ -66,11 +71,9 @@ class HostBufferPool:
             raise ConfigError(f"host buffer class {kind!r} is already reserved")
         need = align_up(nbytes, HOST_ALIGN) * count
         if self.reserved + need > self.budget:
-            have = ", ".join(f"{c} × {format_size(n)} {k!r}" for k, (n, c) in self._sizes.items())
             raise HostMemoryError(
-                f"host buffers need {format_size(self.reserved + need)} ({count} × "
-                f"{format_size(nbytes)} {kind!r}{', ' + have if have else ''}) but the host budget is "
-                f"{format_size(self.budget)}; raise --cpu-memory or lower the prefetch depth"
+                f"host buffers need {format_size(self.reserved + need)} ({self._describe({**self._sizes, kind: (nbytes, count)})})"
+                f" but the host budget is {format_size(self.budget)}; {WAYS_OUT}"
             )
         bufs = [HostBuffer(kind, i, self.backend.host_empty(nbytes)) for i in range(count)]
         with self._cond:
@@ -78,6 +81,20 @@ class HostBufferPool:
             self._free[kind] = bufs
             self.reserved += need
             self.peak = max(self.peak, self.reserved)
+
+    @staticmethod
+    def _describe(sizes: dict[str, tuple[int, int]]) -> str:
+        """Buffer classes in words, classes of one family (``park/0``, ``park/1``, …) as one entry."""
+        groups: dict[str, list[int]] = {}
+        for k, (n, c) in sizes.items():
+            groups.setdefault(k.split("/")[0], []).extend([align_up(n, HOST_ALIGN)] * c)
+        parts = []
+        for k, sizes_ in groups.items():
+            if len(set(sizes_)) == 1:
+                parts.append(f"{len(sizes_)} × {format_size(sizes_[0])} {k}")
+            else:
+                parts.append(f"{len(sizes_)} {k} buffers, {format_size(sum(sizes_))}")
+        return ", ".join(parts)
 
     def acquire(self, kind: str, timeout: float | None = None) -> HostBuffer:
         """Take a free buffer of class ``kind``, waiting up to ``timeout`` seconds (None: forever).

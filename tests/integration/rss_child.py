@@ -8,6 +8,8 @@ import numba  # noqa: F401 - imported before the baseline, like torch and transf
 import torch
 import transformers  # noqa: F401
 
+from fuyou.device import get_backend
+from fuyou.device.precision import choose_precision
 from fuyou.engine import Engine, EngineConfig, Plan
 
 
@@ -26,7 +28,8 @@ def main() -> None:
     with open(model_dir + "/config.json") as f:
         nblocks = json.load(f)["num_hidden_layers"] + 2
     plan = Plan(prefetch_depth=1, activation_policy=("keep",) + (policy,) * (nblocks - 2) + ("keep",))
-    ec = EngineConfig(ssd_dirs=(ssd,), cpu_memory=budget, plan=plan, precision="bf16")
+    precision = choose_precision("auto", get_backend("cpu")).precision  # as `fuyou finetune` runs on this CPU
+    ec = EngineConfig(ssd_dirs=(ssd,), cpu_memory=budget, plan=plan, precision=precision)
     with Engine.from_pretrained(model_dir, ec) as eng:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, eng.adapter.config.vocab_size, (1, 64), generator=g)

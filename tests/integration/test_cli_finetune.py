@@ -139,7 +139,7 @@ def test_finetune_plans_with_the_cost_model_by_default(tmp_path, model_dir, monk
     """No profile anywhere: a quick one is measured into the run directory and the planner's plan runs."""
     import fuyou.finetune_plan as fp
 
-    monkeypatch.setattr(fp, "DEFAULT_PROFILE", str(tmp_path / "no-profile-here.json"))
+    monkeypatch.setattr(fp, "default_profile", lambda: str(tmp_path / "no-profile-here.json"))
     monkeypatch.delenv("FUYOU_PROFILE", raising=False)
     data = write_jsonl(tmp_path / "d.jsonl", TEXT)
     out = tmp_path / "run"

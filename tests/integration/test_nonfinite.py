@@ -17,14 +17,14 @@ def raw_state(eng):
     return out
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
+@pytest.mark.parametrize("clip,park", [(0.0, None), (1.0, None), (1.0, 0)])  # park 0: gradients parked on SSD
 @pytest.mark.parametrize("poison_block", [1, 2])
-def test_nonfinite_step_is_skipped_exactly(tmp_path, clip, poison_block):
+def test_nonfinite_step_is_skipped_exactly(tmp_path, clip, park, poison_block):
     cfg, model = tiny("llama", layers=3)
     data = batches(3)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", lr=1e-3, cpu_memory="64MiB", max_grad_norm=clip,
-                      plan=Plan(activation_policy=("keep", "keep", "recompute", "keep", "keep")))
+                      plan=Plan(activation_policy=("keep", "keep", "recompute", "keep", "keep"), park_ram_blocks=park))
     with Engine.from_state_dict(cfg, sd, ec) as eng:
         eng.train_step(*data[0])
         before, version = raw_state(eng), eng.store.version

@@ -27,3 +27,19 @@ def test_need_counts_every_class():
     assert host_need(lay, plan) == 2 * w + 2 * w + 2 * w + 2 * (12 << 20)
     clip = Plan(prefetch_depth=1, schedule="overlap_next_forward")
     assert host_need(lay, clip) == host_need(lay, plan) + 2 * w + 1024 * 1024 * 2
+
+
+def test_fit_parks_gradients_on_ssd_before_shrinking_depth():
+    """Clipping parks every block's gradient: a budget short of that moves the last blocks' parks to SSD
+    (after the state chunk has shrunk, before the prefetch depth does)."""
+    lay = layout(chunk=1 << 20)
+    clip = Plan(prefetch_depth=2, schedule="overlap_next_forward")
+    w = 32000 * 512 * 2
+    budget = host_need(lay, clip) - w  # one large parked gradient too many
+    lay2, plan2 = fit_host(lay, clip, budget)
+    assert plan2.park_ram_blocks == 2 and plan2.prefetch_depth == 2 and host_need(lay2, plan2) <= budget
+    none_parked = host_need(lay, Plan(prefetch_depth=2, schedule="overlap_next_forward", park_ram_blocks=0))
+    lay3, plan3 = fit_host(lay, clip, none_parked)
+    assert plan3.park_ram_blocks == 0 and plan3.prefetch_depth == 2
+    _, plan4 = fit_host(lay, clip, none_parked - w)
+    assert plan4.park_ram_blocks == 0 and plan4.prefetch_depth == 1

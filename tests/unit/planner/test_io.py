@@ -61,8 +61,15 @@ def test_host_buffers_match_the_engine_rules():
     shape = ModelShape("t", tuple(BlockShape(n, "layer", d[0] * d[1], 0) for n, d in zip(("embed", "layer.0", "head"), dims)),
                        512, 1, 32000)
     for chunk in (1 << 20, 3 << 15):
-        for plan in (Plan(prefetch_depth=3), Plan(schedule="overlap_next_forward", state_buffers=5)):
+        for plan in (Plan(prefetch_depth=3), Plan(schedule="overlap_next_forward", state_buffers=5),
+                     Plan(schedule="overlap_next_forward", park_ram_blocks=1),
+                     Plan(schedule="overlap_next_forward", park_ram_blocks=0)):
             assert host_need(ModelLayout(specs, state_chunk=chunk), plan) == host_buffers(shape, plan, StepConfig(1, 8, chunk))
+        import torch
+
+        fp32 = ModelLayout(specs, torch.float32, state_chunk=chunk)  # fp32 compute: 4 B per weight and gradient
+        plan = Plan(schedule="overlap_next_forward", park_ram_blocks=2)
+        assert host_need(fp32, plan) == host_buffers(shape, plan, StepConfig(1, 8, chunk, compute_bytes=4))
 
 
 def test_profile_json_round_trip(tmp_path):

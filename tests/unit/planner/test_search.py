@@ -2,6 +2,9 @@
 
 import pytest
 
+from fuyou.engine.plan import Plan
+from fuyou.planner.cost import host_buffers
+from fuyou.planner.graph import StepConfig
 from fuyou.planner.result import Budgets
 from fuyou.planner.search import InfeasibleError, Request, search
 from tests.unit.planner.helpers import profile, small_llama
@@ -54,3 +57,19 @@ def test_engine_changes_only_when_allowed():
     assert "block inputs kept for backward" in str(e.value) and "--tokens-per-step to ≤" in str(e.value)
     r = search(small_llama(), HW, bud, Request(seq_len=1024, tokens_per_step=64 * 1024, allow_engine_changes=True))
     assert not r.executable and r.step.boundary_offload and r.needs
+
+
+def test_clipping_under_a_small_host_budget_parks_gradients_on_ssd():
+    """The default clipping needs no host RAM proportional to the model: with a budget below the
+    parked gradients the plan parks the last blocks' on SSD, fits, and predicts the extra SSD traffic."""
+    shape, req = small_llama(), Request(256, 2048, clip=True)
+    roomy = search(shape, HW, Budgets(cpu_memory=8 * GiB, gpu_memory=GiB), req)
+    assert roomy.plan.park_ram_blocks is None
+    parks = sum(2 * b.numel for b in shape.blocks)
+    smallest_chunks = host_buffers(shape, Plan(prefetch_depth=2, schedule="overlap_next_forward"), StepConfig(1, 256, 1 << 20))
+    tight_budget = smallest_chunks - parks // 2
+    tight = search(shape, HW, Budgets(cpu_memory=tight_budget, gpu_memory=GiB), req)
+    assert tight.plan.park_ram_blocks is not None and tight.plan.park_ram_blocks < len(shape.blocks)
+    assert tight.prediction.memory.host <= tight_budget
+    assert tight.prediction.ssd_write_bytes > roomy.prediction.ssd_write_bytes
+    assert tight.prediction.ssd_read_bytes > roomy.prediction.ssd_read_bytes

@@ -12,12 +12,24 @@ from fuyou.transfer.buffers import HostBufferPool
 def test_reserve_within_budget_and_refuse_past_it():
     pool = HostBufferPool(CPUBackend(), budget=3 * 8192)
     pool.reserve("weights", 5000, 2)  # rounds to 2 × 8 KiB
-    with pytest.raises(HostMemoryError, match="'grads'.*'weights'.*host budget is 24.0 KiB.*--cpu-memory"):
+    with pytest.raises(HostMemoryError, match="weights.*grads.*host budget is 24.0 KiB.*--cpu-memory"):
         pool.reserve("grads", 4097, 2)
     pool.reserve("grads", 4096, 2)
     assert pool.reserved == 3 * 8192
     with pytest.raises(ConfigError):
         pool.reserve("grads", 4096, 1)
+
+
+def test_budget_error_groups_a_family_of_classes_into_one_entry():
+    pool = HostBufferPool(CPUBackend(), budget=40 * 4096)
+    for b in range(30):
+        pool.reserve(f"park/{b}", 4096, 1)
+    with pytest.raises(HostMemoryError) as e:
+        pool.reserve("weights", 3 * 4096, 4)
+    msg = str(e.value)
+    assert "30 × 4.0 KiB park" in msg and "park/" not in msg and "4 × 12.0 KiB weights" in msg
+    for way in ("--cpu-memory", "--prefetch-depth", "SSD", "--max-grad-norm 0"):
+        assert way in msg
 
 
 def test_buffers_are_preallocated_and_reused():

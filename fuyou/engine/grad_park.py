@@ -1,0 +1,175 @@
+"""Parked gradients: where a finished block gradient waits until the step may update it.
+
+The clipping schedule (``overlap_next_forward``) cannot update any block before backward ends (the
+clipping coefficient needs the global norm), so every block's gradient waits — 2 B/param in bf16,
+4 in fp32, 350 GB for a 175B model. ``Plan.park_ram_blocks`` = N keeps blocks 0…N−1's in host RAM
+(one pool buffer each, class ``park/<b>``); later blocks' go to SSD:
+
+* park — the device gradient is copied into one of the Adam stage's two gradient buffers (``grads``)
+  and written, asynchronously and checksummed, to a scratch file of that block (``<ssd>/gradients/``,
+  striped over the store directories, allocated once, reused every step); the buffer returns to the
+  pool when the write lands. The training thread only waits when both buffers are in flight.
+* read back — the Adam pass asks for the gradient on its feeder thread (``AdamStage.update`` takes a
+  callable): a ``grads`` buffer is taken, the file read into it (checksums verified), and Adam starts
+  when the read lands, so reads of later blocks overlap Adam of earlier ones.
+
+A block's file is written at most once per step and read back before the next step's backward
+(``settle`` waits for every update first); a new write waits for the block's previous one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from fuyou.device.base import Event
+from fuyou.engine.layout import ModelLayout, elem_size
+from fuyou.engine.optimizer import GRADS, AdamStage
+from fuyou.engine.timeline import Timeline
+from fuyou.storage.dirs import preallocate
+from fuyou.storage.io_base import FileHandle, IOEngine
+from fuyou.transfer.buffers import HostBuffer, HostBufferPool
+from fuyou.units import align_up
+
+GRAD_DIR = "gradients"
+
+
+def park_class(b: int) -> str:
+    """Host buffer class for block ``b``'s gradient parked in RAM."""
+    return f"park/{b}"
+
+
+class FutureEvent(Event):
+    """An ``Event`` that completes with a future (an SSD read): ``wait`` raises the read's error."""
+
+    def __init__(self, fut: Future) -> None:
+        self.fut = fut
+
+    def wait(self, stream: object | None = None) -> None:
+        """Block until the read has landed (host-side data: no stream is involved)."""
+        self.fut.result()
+
+    def query(self) -> bool:
+        """Whether the read has finished."""
+        return self.fut.done()
+
+
+@dataclass
+class OnSSD:
+    """A gradient parked on SSD: the block, and the write that puts it there."""
+
+    block: int
+    written: Future
+
+
+Parked = tuple[HostBuffer, Event] | OnSSD
+"""A parked gradient: a host buffer with its copy-done event (RAM), or ``OnSSD``."""
+
+
+class GradientParking:
+    """Parks finished gradients in RAM or on SSD and hands them to the Adam stage; see the module
+    docstring. ``ssd_blocks``: the blocks whose gradients park on SSD."""
+
+    def __init__(self, stage: AdamStage, pool: HostBufferPool, layout: ModelLayout, io: IOEngine, dirs: list[str],
+                 direct: list[bool], timeline: Timeline, ssd_blocks: list[int], checksums: bool = True) -> None:
+        self.stage, self.pool, self.layout, self.io, self.timeline = stage, pool, layout, io, timeline
+        self.checksums = checksums
+        self.dirs = [os.path.join(d, GRAD_DIR) for d in dirs]
+        self._direct = direct
+        self._files: dict[int, FileHandle] = {}
+        self._crcs: dict[int, list[int]] = {}
+        self._last: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="fuyou-grad-park") if ssd_blocks else None
+        for b in ssd_blocks:
+            self._files[b] = self._open(b)
+
+    def _nbytes(self, b: int) -> int:
+        return self.layout.numel(b) * elem_size(self.layout.compute_dtype)
+
+    def _open(self, b: int) -> FileHandle:
+        i = b % len(self.dirs)
+        os.makedirs(self.dirs[i], exist_ok=True)
+        path = os.path.join(self.dirs[i], f"b{b}.grad")
+        if os.path.exists(path):
+            os.unlink(path)
+        preallocate(path, align_up(max(self._nbytes(b), 1), 4096))
+        return self.io.open(path, self._direct[i])
+
+    def on_ssd(self, b: int) -> bool:
+        """Whether block ``b``'s gradient parks on SSD."""
+        return b in self._files
+
+    # ------------------------------------------------------------------ park
+    def park(self, b: int, grad: torch.Tensor) -> Parked:
+        """Park block ``b``'s finished device gradient ``grad``; returns at once (the copy and any
+        write run asynchronously)."""
+        if not self.on_ssd(b):
+            return self.stage.offload(b, grad, park_class(b))
+        buf, ready = self.stage.offload(b, grad, GRADS)
+        prev = self._last.get(b)
+        assert self._writer is not None
+        fut = self._writer.submit(self._write, b, buf, ready, prev)
+        self._last[b] = fut
+        return OnSSD(b, fut)
+
+    def _write(self, b: int, buf: HostBuffer, ready: Event, prev: Future | None) -> None:
+        """Writer thread: once the device→host copy has landed (and the block's previous write), write."""
+        try:
+            ready.wait()
+            if prev is not None:
+                prev.exception()
+            n = self._nbytes(b)
+            fut = self.io.write(self._files[b], buf.data[:n].numpy(), self.checksums)
+            crcs = self.timeline.track(fut, "ssd_write", f"grad {self.layout.blocks[b].name}", n).result()
+            with self._lock:
+                self._crcs[b] = crcs
+        finally:
+            self.pool.release(buf)
+
+    # ------------------------------------------------------------------ hand to Adam
+    def source(self, parked: Parked) -> tuple[HostBuffer | Callable[[], tuple[HostBuffer, Event]], Event | None]:
+        """What ``AdamStage.update`` takes for ``parked``: the buffer and its event, or (SSD) a callable
+        the stage's feeder runs to read the gradient back, and no event."""
+        if isinstance(parked, OnSSD):
+            return (lambda: self._read_back(parked)), None
+        return parked
+
+    def _read_back(self, parked: OnSSD) -> tuple[HostBuffer, Event]:
+        """Feeder thread: take a ``grads`` buffer and start reading block's gradient into it."""
+        parked.written.result()  # raises the write's error, if any
+        b, n = parked.block, self._nbytes(parked.block)
+        buf = self.pool.acquire(GRADS)
+        try:
+            with self._lock:
+                crcs = self._crcs[b] if self.checksums else None
+            fut = self.io.read(self._files[b], buf.data[:n].numpy(), crcs, f"parked gradient of block {b}")
+        except BaseException:
+            self.pool.release(buf)
+            raise
+        return buf, FutureEvent(self.timeline.track(fut, "ssd_read", f"grad {self.layout.blocks[b].name}", n))
+
+    def discard(self, parked: Parked) -> None:
+        """A skipped (non-finite) step: give back a RAM-parked buffer once its copy landed; an SSD write
+        finishes by itself (its buffer returns when it lands)."""
+        if isinstance(parked, OnSSD):
+            parked.written.exception()
+            return
+        buf, ready = parked
+        ready.wait()
+        self.pool.release(buf)
+
+    def close(self) -> None:
+        """Wait for writes in flight, close and remove the scratch files."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+        for h in self._files.values():
+            self.io.close(h)
+            if os.path.exists(h.path):
+                os.unlink(h.path)
+        self._files.clear()

@@ -1,0 +1,122 @@
+"""``--precision auto`` (measured once per machine) and the quick profile measured once and reused."""
+
+import json
+import os
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from fuyou.cli.main import main
+from fuyou.demo import _random_model
+from fuyou.device import get_backend
+from fuyou.device.precision import SLOW_FACTOR, bf16_slowdown, choose_precision, measure_bf16_slowdown
+from fuyou.errors import ConfigError, FuyouWarning
+from fuyou.machine import cache_get, cache_put, machine_key
+
+TEXT = [{"text": f"def f{i}(x):\n    return x * {i} + {i * i}  # some python {i}"} for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return _random_model(str(tmp_path_factory.mktemp("m") / "tiny"))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A fresh, empty per-machine cache for this test."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("FUYOU_CACHE", str(d))
+    return d
+
+
+def _plant(factor: float) -> None:
+    """Record ``factor`` as this machine's measured bf16 slowdown (what a first measurement stores)."""
+    backend = get_backend("cpu")
+    cache_put("bf16-speed", machine_key(backend.name + ":" + backend.describe()), factor)
+
+
+def test_probe_measures_once_per_machine_and_decides_by_the_factor(cache):
+    backend = get_backend("cpu")
+    t0 = time.perf_counter()
+    factor, hit = bf16_slowdown(backend)
+    assert not hit and factor > 0 and time.perf_counter() - t0 < 30
+    again, hit = bf16_slowdown(backend)
+    assert hit and again == factor
+    choice = choose_precision("auto", backend)
+    assert choice.precision == ("fp32" if factor > SLOW_FACTOR else "bf16") and choice.bf16_slowdown == factor
+    assert choose_precision("fp32", backend).bf16_slowdown is None  # nothing measured when fp32 is asked for
+    assert choose_precision("bf16", backend).precision == "bf16"
+    with pytest.raises(ConfigError, match="--precision must be one of auto, bf16, fp32"):
+        choose_precision("fp16", backend)
+    # a new ISA restriction is a new machine: measured again, under its own key
+    os.environ["ATEN_CPU_CAPABILITY"] = "default"
+    try:
+        assert bf16_slowdown(backend)[1] is False
+    finally:
+        del os.environ["ATEN_CPU_CAPABILITY"]
+
+
+def test_probe_is_a_real_ratio_of_two_timings():
+    assert 0 < measure_bf16_slowdown(get_backend("cpu")) < 1e4
+
+
+def run(args):
+    return CliRunner().invoke(main, args, catch_exceptions=False)
+
+
+def _finetune(model_dir, data, out, *extra):
+    return run(["finetune", model_dir, "--data", data, "--output", str(out), "--steps", "1", "--seq-len", "32",
+                "--micro-batch-size", "2", "--cpu-memory", "256MiB", "--no-progress", *extra])
+
+
+def _data(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in TEXT) + "\n")
+    return str(p)
+
+
+@pytest.mark.parametrize("factor, expect", [(40.0, "fp32"), (1.0, "bf16")])
+def test_auto_precision_is_printed_and_recorded(tmp_path, cache, model_dir, factor, expect):
+    _plant(factor)
+    r = _finetune(model_dir, _data(tmp_path), tmp_path / "run")
+    assert r.exit_code == 0, r.output
+    assert f"precision: {expect} (auto: bf16 matmul measured {factor:.1f}×" in r.output
+    rec = json.loads((tmp_path / "run" / "run.json").read_text())["precision"]
+    assert rec == {"precision": expect, "requested": "auto", "bf16_slowdown": factor, "reason": rec["reason"]}
+    saved = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
+    assert saved.get("dtype", saved.get("torch_dtype")) == ("float32" if expect == "fp32" else "bfloat16")
+
+
+def test_explicit_bf16_on_a_slow_bf16_machine_warns_with_the_factor(tmp_path, cache, model_dir):
+    _plant(40.0)
+    with pytest.warns(FuyouWarning, match=r"bf16 matmul measured 40\.0× the time of fp32"):
+        r = _finetune(model_dir, _data(tmp_path), tmp_path / "run", "--precision", "bf16")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["precision"]["precision"] == "bf16"
+
+
+def test_quick_profile_is_measured_once_and_reused(tmp_path, cache, model_dir, monkeypatch):
+    """No profile anywhere: the first run measures the quick profile; a re-run, a resumed run and a
+    second run on this machine reuse it (nothing measured again), and each saves it to its run."""
+    import fuyou.finetune_plan as fp
+
+    monkeypatch.setattr(fp, "default_profile", lambda: str(tmp_path / "no-profile-here.json"))
+    monkeypatch.delenv("FUYOU_PROFILE", raising=False)
+    _plant(40.0)
+    data = _data(tmp_path)
+    first = _finetune(model_dir, data, tmp_path / "a", "--save-every", "1", "--steps", "2")
+    assert first.exit_code == 0, first.output
+    assert "measuring a quick hardware profile" in first.output
+    keys = set(json.loads((cache / "quick-profile.json").read_text()))
+    assert len(keys) == 2  # the machine's figures and the model's
+    again = _finetune(model_dir, data, tmp_path / "b")
+    resumed = _finetune(model_dir, data, tmp_path / "a", "--resume", "auto", "--steps", "3")
+    for r in (again, resumed):
+        assert r.exit_code == 0, r.output
+        assert "measuring" not in r.output
+    assert set(json.loads((cache / "quick-profile.json").read_text())) == keys
+    p_a = json.loads((tmp_path / "a" / "profile.json").read_text())
+    p_b = json.loads((tmp_path / "b" / "profile.json").read_text())
+    assert p_a == p_b and p_a["compute_bytes"] == 4  # measured in the run's precision (fp32 here)
+    assert cache_get("quick-profile", sorted(keys)[0]) is not None
