@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import torch
 
-from fuyou.errors import FuyouError
+from fuyou.errors import FuyouError, os_limit_error
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
@@ -39,7 +39,7 @@ def load_config(model_dir: str) -> Any:
     try:
         return AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (ValueError, OSError, KeyError) as e:
-        raise ModelFileError(f"cannot read {path}: {e}") from e
+        raise (os_limit_error(e, f"reading {path}", probe=path) or ModelFileError(f"cannot read {path}: {e}")) from e
 
 
 class CheckpointReader:
@@ -59,6 +59,10 @@ class CheckpointReader:
             raise ModelFileError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
     def _handle(self, fname: str) -> Any:
+        """The open safetensors file ``fname``.
+
+        Raises SystemLimitError if an OS limit (open files, memory) stops it, else ModelFileError.
+        """
         from safetensors import safe_open
 
         if fname not in self._open:
@@ -66,7 +70,8 @@ class CheckpointReader:
             try:
                 self._open[fname] = safe_open(path, framework="pt")
             except Exception as e:  # safetensors raises its own error types
-                raise ModelFileError(f"cannot read {path}: {e}; the file is missing or corrupt") from e
+                raise (os_limit_error(e, f"reading {path}", probe=path)
+                       or ModelFileError(f"cannot read {path}: {e}; the file is missing or corrupt")) from e
         return self._open[fname]
 
     def _keys(self, fname: str) -> list[str]:
@@ -80,7 +85,8 @@ class CheckpointReader:
         return key in self.where
 
     def get(self, key: str) -> torch.Tensor:
-        """The tensor ``key``; raises ModelFileError if absent or unreadable."""
+        """The tensor ``key``; raises ModelFileError if absent or unreadable, SystemLimitError if an
+        OS limit (open files, memory) stops the read."""
         if key not in self.where:
             raise ModelFileError(f"{self.model_dir} has no tensor {key!r}; is this the right model?")
         try:
@@ -88,7 +94,9 @@ class CheckpointReader:
         except ModelFileError:
             raise
         except Exception as e:
-            raise ModelFileError(f"cannot read {key!r} from {self.where[key]} in {self.model_dir}: {e}") from e
+            where = os.path.join(self.model_dir, self.where[key])
+            raise (os_limit_error(e, f"reading {key!r} from {where}")
+                   or ModelFileError(f"cannot read {key!r} from {self.where[key]} in {self.model_dir}: {e}")) from e
 
 
 def save_streamed(out_dir: str, tensors: Iterator[tuple[str, torch.Tensor]], config: Any, dtype: torch.dtype,

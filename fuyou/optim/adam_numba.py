@@ -3,14 +3,13 @@
 The kernel itself, and its numerics, are in ``numba_kernel.py``.
 
 Threads: numba's ``workqueue`` threading layer aborts the process if two Python threads launch
-parallel kernels at once, so every call takes ``KERNEL_LOCK``. In Fuyou only the Adam worker
-thread calls the kernel (see ``worker.py``); the lock makes any other caller safe, not fast. The
+parallel kernels at once, so every call goes through ``parallel.parallel_launch`` (``KERNEL_LOCK``
+under that layer; nothing under the thread-safe ``omp``/``tbb``). In Fuyou the Adam worker thread
+calls this kernel while the training thread runs the gradient norm's (see ``worker.py``). The
 number of numba threads is per calling thread (``numba.set_num_threads``).
 """
 
 from __future__ import annotations
-
-import threading
 
 import numpy as np
 import torch
@@ -19,9 +18,9 @@ from fuyou.errors import ConfigError
 from fuyou.optim.args import AdamWHyper, step_coefficients
 from fuyou.optim.buffers import as_numpy, check_buffers
 from fuyou.optim.numba_kernel import DEFAULT_CHUNK, adamw_kernel
+from fuyou.optim.parallel import KERNEL_LOCK, parallel_launch
 
-KERNEL_LOCK = threading.Lock()
-"""Serialises kernel launches across Python threads (numba parallel launches are not re-entrant)."""
+__all__ = ["KERNEL_LOCK", "adamw_step"]
 
 _NO_OUT = np.empty(0, dtype=np.uint16)
 
@@ -64,7 +63,7 @@ def adamw_step(
         return
     arrays = [as_numpy(t) for t in (master, m, v, grad)]
     out_np = _NO_OUT if out is None else as_numpy(out)
-    with KERNEL_LOCK:
+    with parallel_launch():
         adamw_kernel(
             *arrays, out_np,
             k.decay, k.grad_scale, k.m_weight, k.beta2, k.v_weight, k.bc2_sqrt, k.eps,

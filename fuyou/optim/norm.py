@@ -6,6 +6,10 @@ elements/s on two cores — 0.3 s for a 262 M-parameter LM head, on the training
 fp32/bf16 CPU tensors go through a numba kernel at memory speed with the GIL released
 (``numba_kernel.sum_squares``, float64 accumulation). Device tensors use torch, which runs on the
 device. ``sum_squares_reference`` is the plain oracle.
+
+Threads: this kernel runs on the training thread while the Adam worker runs its own, so the launch
+goes through ``parallel.parallel_launch`` (serialised under numba's ``workqueue`` layer, which
+aborts on concurrent launches; free under ``omp``/``tbb``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from fuyou.optim.buffers import as_numpy
+from fuyou.optim.parallel import parallel_launch
 
 CHUNK = 1 << 16
 """Elements per parallel task."""
@@ -32,4 +37,6 @@ def sum_squares(grad: torch.Tensor) -> float:
         return torch.linalg.vector_norm(grad, dtype=torch.float32).item() ** 2
     from fuyou.optim.numba_kernel import sum_squares as kernel
 
-    return float(kernel(as_numpy(grad.reshape(-1)), CHUNK))
+    flat = as_numpy(grad.reshape(-1))
+    with parallel_launch():
+        return float(kernel(flat, CHUNK))

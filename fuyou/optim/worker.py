@@ -6,9 +6,10 @@ hands the job on: its ``Future`` completes and the optional ``on_done`` callback
 thread (e.g. to queue the SSD write-back). The buffers of a job belong to the worker from
 ``submit`` until its future is done; the caller must not touch them in between.
 
-Threads: this thread is the only one that launches numba parallel kernels (numba's workqueue
-layer aborts on concurrent launches; ``adam_numba.KERNEL_LOCK`` guards other callers too). Its
-numba thread count is set inside the thread, since ``numba.set_num_threads`` is per thread.
+Threads: this thread launches the Adam kernel while the training thread launches the gradient
+norm's (``norm.py``); numba's ``workqueue`` layer aborts on concurrent launches, so both go through
+``parallel.parallel_launch``, which serialises them under that layer only. Its numba thread count is
+set inside the thread, since ``numba.set_num_threads`` is per thread.
 
 Errors: the first failing job's future gets the exception; every later queued job is skipped
 (its future fails with ``AdamWorkerError``), since the state would be inconsistent; the next

@@ -12,7 +12,7 @@ import os
 import shutil
 import warnings
 
-from fuyou.errors import DirectIOError, FuyouWarning, StoreDirError, StoreSpaceError
+from fuyou.errors import DirectIOError, FuyouWarning, StoreDirError, StoreSpaceError, os_limit_error
 from fuyou.units import format_size
 
 DIRECT_MODES = ("auto", "on", "off")
@@ -22,7 +22,8 @@ def check_dir(path: str) -> str:
     """Return the absolute path of an existing, writable directory.
 
     Raises StoreDirError if it is missing, not a directory, or cannot be written (a probe file is
-    created and removed, which also catches read-only mounts for root).
+    created and removed, which also catches read-only mounts for root); SystemLimitError if an OS
+    limit (open files) stops the probe.
     """
     path = os.path.abspath(path)
     if not os.path.exists(path):
@@ -35,9 +36,9 @@ def check_dir(path: str) -> str:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise StoreDirError(
+        raise (os_limit_error(e, f"checking SSD directory {path}") or StoreDirError(
             f"SSD directory {path} is not writable ({e.strerror}); fix its permissions or mount, or pass another --ssd"
-        ) from e
+        )) from e
     return path
 
 
@@ -55,7 +56,8 @@ def direct_supported(path: str) -> bool:
     except OSError as e:
         if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
             return False
-        raise StoreDirError(f"cannot probe O_DIRECT in {path}: {e.strerror}") from e
+        raise (os_limit_error(e, f"probing O_DIRECT in {path}")
+               or StoreDirError(f"cannot probe O_DIRECT in {path}: {e.strerror}")) from e
     finally:
         buf.close()
         if os.path.exists(probe):
@@ -104,9 +106,13 @@ def check_space(path: str, need: int, what: str) -> None:
 def preallocate(path: str, nbytes: int) -> None:
     """Create ``path`` with ``nbytes`` allocated (posix_fallocate; ftruncate where unsupported).
 
-    Raises StoreSpaceError when the disk is full; no partial file is left behind on failure.
+    Raises StoreSpaceError when the disk is full, SystemLimitError if an OS limit (open files) stops
+    it, StoreDirError on other failures; no partial file is left behind on failure.
     """
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+    except OSError as e:
+        raise (os_limit_error(e, f"creating {path}") or StoreDirError(f"cannot create {path}: {e.strerror}")) from e
     try:
         try:
             os.posix_fallocate(fd, 0, nbytes)
@@ -121,13 +127,22 @@ def preallocate(path: str, nbytes: int) -> None:
             raise StoreSpaceError(
                 f"disk full: cannot allocate {format_size(nbytes)} for {path}; free space or add another --ssd directory"
             ) from e
-        raise StoreDirError(f"cannot allocate {path}: {e.strerror}") from e
+        raise (os_limit_error(e, f"allocating {path}") or StoreDirError(f"cannot allocate {path}: {e.strerror}")) from e
     os.close(fd)
 
 
 def fsync_dir(path: str) -> None:
-    """fsync a directory so renames and new entries in it are durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    """fsync a directory so renames and new entries in it are durable.
+
+    Raises SystemLimitError if an OS limit (open files) stops it, OSError on other failures.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        limit = os_limit_error(e, f"syncing directory {path}")
+        if limit is not None:
+            raise limit from e
+        raise
     try:
         os.fsync(fd)
     finally:

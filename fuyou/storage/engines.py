@@ -1,22 +1,48 @@
-"""Choosing the I/O engine: kvikio where a CUDA driver is present, the POSIX pool elsewhere."""
+"""Choosing the I/O engine: the POSIX thread pool unless another is asked for by name.
+
+``auto`` is the POSIX pool (O_DIRECT ``preadv``/``pwritev``), or the engine named by the
+``FUYOU_IO`` environment variable (how the CLI, which has no flag for it, selects another).
+``kvikio`` (RAPIDS, GPUDirect Storage) is used only when asked for explicitly: it is not yet
+measured faster than the POSIX pool. ``pyfile`` is the POSIX pool behind Python file objects, the
+CPU stand-in for kvikio's non-descriptor handles in tests.
+"""
 
 from __future__ import annotations
 
+import os
+
 from fuyou.errors import ConfigError
 from fuyou.storage.io_base import IOEngine
-from fuyou.storage.io_kvikio import KvikioEngine, kvikio_usable
+from fuyou.storage.io_kvikio import KvikioEngine
 from fuyou.storage.io_posix import PosixEngine
+from fuyou.storage.io_pyfile import PyFileEngine
 
-IO_KINDS = ("auto", "posix", "kvikio")
+ENGINES: dict[str, type[IOEngine]] = {"posix": PosixEngine, "pyfile": PyFileEngine, "kvikio": KvikioEngine}
+IO_KINDS = ("auto", *ENGINES)
+IO_ENV = "FUYOU_IO"
+"""Environment variable naming the engine ``auto`` stands for (default: posix)."""
 
 
-def make_engine(kind: str = "auto", threads: int = 16, block_bytes: int = 1 << 20) -> IOEngine:
-    """Return the I/O engine for ``kind``: ``auto`` picks kvikio if usable, else POSIX.
+def resolve_kind(kind: str = "auto") -> str:
+    """The engine name ``kind`` stands for: ``auto`` is ``$FUYOU_IO`` or ``posix``.
 
-    Raises ConfigError for an unknown kind, StoreError if kvikio is asked for but unusable.
+    Raises ConfigError for an unknown kind or an unknown ``$FUYOU_IO``.
     """
     if kind not in IO_KINDS:
         raise ConfigError(f"I/O engine must be one of {IO_KINDS}, got {kind!r}")
-    if kind == "kvikio" or (kind == "auto" and kvikio_usable()):
-        return KvikioEngine(threads, block_bytes)
-    return PosixEngine(threads, block_bytes)
+    if kind != "auto":
+        return kind
+    env = os.environ.get(IO_ENV, "").strip() or "posix"
+    if env not in ENGINES:
+        raise ConfigError(f"${IO_ENV}={env!r}: the I/O engine must be one of {tuple(ENGINES)}")
+    return env
+
+
+def make_engine(kind: str = "auto", threads: int = 16, block_bytes: int = 1 << 20,
+                max_open: int | None = None) -> IOEngine:
+    """Return the I/O engine for ``kind`` (see the module docstring) with ``threads`` threads,
+    ``block_bytes`` per I/O and at most ``max_open`` open files (default: a quarter of ``ulimit -n``).
+
+    Raises ConfigError for an unknown kind, StoreError if kvikio is asked for but unusable.
+    """
+    return ENGINES[resolve_kind(kind)](threads, block_bytes, max_open)

@@ -3,12 +3,17 @@
 A request (one extent piece) is cut into blocks of ``block_bytes`` (4 KiB multiples); each block is
 a task on the engine's thread pool, so many requests and many blocks are in flight at once (queue
 depth = threads). Each block's CRC32C is computed in the same task, overlapped with other blocks'
-I/O. Subclasses only say how one block is read or written.
+I/O. Subclasses only say how a file is opened and closed and how one block is read or written.
+
+Open files: a ``FileHandle`` is a path, not an open file. The engine opens files when a task needs
+them and keeps at most ``max_open`` open (least recently used closed first, never one in use; see
+``open_files.py``), so a store of any size runs under a small ``ulimit -n``.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,9 +21,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fuyou.errors import ChecksumError, StoreError, StoreSpaceError
+from fuyou.errors import ChecksumError, FuyouError, StoreError, StoreSpaceError, os_limit_error
 from fuyou.storage import checksum
 from fuyou.storage.layout import FILE_ALIGN
+from fuyou.storage.open_files import FileHandle, OpenFiles, default_capacity
+
+__all__ = ["FileHandle", "IOEngine", "gather", "os_error", "then"]
 
 
 def gather(futures: list[Future]) -> Future:
@@ -64,52 +72,75 @@ def then(fut: Future, fn: Callable[[Any], Any]) -> Future:
     return out
 
 
-def os_error(e: OSError, path: str, action: str) -> StoreError:
-    """Turn an OSError from ``action`` on ``path`` into a one-line store error with a hint."""
+def os_error(e: OSError, path: str, action: str) -> FuyouError:
+    """Turn an OSError from ``action`` on ``path`` into a one-line error with a hint.
+
+    Operating-system limits (EMFILE, ENFILE, ENOMEM) become SystemLimitError naming the limit and
+    its fix (never blamed on the file); a full disk StoreSpaceError; anything else StoreError.
+    """
+    limit = os_limit_error(e, f"{action} {path}")
+    if limit is not None:
+        return limit
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return StoreSpaceError(f"disk full while {action} {path}; free space or add another --ssd directory")
     return StoreError(f"{action} {path} failed: {e.strerror or e}; check the disk and its permissions")
-
-
-class FileHandle:
-    """An open file of the store: its path, whether it uses O_DIRECT, and the engine's handle."""
-
-    def __init__(self, path: str, direct: bool, raw: Any) -> None:
-        self.path = path
-        self.direct = direct
-        self.raw = raw
 
 
 class IOEngine(ABC):
     """Thread-pooled block I/O with per-block CRC32C; see the module docstring."""
 
     name: str
+    fds_per_file: int = 1
+    """Descriptors one open file of this engine holds (for the open-file cap)."""
 
-    def __init__(self, threads: int = 16, block_bytes: int = 1 << 20) -> None:
+    def __init__(self, threads: int = 16, block_bytes: int = 1 << 20, max_open: int | None = None) -> None:
+        """Start ``threads`` I/O threads moving blocks of ``block_bytes``; keep at most ``max_open``
+        files open (default: ``open_files.default_capacity``, a quarter of ``ulimit -n``).
+
+        Raises StoreError if ``block_bytes`` is not a positive multiple of 4 KiB or ``max_open`` < 1.
+        """
         if block_bytes <= 0 or block_bytes % FILE_ALIGN:
             raise StoreError(f"I/O block size must be a positive multiple of {FILE_ALIGN}, got {block_bytes}")
         self.threads = threads
         self.block_bytes = block_bytes
+        cap = default_capacity(threads, self.fds_per_file) if max_open is None else max_open
+        self.files = OpenFiles(self._open_raw, self._close_raw, cap)
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"fuyou-io-{self.name}")
 
-    @abstractmethod
     def open(self, path: str, direct: bool) -> FileHandle:
-        """Open an existing file for reading and writing."""
+        """A handle on the existing file ``path`` (read-write, O_DIRECT when ``direct``).
 
-    @abstractmethod
+        The file is opened when I/O needs it. Raises StoreError if ``path`` is not a file.
+        """
+        if not os.path.isfile(path):
+            raise StoreError(f"{path} does not exist or is not a file")
+        return FileHandle(path, direct)
+
     def close(self, handle: FileHandle) -> None:
-        """Close a file opened with ``open``."""
+        """Close ``handle`` (at once, or when the I/O using it finishes); later I/O on it fails."""
+        self.files.forget(handle)
 
     @abstractmethod
-    def _read_block(self, h: FileHandle, arr: np.ndarray, offset: int) -> None:
-        """Fill ``arr`` (uint8) from the file at byte ``offset`` (4 KiB aligned)."""
+    def _open_raw(self, path: str, direct: bool) -> Any:
+        """Open ``path`` read-write (O_DIRECT when ``direct``); return this engine's raw handle.
+
+        Raises OSError on failure.
+        """
 
     @abstractmethod
-    def _write_block(self, h: FileHandle, arr: np.ndarray, offset: int) -> None:
+    def _close_raw(self, raw: Any) -> None:
+        """Close a raw handle returned by ``_open_raw``."""
+
+    @abstractmethod
+    def _read_block(self, raw: Any, h: FileHandle, arr: np.ndarray, offset: int) -> None:
+        """Fill ``arr`` (uint8) from the open file ``raw`` (of ``h``) at byte ``offset`` (4 KiB aligned)."""
+
+    @abstractmethod
+    def _write_block(self, raw: Any, h: FileHandle, arr: np.ndarray, offset: int) -> None:
         """Write ``arr`` (uint8) at byte ``offset`` (4 KiB aligned); a short tail is zero padded."""
 
     @abstractmethod
-    def _fsync(self, h: FileHandle) -> None:
+    def _fsync(self, raw: Any, h: FileHandle) -> None:
         """Flush the file's data and metadata to stable storage."""
 
     def _blocks(self, n: int) -> list[tuple[int, int]]:
@@ -130,7 +161,11 @@ class IOEngine(ABC):
 
         def task(i: int, start: int, n: int) -> int:
             try:
-                self._read_block(h, arr[start : start + n], start)
+                raw = self.files.acquire(h)
+                try:
+                    self._read_block(raw, h, arr[start : start + n], start)
+                finally:
+                    self.files.release(h)
             except OSError as e:
                 raise os_error(e, h.path, "reading") from e
             if expected is None and not compute:
@@ -151,7 +186,11 @@ class IOEngine(ABC):
         def task(start: int, n: int) -> int:
             c = checksum.crc(arr[start : start + n]) if compute else 0
             try:
-                self._write_block(h, arr[start : start + n], start)
+                raw = self.files.acquire(h)
+                try:
+                    self._write_block(raw, h, arr[start : start + n], start)
+                finally:
+                    self.files.release(h)
             except OSError as e:
                 raise os_error(e, h.path, "writing") from e
             return c
@@ -163,12 +202,14 @@ class IOEngine(ABC):
 
         def task() -> None:
             try:
-                self._fsync(h)
+                with self.files.use(h) as raw:
+                    self._fsync(raw, h)
             except OSError as e:
                 raise os_error(e, h.path, "syncing") from e
 
         return self._pool.submit(task)
 
     def shutdown(self) -> None:
-        """Wait for queued I/O and stop the threads."""
+        """Wait for queued I/O, stop the threads and close every file still open."""
         self._pool.shutdown(wait=True)
+        self.files.close_all()

@@ -3,12 +3,16 @@
 With O_DIRECT the page cache is bypassed (it would eat the RAM budget and make timings lie). Buffer
 addresses and file offsets must then be 4 KiB aligned: pool buffers are; a misaligned buffer or a
 tail shorter than 4 KiB goes through a per-thread aligned bounce buffer.
+
+Raw handles are file descriptors (ints), opened on demand and capped by the base class's cache.
+Subclasses may hold another object per file and say how to reach its descriptor (``_fd``).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from typing import Any
 
 import numpy as np
 
@@ -33,18 +37,20 @@ class PosixEngine(IOEngine):
 
     name = "posix"
 
-    def __init__(self, threads: int = 16, block_bytes: int = 1 << 20) -> None:
-        super().__init__(threads, block_bytes)
+    def __init__(self, threads: int = 16, block_bytes: int = 1 << 20, max_open: int | None = None) -> None:
+        super().__init__(threads, block_bytes, max_open)
         self._local = threading.local()
 
-    def open(self, path: str, direct: bool) -> FileHandle:
-        """Open ``path`` read-write, with O_DIRECT when ``direct``."""
-        flags = os.O_RDWR | (os.O_DIRECT if direct else 0)
-        return FileHandle(path, direct, os.open(path, flags))
+    def _open_raw(self, path: str, direct: bool) -> Any:
+        """A descriptor of ``path``, read-write, with O_DIRECT when ``direct``."""
+        return os.open(path, os.O_RDWR | (os.O_DIRECT if direct else 0))
 
-    def close(self, handle: FileHandle) -> None:
-        """Close the descriptor."""
-        os.close(handle.raw)
+    def _close_raw(self, raw: Any) -> None:
+        os.close(raw)
+
+    def _fd(self, raw: Any) -> int:
+        """The descriptor behind a raw handle (the handle itself here)."""
+        return raw
 
     def _bounce(self) -> np.ndarray:
         b = getattr(self._local, "bounce", None)
@@ -58,34 +64,36 @@ class PosixEngine(IOEngine):
             return arr.size, True
         return arr.size & ~(FILE_ALIGN - 1), arr.ctypes.data % FILE_ALIGN == 0
 
-    def _read_block(self, h: FileHandle, arr: np.ndarray, offset: int) -> None:
+    def _read_block(self, raw: Any, h: FileHandle, arr: np.ndarray, offset: int) -> None:
+        fd = self._fd(raw)
         body, aligned = self._split(h, arr)
         if aligned:
-            _full(os.preadv, h.raw, memoryview(arr[:body]), offset, h.path)
+            _full(os.preadv, fd, memoryview(arr[:body]), offset, h.path)
         else:
             bounce = self._bounce()
-            _full(os.preadv, h.raw, memoryview(bounce[:body]), offset, h.path)
+            _full(os.preadv, fd, memoryview(bounce[:body]), offset, h.path)
             arr[:body] = bounce[:body]
         tail = arr.size - body
         if tail:
             bounce = self._bounce()
-            _full(os.preadv, h.raw, memoryview(bounce[:FILE_ALIGN]), offset + body, h.path)
+            _full(os.preadv, fd, memoryview(bounce[:FILE_ALIGN]), offset + body, h.path)
             arr[body:] = bounce[:tail]
 
-    def _write_block(self, h: FileHandle, arr: np.ndarray, offset: int) -> None:
+    def _write_block(self, raw: Any, h: FileHandle, arr: np.ndarray, offset: int) -> None:
+        fd = self._fd(raw)
         body, aligned = self._split(h, arr)
         if aligned:
-            _full(os.pwritev, h.raw, memoryview(arr[:body]), offset, h.path)
+            _full(os.pwritev, fd, memoryview(arr[:body]), offset, h.path)
         else:
             bounce = self._bounce()
             bounce[:body] = arr[:body]
-            _full(os.pwritev, h.raw, memoryview(bounce[:body]), offset, h.path)
+            _full(os.pwritev, fd, memoryview(bounce[:body]), offset, h.path)
         tail = arr.size - body
         if tail:
             bounce = self._bounce()
             bounce[:tail] = arr[body:]
             bounce[tail:FILE_ALIGN] = 0
-            _full(os.pwritev, h.raw, memoryview(bounce[:FILE_ALIGN]), offset + body, h.path)
+            _full(os.pwritev, fd, memoryview(bounce[:FILE_ALIGN]), offset + body, h.path)
 
-    def _fsync(self, h: FileHandle) -> None:
-        os.fsync(h.raw)
+    def _fsync(self, raw: Any, h: FileHandle) -> None:
+        os.fsync(self._fd(raw))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from fuyou.errors import ManifestError
+from fuyou.errors import ManifestError, os_limit_error
 from fuyou.storage import checksum
 from fuyou.storage.dirs import fsync_dir
 
@@ -39,7 +39,7 @@ def read_manifest(directory: str, name: str = MANIFEST) -> dict:
     """Read and verify ``directory/name``; return its body.
 
     Raises ManifestError if it is missing, not valid JSON, of an unknown format, or fails its
-    checksum.
+    checksum; SystemLimitError if an OS limit (open files, memory) stops the read.
     """
     path = os.path.join(directory, name)
     try:
@@ -48,6 +48,9 @@ def read_manifest(directory: str, name: str = MANIFEST) -> dict:
     except FileNotFoundError:
         raise ManifestError(f"no Fuyou store in {directory} ({name} is missing); create the store first") from None
     except (OSError, ValueError) as e:
+        limit = os_limit_error(e, f"reading {path}")
+        if limit is not None:
+            raise limit from e
         raise ManifestError(f"{path} is unreadable ({e}); restore the run from a checkpoint") from e
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or "body" not in doc:
         raise ManifestError(f"{path} is not a Fuyou manifest of format {FORMAT}")

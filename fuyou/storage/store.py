@@ -315,10 +315,16 @@ class TensorStore:
         old, e.committed, e.pending, e.write_future = e.committed, e.pending, None, None
         if old is None:
             return
-        if all(os.fstat(f.handle.raw).st_nlink == 1 for f in old if isinstance(f.handle.raw, int)):
-            e.spares.append(old)
-        else:
+        if any(self._linked(f) for f in old):
             self._drop(old)  # a checkpoint links these files: unlink our name only
+        else:
+            e.spares.append(old)
+
+    def _linked(self, f: _File) -> bool:
+        """True if ``f``'s data has another name (a checkpoint's hard link), so it must never be
+        overwritten. Decided from the file itself (its link count), whatever the I/O engine's handles
+        are. Raises OSError if the file is gone."""
+        return os.stat(os.path.join(self.dirs[f.dir_index], f.name)).st_nlink > 1
 
     def _drop(self, files: list[_File]) -> None:
         for f in files:

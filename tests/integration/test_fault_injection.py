@@ -1,4 +1,8 @@
-"""SIGKILL a real `fuyou finetune` at random moments; resuming each time ends bit-identical to a clean run."""
+"""SIGKILL a real `fuyou finetune` at random moments; resuming each time ends bit-identical to a clean run.
+
+Runs once per I/O engine (``$FUYOU_IO``: posix, the non-descriptor pyfile engine, kvikio where usable);
+the clean run is shared (made with the default engine), so every engine must also match it bit for bit.
+"""
 
 import json
 import os
@@ -8,10 +12,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 from safetensors.torch import load_file
 
 from fuyou.checkpoint import list_checkpoints, validate
 from fuyou.demo import _random_model
+from tests.io_engines import engines_under_test, use_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 24
@@ -33,17 +39,28 @@ def weights(out):
     return tensors
 
 
-def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
-    model = _random_model(str(tmp_path / "tiny"))
-    data = tmp_path / "d.jsonl"
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """(model dir, data file, output of an uninterrupted run with the default engine), made once."""
+    tmp = tmp_path_factory.mktemp("clean")
+    model = _random_model(str(tmp / "tiny"))
+    data = tmp / "d.jsonl"
     data.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i * i}"}) + "\n" for i in range(60)))
-    clean = str(tmp_path / "clean")
-    subprocess.run(command(model, str(data), clean), cwd=ROOT, check=True, capture_output=True, timeout=600)
+    clean = str(tmp / "clean")
+    env = {k: v for k, v in os.environ.items() if k != "FUYOU_IO"}
+    subprocess.run(command(model, str(data), clean), cwd=ROOT, check=True, capture_output=True, timeout=600, env=env)
+    return model, str(data), clean
+
+
+@pytest.mark.parametrize("io", engines_under_test())
+def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path, monkeypatch, clean_run, io):
+    use_engine(monkeypatch, io)  # the killed runs (children) and the checks here use this engine
+    model, data, clean = clean_run
     out = str(tmp_path / "killed")
     rng = random.Random(7)
     kills = 0
     for seed in range(10):
-        child = subprocess.Popen(command(model, str(data), out), cwd=ROOT, stdout=subprocess.DEVNULL,
+        child = subprocess.Popen(command(model, data, out), cwd=ROOT, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE)
         time.sleep(rng.uniform(1.0, 7.0))
         if child.poll() is not None:
@@ -56,7 +73,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path):
         for name in list_checkpoints(stripes):  # no run ever leaves an unreadable checkpoint behind
             validate(stripes, name)
     if not os.path.exists(os.path.join(out, "run.json")):
-        r = subprocess.run(command(model, str(data), out), cwd=ROOT, capture_output=True, text=True, timeout=600)
+        r = subprocess.run(command(model, data, out), cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
     assert kills == 10, f"the run finished after {kills} kills: lengthen it"
     a, b = weights(clean), weights(out)

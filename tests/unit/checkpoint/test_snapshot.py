@@ -8,8 +8,15 @@ from fuyou.checkpoint.resume import resume_point
 from fuyou.checkpoint.snapshot import CKPT, disk_usage
 from fuyou.errors import ChecksumError, ConfigError, FuyouWarning, StoreError
 from fuyou.storage import ExtentSpec, TensorSpec, TensorStore
+from tests.io_engines import engines_under_test, use_engine
 
 N = 200_000
+
+
+@pytest.fixture(autouse=True, params=engines_under_test())
+def io_engine(request, monkeypatch):
+    """Every test here runs once per I/O engine: each store it creates or opens uses that engine."""
+    return use_engine(monkeypatch, request.param)
 
 
 def make(tmp_path, ndirs=2):
@@ -36,8 +43,9 @@ def values(st):
     return out
 
 
-def test_checkpoint_is_links_and_survives_later_commits(tmp_path):
+def test_checkpoint_is_links_and_survives_later_commits(tmp_path, io_engine):
     st, _ = make(tmp_path)
+    assert st.engine.name == io_engine
     fill(st, 1)
     info = take(st, "a", {"step": 1})
     assert info["files"] == 6 and info["stall_s"] < 1.0

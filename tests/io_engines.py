@@ -1,0 +1,20 @@
+"""The I/O engines every store-level test runs under: POSIX, the non-descriptor ``pyfile`` engine
+(the CPU stand-in for kvikio's handles), and kvikio where it is usable (a CUDA driver)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fuyou.storage.engines import IO_ENV
+from fuyou.storage.io_kvikio import kvikio_usable
+
+
+def engines_under_test() -> list[str]:
+    """Engine names for ``io=`` / ``$FUYOU_IO``: posix, pyfile, and kvikio when usable."""
+    return ["posix", "pyfile"] + (["kvikio"] if kvikio_usable() else [])
+
+
+def use_engine(monkeypatch: pytest.MonkeyPatch, kind: str) -> str:
+    """Make ``io="auto"`` mean ``kind`` for the test (and its child processes); returns ``kind``."""
+    monkeypatch.setenv(IO_ENV, kind)
+    return kind
