@@ -98,6 +98,7 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 @click.option("--save-every", type=int, help="Checkpoint every N steps (copy-free hard links); 0 = never.")
 @click.option("--keep-checkpoints", type=int, help="Checkpoints to keep (default 2).")
 @click.option("--resume", help="auto (newest intact checkpoint, else start fresh) or a checkpoint directory.")
+@click.option("--overwrite", is_flag=True, help="Let a fresh start replace an earlier run in OUTPUT/--ssd (else it refuses).")
 @click.option("--plan", type=click.Choice(["auto", "rules"]), help="auto: the cost-model planner picks the engine plan (default); rules: simple budget rules.")
 @click.option("--profile", type=click.Path(), help="Hardware profile for the planner (default ~/.cache/fuyou/hw.json, else measured now).")
 @click.option("--prefetch-depth", type=int, help="Fix the weight prefetch depth instead of planning it.")
@@ -105,7 +106,8 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
               help="Fix every layer's activation policy instead of planning it.")
 @click.option("--config", "config_file", type=click.Path(), help="YAML file whose keys mirror these flags.")
 @click.option("--no-progress", is_flag=True, help="No live progress bar or final table.")
-def finetune(model_dir: str | None, config_file: str | None, no_progress: bool, betas: str | None, **flags: object) -> None:
+def finetune(model_dir: str | None, config_file: str | None, no_progress: bool, overwrite: bool, betas: str | None,
+             **flags: object) -> None:
     """Fine-tune MODEL_DIR (a Hugging Face directory) out of core; without one, run the built-in demo."""
     from fuyou.finetune import finetune as run
     from fuyou.finetune_config import load_yaml, merge
@@ -119,6 +121,8 @@ def finetune(model_dir: str | None, config_file: str | None, no_progress: bool, 
         given["ssd"] = tuple(given["ssd"])  # type: ignore[arg-type]
     if no_progress:
         given["progress"] = False
+    if overwrite:  # only when given: an absent flag must not override `overwrite: true` in --config
+        given["overwrite"] = True
     file_values = load_yaml(config_file) if config_file else {}
     if "model" not in given and "model" not in file_values:  # the built-in demo: settings that show learning
         given = {**{k: v for k, v in DEMO_DEFAULTS.items() if k not in file_values}, **given}

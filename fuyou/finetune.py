@@ -2,14 +2,15 @@
 
 A run directory holds ``model/`` (the trained Hugging Face model), ``metrics.jsonl`` (one line per
 step) and ``run.json`` (the summary) — written last, so a directory without it is not a finished
-run. The store lives under ``--ssd`` (default ``OUTPUT/store``).
+run. The store lives under ``--ssd`` (default ``OUTPUT/store``). Nothing of an earlier run is deleted
+unless asked: a fresh start over one refuses without ``--overwrite`` (``fuyou.run_dir``), and resuming
+an older checkpoint sets the newer ones aside.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from typing import Any, Iterator
 
@@ -24,7 +25,7 @@ from fuyou.units import parse_size
 
 
 def prepare_output(path: str) -> str:
-    """Create the run directory (or reuse it) and remove any previous run's finished markers.
+    """Create the run directory (or reuse it); return its absolute path. Deletes nothing.
 
     Raises ConfigError if it cannot be created or written.
     """
@@ -37,12 +38,6 @@ def prepare_output(path: str) -> str:
         os.unlink(probe)
     except OSError as e:
         raise ConfigError(f"--output {path} is not writable ({e.strerror}); pass a writable directory") from None
-    for stale in ("run.json", "model"):
-        p = os.path.join(path, stale)
-        if os.path.isdir(p):
-            shutil.rmtree(p)
-        elif os.path.exists(p):
-            os.unlink(p)
     return path
 
 
@@ -69,8 +64,12 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     from fuyou.models.adapters import architecture_of
     from fuyou.models.hf_io import ModelFileError, load_config
 
+    from fuyou.run_dir import check_fresh_start
+
     out = prepare_output(cfg.output)
     cfg = FinetuneConfig(**{**cfg.__dict__, "output": out})
+    if not cfg.resume:  # before any slow work: refuse to start over an earlier run unless --overwrite
+        check_fresh_start(out, _stripes(cfg), cfg.overwrite)
     model_dir, pretrained = _model(cfg)
     config = load_config(model_dir)
     architecture_of(config)  # unsupported models fail before any data is read
@@ -96,25 +95,50 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     return summary
 
 
+def _stripes(cfg: FinetuneConfig) -> list[str]:
+    return [os.path.abspath(d) for d in cfg.store_dirs]
+
+
 def _start(cfg: FinetuneConfig, model_dir: str, config: Any) -> tuple[Engine, dict | None, ChosenPlan]:
     """A fresh engine from the model, or one restored from a checkpoint (``--resume``) with its trainer
-    state, running the plan chosen for this run (``finetune_plan``)."""
-    from fuyou.checkpoint import prune, restore
+    state, running the plan chosen for this run (``finetune_plan``).
+
+    Deletes nothing of an earlier run except with ``--overwrite`` on a fresh start; checkpoints newer
+    than the one resumed (or, when ``auto`` found none intact, the damaged ones) are set aside.
+    Raises ConfigError when ``auto`` would start fresh over a finished model without ``--overwrite``.
+    """
+    from fuyou.checkpoint import restore
     from fuyou.checkpoint.resume import resume_point
 
-    stripes = [os.path.abspath(d) for d in cfg.store_dirs]
+    stripes = _stripes(cfg)
     for d in stripes:
         if d.startswith(os.path.abspath(cfg.output)):
             os.makedirs(d, exist_ok=True)
     point = resume_point(stripes, cfg.resume) if cfg.resume else None
+    _make_way(cfg, stripes, point)
     chosen = choose_plan(cfg, config, log=_log if cfg.progress else lambda s: None)
     if point is None:
-        engine = Engine.from_pretrained(model_dir, _engine_config(cfg, chosen))
-        prune(stripes, 0)  # a fresh run: checkpoints of an earlier run in these directories are stale
-        return engine, None, chosen
+        return Engine.from_pretrained(model_dir, _engine_config(cfg, chosen)), None, chosen
     name, state = point
     restore(stripes, name)
     return Engine.resume(_engine_config(cfg, chosen)), state, chosen
+
+
+def _make_way(cfg: FinetuneConfig, stripes: list[str], point: tuple[str, dict] | None) -> None:
+    """Clear what the starting run would collide with: ``--overwrite`` on a fresh start deletes the
+    earlier run; otherwise checkpoints are only set aside, and the old run.json and model/ removed
+    (this run writes new ones) once it is clear that a finished model is not being replaced."""
+    from fuyou.checkpoint.resume import set_aside_newer
+    from fuyou.run_dir import check_fresh_after_auto, clear_earlier_run, clear_finished
+
+    if point is None and cfg.overwrite:
+        clear_earlier_run(cfg.output, stripes)
+        return
+    if point is None and cfg.resume:
+        check_fresh_after_auto(cfg.output, cfg.overwrite)
+    if cfg.resume:
+        set_aside_newer(stripes, point[0] if point else None)
+    clear_finished(cfg.output)
 
 
 def _log(msg: str) -> None:

@@ -54,6 +54,9 @@ class FinetuneConfig:
     """Checkpoints kept (older ones are deleted)."""
     resume: str | None = None
     """``auto`` (newest intact checkpoint, else a fresh start) or a checkpoint path."""
+    overwrite: bool = False
+    """Let a fresh start replace an earlier run in OUTPUT / the --ssd directories (its model, store and
+    every checkpoint); without it such a start refuses."""
     progress: bool = True
     plan: str = "auto"
     """``auto``: the cost-model planner chooses the engine plan; ``rules``: the engine's simple rules."""
@@ -97,6 +100,8 @@ class FinetuneConfig:
             p.append(f"--save-every must be an integer ≥ 0, got {self.save_every!r}")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
             p.append(f"--keep-checkpoints must be an integer ≥ 1, got {self.keep_checkpoints!r}")
+        if not isinstance(self.overwrite, bool):
+            p.append(f"--overwrite must be true or false, got {self.overwrite!r}")
         if self.plan not in ("auto", "rules"):
             p.append(f"--plan must be auto or rules, got {self.plan!r}")
         if self.prefetch_depth is not None and (not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 1):

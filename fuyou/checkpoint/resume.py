@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fuyou.checkpoint.snapshot import CKPT, list_checkpoints, validate
+from fuyou.checkpoint.snapshot import CKPT, SET_ASIDE, list_checkpoints, set_aside, unlisted, validate
 from fuyou.errors import ConfigError, FuyouWarning, StoreError
 
 
@@ -39,9 +39,11 @@ def checkpoint_name(step: int) -> str:
 def resume_point(stripes: list[str], resume: str) -> tuple[str, dict] | None:
     """The checkpoint to resume from and its trainer state.
 
-    ``auto``: the newest checkpoint that passes a full check (manifest, files, every checksum);
-    damaged ones are skipped with a warning naming the problem; None if there is none (fresh start).
-    A path: that checkpoint (``…/checkpoints/<name>`` in the first --ssd directory), or ConfigError.
+    ``auto``: the newest checkpoint (by training step) that passes a full check (manifest, files,
+    every checksum); damaged ones are skipped with a warning naming the problem; None if there is
+    none (fresh start). A path: that checkpoint (``…/checkpoints/<name>`` in the first --ssd
+    directory), or ConfigError. Raises CheckpointAccessError (never "damaged") when a check fails
+    for another reason (too many open files, out of memory, permission denied…). Moves nothing.
     """
     if resume == "auto":
         for name in list_checkpoints(stripes):
@@ -60,3 +62,25 @@ def resume_point(stripes: list[str], resume: str) -> tuple[str, dict] | None:
         return name, validate(stripes, name)
     except (StoreError, OSError) as e:
         raise ConfigError(f"--resume {resume}: the checkpoint is damaged ({e}); use --resume auto to fall back") from e
+
+
+def set_aside_newer(stripes: list[str], name: str | None) -> list[str]:
+    """Set aside (never delete) the checkpoints a run resuming ``name`` would collide with; return them.
+
+    Resuming checkpoint ``name``: every checkpoint ranked newer (by step; intact or damaged) and
+    every unlisted (unreadable) checkpoint directory moves to ``checkpoints/set-aside/``, so the run
+    can save those step names again. ``None`` (a fresh start after ``auto`` found none intact): all
+    of them do. A FuyouWarning names what moved.
+    """
+    names = list_checkpoints(stripes)
+    if name is None:
+        newer = names
+    else:
+        newer = names[: names.index(name)] if name in names else []
+    moved = set_aside(stripes, newer + unlisted(stripes))
+    if moved:
+        where = os.path.join(stripes[0], CKPT, SET_ASIDE)
+        reason = f"newer than {name}, which this run resumes from" if name else "none of them is intact"
+        warnings.warn(f"set aside {len(moved)} checkpoint(s) ({reason}) into {where}, kept, not deleted: "
+                      f"{', '.join(os.path.basename(m) for m in moved)}", FuyouWarning, stacklevel=2)
+    return moved

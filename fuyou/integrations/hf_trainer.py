@@ -12,7 +12,10 @@ scheduler set in the optimizer's ``param_groups``. ``optimizer.step()`` is then 
 Clipping (``max_grad_norm``) is exact, done by the engine; the reported grad norm is the engine's.
 Supported: AdamW (``adamw_torch``, ``adamw_torch_fused``), LR schedulers, warm-up, weight decay
 (biases and norm weights excluded, as Trainer does), ``max_grad_norm``, gradient accumulation,
-``max_steps``, logging, evaluation loss, ``save_model`` (streamed safetensors).
+``max_steps``, logging, evaluation loss, ``save_model`` (streamed safetensors), checkpoints
+(``save_strategy``; the SSD state is checkpointed copy-free, by hard links) with ``save_total_limit``:
+a copy-free checkpoint goes when Trainer rotates its ``checkpoint-N`` directory away (the newest N
+stay, and the best model's when tracked), and ``resume_from_checkpoint``.
 """
 
 from __future__ import annotations
@@ -150,13 +153,41 @@ class FuyouTrainer(Trainer):
                     p.copy_(trained[name])
         return out
 
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Trainer's checkpoint (and its ``save_total_limit`` rotation), then the same rotation for
+        the copy-free checkpoints of the SSD state."""
+        super()._save_checkpoint(model, trial)
+        if self.args.save_total_limit and self.args.save_total_limit > 0 and self.args.should_save:
+            self._prune_fuyou_checkpoints(self._get_output_dir(trial=trial))
+
+    def _prune_fuyou_checkpoints(self, run_dir: str) -> list[str]:
+        """Delete this run's copy-free checkpoints whose ``checkpoint-N`` directory in ``run_dir`` is gone
+        (rotated away by ``save_total_limit``) or no longer refers to them; return their names."""
+        from fuyou.checkpoint import list_checkpoints, remove, trainer_state
+        from fuyou.errors import ManifestError
+
+        stripes = list(self.engine.store.dirs)
+        run_dir = os.path.abspath(run_dir)
+        gone = []
+        for name in list_checkpoints(stripes):
+            try:
+                hf_dir = trainer_state(stripes, name).get("hf_checkpoint")
+            except ManifestError:
+                continue
+            if not isinstance(hf_dir, str) or os.path.dirname(hf_dir) != run_dir or _refers(hf_dir, name):
+                continue
+            remove(stripes, name)
+            gone.append(name)
+        return gone
+
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Checkpoint the SSD state copy-free (hard links) and save the LR scheduler as Trainer does."""
         from fuyou.checkpoint import take
 
         self.engine.flush()
         name = f"hf-{os.path.basename(os.path.normpath(output_dir))}-{self.engine.store.version}"
-        take(self.engine.store, name, {"hf_checkpoint": os.path.abspath(output_dir)}, replace=True)
+        take(self.engine.store, name, {"hf_checkpoint": os.path.abspath(output_dir), "step": self.state.global_step},
+             replace=True)
         with open(os.path.join(output_dir, FUYOU_CKPT), "w") as f:
             json.dump({"stripes": list(self.engine.store.dirs), "name": name}, f)
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
@@ -184,6 +215,17 @@ class FuyouTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """The weights come back with the SSD state in ``_load_optimizer_and_scheduler``."""
+
+
+def _refers(hf_dir: str, name: str) -> bool:
+    """True if Trainer checkpoint directory ``hf_dir`` exists and names copy-free checkpoint ``name``."""
+    try:
+        with open(os.path.join(hf_dir, FUYOU_CKPT)) as f:
+            return json.load(f).get("name") == name
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True  # unreadable for another reason: keep the checkpoint rather than guess
 
 
 def _micro_batch(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
