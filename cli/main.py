@@ -56,7 +56,10 @@ def doctor(ssd_dirs: tuple[str, ...]) -> None:
         sys.exit(1)
 
 
-DEMO_DEFAULTS = {"lr": 1e-4, "micro_batch_size": 2, "grad_accum": 2, "warmup_steps": 2, "steps": 20}
+DEMO_DEFAULTS = {"lr": 1e-4, "micro_batch_size": 1, "grad_accum": 2, "warmup_steps": 2, "steps": 8,
+                 "eval_fraction": 0.01}
+"""The demo's settings: 8 steps of 2 × 256 tokens and ~1,300 held-out tokens, sized so the demo ends in
+under 5 minutes on 2 CPU cores without fast bf16 (fp32 compute; measured in bench/RESULTS.md)."""
 
 
 def _pairs(text: str | None) -> tuple[float, float] | None:
@@ -89,7 +92,8 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 @click.option("--lr-schedule", type=click.Choice(["constant", "linear", "cosine"]))
 @click.option("--warmup-steps", type=int)
 @click.option("--max-grad-norm", type=float, help="Global-norm clipping (0 = off).")
-@click.option("--precision", type=click.Choice(["bf16", "fp32"]))
+@click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]),
+              help="Compute dtype; auto (default): bf16 where the device computes it fast, else fp32.")
 @click.option("--seed", type=int)
 @click.option("--metrics", type=click.Path(), help="Per-step metrics JSONL (default OUTPUT/metrics.jsonl).")
 @click.option("--trace", type=click.Path(), help="Write a Perfetto trace of the last step here.")

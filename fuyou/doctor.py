@@ -75,7 +75,7 @@ def check_open_files() -> Check:
 
 
 def check_gpu() -> list[Check]:
-    """GPU visibility and kvikio (GPUDirect Storage) availability."""
+    """GPU visibility and kvikio availability (file I/O through host buffers; not GPUDirect Storage)."""
     from fuyou.device import cuda
     from fuyou.storage.io_kvikio import kvikio_usable
 

@@ -73,12 +73,19 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     model_dir, pretrained = _model(cfg)
     config = load_config(model_dir)
     architecture_of(config)  # unsupported models fail before any data is read
+    cfg, precision = _precision(cfg)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError) as e:
+        from fuyou.errors import os_limit_error
+
+        limit = os_limit_error(e, f"loading the tokenizer of {model_dir}", os.path.join(model_dir, "tokenizer.json"))
+        if limit is not None:
+            raise limit from e
         raise ModelFileError(f"cannot load the tokenizer of {model_dir}: {e}; the directory needs tokenizer files") from e
     data = build_data(cfg, tokenizer, config)
     engine, state, chosen = _start(cfg, model_dir, config)
+    _say_precision(precision)
     metrics_path = cfg.metrics or os.path.join(out, "metrics.jsonl")
     try:
         summary = _train(cfg, engine, data, metrics_path, state)
@@ -86,6 +93,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     finally:
         engine.close()
     summary.update(model=model_dir, pretrained=pretrained, output=os.path.join(out, "model"), metrics=metrics_path,
+                   precision=precision.to_json(),
                    plan={**chosen.info, "executed": engine.plan.to_json(), "state_chunk_executed": engine.layout.state_chunk})
     with open(os.path.join(out, "run.json.tmp"), "w") as f:
         json.dump(summary, f, indent=1)
@@ -97,6 +105,48 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
 
 def _stripes(cfg: FinetuneConfig) -> list[str]:
     return [os.path.abspath(d) for d in cfg.store_dirs]
+
+
+def _precision(cfg: FinetuneConfig) -> tuple[FinetuneConfig, Any]:
+    """Resolve ``--precision`` once for the run (``fuyou.device.precision``): ``auto`` resuming a
+    store takes the store's precision; otherwise bf16 or fp32 by the device's measured bf16 speed. The
+    choice is printed when training starts (``_say_precision``); an explicit bf16 on a device where it is slow warns with the measured factor."""
+    from fuyou.device import get_backend
+    from fuyou.device.precision import PrecisionChoice, choose_precision
+    from fuyou.finetune_plan import _device_kind
+
+    stored = _stored_precision(cfg) if cfg.resume and cfg.precision == "auto" else None
+    if stored:
+        choice = PrecisionChoice(stored, "auto", None, f"auto: the store being resumed computes in {stored}")
+    else:
+        choice = choose_precision(cfg.precision, get_backend(_device_kind(cfg.device)))
+    return FinetuneConfig(**{**cfg.__dict__, "precision": choice.precision}), choice
+
+
+def _say_precision(choice: Any) -> None:
+    """Print the precision decision as training starts; warn where an explicit bf16 is slow here."""
+    import warnings
+
+    from fuyou.device.precision import SLOW_FACTOR
+    from fuyou.errors import FuyouWarning
+
+    if choice.requested == "bf16" and (choice.bf16_slowdown or 0) > SLOW_FACTOR:
+        warnings.warn(choice.reason, FuyouWarning, stacklevel=3)
+    _log(f"precision: {choice.precision} ({choice.reason})")
+
+
+def _stored_precision(cfg: FinetuneConfig) -> str | None:
+    """``bf16``/``fp32`` of the store in the run's first store directory, or None if there is none."""
+    from fuyou.storage.manifest import MANIFEST, read_manifest
+
+    path = os.path.join(os.path.abspath(cfg.store_dirs[0]), MANIFEST)
+    if not os.path.isfile(path):
+        return None
+    try:
+        dtype = read_manifest(os.path.dirname(path)).get("meta", {}).get("compute_dtype")
+    except Exception:  # noqa: BLE001 - an unreadable manifest is reported by the resume itself
+        return None
+    return {"bfloat16": "bf16", "float32": "fp32"}.get(str(dtype).replace("torch.", ""))
 
 
 def _start(cfg: FinetuneConfig, model_dir: str, config: Any) -> tuple[Engine, dict | None, ChosenPlan]:

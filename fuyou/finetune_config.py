@@ -39,7 +39,8 @@ class FinetuneConfig:
     lr_schedule: str = "cosine"
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
-    precision: str = "bf16"
+    precision: str = "auto"
+    """``auto`` (bf16 where the device computes it fast, else fp32: ``fuyou.device.precision``), ``bf16`` or ``fp32``."""
     seed: int = 0
     metrics: str | None = None
     """Per-step metrics JSONL; None: OUTPUT/metrics.jsonl."""
@@ -92,8 +93,8 @@ class FinetuneConfig:
             p.append(f"--lr-schedule must be one of {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             p.append(f"--warmup-steps must be an integer ≥ 0, got {self.warmup_steps!r}")
-        if self.precision not in ("bf16", "fp32"):
-            p.append(f"--precision must be bf16 or fp32, got {self.precision!r}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            p.append(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             p.append(f"--device must be auto, cuda or cpu, got {self.device!r}")
         if not isinstance(self.save_every, int) or self.save_every < 0:

@@ -83,6 +83,19 @@ class FuyouOptimizer(torch.optim.Optimizer):
         return None
 
 
+def _warn_if_bf16_is_slow(backend: Any) -> None:
+    """``bf16=True`` on a device that emulates bf16 (AVX2-only CPUs) trains, but warns with the measured factor."""
+    import warnings
+
+    from fuyou.device.precision import SLOW_FACTOR, choose_precision
+    from fuyou.errors import FuyouWarning
+
+    choice = choose_precision("bf16", backend)
+    if (choice.bf16_slowdown or 0) > SLOW_FACTOR:
+        warnings.warn(f"FuyouTrainer: {choice.reason.replace('--precision fp32 (or auto)', 'bf16=False')}",
+                      FuyouWarning, stacklevel=3)
+
+
 class FuyouTrainer(Trainer):
     """``transformers.Trainer`` training through the Fuyou engine; see the module docstring."""
 
@@ -101,6 +114,8 @@ class FuyouTrainer(Trainer):
             no_decay=frozenset(n for n, _ in model.named_parameters()) - frozenset(self.get_decay_parameter_names(model)),
             plan=Plan(micro_batches=args.gradient_accumulation_steps))
         self.engine = Engine.from_state_dict(model.config, model.state_dict(), cfg)
+        if args.bf16:
+            _warn_if_bf16_is_slow(self.engine.backend)
         self._pending: list[dict[str, torch.Tensor]] = []
         self._last: dict = {}
 

@@ -156,10 +156,17 @@ def host_device_copy(backend: Any, nbytes: int = 256 << 20, repeats: int = 3) ->
     return nbytes / _median(h2d, repeats), nbytes / _median(d2h, repeats)
 
 
-def matmul_peak(backend: Any, n: int = 2048, repeats: int = 3, precision: str = "bf16") -> float:
-    """Achieved FLOP/s of an ``n × n × n`` matmul in the compute dtype on the device (the MFU reference)."""
+def matmul_peak(backend: Any, n: int = 2048, repeats: int = 3, precision: str = "bf16",
+                max_s: float | None = None) -> float:
+    """Achieved FLOP/s of an ``n × n × n`` matmul in the compute dtype on the device (the MFU reference).
+
+    With ``max_s``, ``n`` is at most the largest power-of-two size from 256 whose one matmul is expected
+    to take ≤ ``max_s`` seconds (so a CPU that emulates bf16 is measured in seconds, not minutes).
+    """
     import torch
 
+    if max_s is not None:
+        n = min(n, _matmul_size_within(backend, precision, max_s))
     a = torch.randn(n, n, device=backend.device).to(_dtype(precision))
     b = torch.randn(n, n, device=backend.device).to(_dtype(precision))
 
@@ -168,6 +175,22 @@ def matmul_peak(backend: Any, n: int = 2048, repeats: int = 3, precision: str = 
         backend.synchronize()
 
     return 2 * n**3 / _median(run, repeats)
+
+
+def _matmul_size_within(backend: Any, precision: str, max_s: float) -> int:
+    """The largest n (256, 512, …) whose n³ matmul should take ≤ ``max_s``: time 256, scale by n³."""
+    import torch
+
+    a = torch.randn(256, 256, device=backend.device).to(_dtype(precision))
+    a @ a
+    backend.synchronize()
+    t0 = time.perf_counter()
+    a @ a
+    backend.synchronize()
+    t, n = time.perf_counter() - t0, 256
+    while t * 8 <= max_s and n < 1 << 15:
+        t, n = t * 8, n * 2
+    return n
 
 
 def block_compute(config: Any, backend: Any, block: int, micro_batch: int, seq_len: int, flops_per_token: int,
@@ -242,10 +265,10 @@ def block_compute(config: Any, backend: Any, block: int, micro_batch: int, seq_l
 
 
 QUICK = {"ssd_bytes": 64 << 20, "adam_params": 4 << 20, "copy_bytes": 64 << 20, "elems": 16 << 20,
-         "matmul_n": 1024, "repeats": 3, "compute_repeats": 1, "head_tokens": 256}
+         "matmul_n": 1024, "matmul_max_s": 0.25, "repeats": 3, "compute_repeats": 1, "head_tokens": 256}
 """Sizes of the quick profile ``fuyou finetune`` measures when it has none (seconds on any CPU)."""
 FULL = {"ssd_bytes": 512 << 20, "adam_params": 32 << 20, "copy_bytes": 256 << 20, "elems": 64 << 20,
-        "matmul_n": 2048, "repeats": 3, "compute_repeats": 3, "head_tokens": 0}
+        "matmul_n": 2048, "matmul_max_s": None, "repeats": 3, "compute_repeats": 3, "head_tokens": 0}
 """Sizes of ``fuyou profile``."""
 
 
@@ -280,7 +303,7 @@ def machine_figures(backend: Any, ssd_dirs: list[str], precision: str = "bf16", 
             "device_memory_bytes": int(total_ram // 4 if cpu else backend.memory().capacity),
             "host_memory_bytes": int(total_ram), "ssd_capacity_bytes": int(sum(shutil.disk_usage(d).total for d in ssd_dirs)),
             "ssd_count": len(ssd_dirs), "per_dir": per_dir,
-            "device_peak_flops": matmul_peak(backend, z["matmul_n"], z["repeats"], precision),
+            "device_peak_flops": matmul_peak(backend, z["matmul_n"], z["repeats"], precision, z["matmul_max_s"]),
             "notes": {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "ssd_bytes": z["ssd_bytes"],
                       "adam_params": z["adam_params"], "method": "fuyou.planner.measure"}}
 

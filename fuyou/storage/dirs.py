@@ -131,19 +131,25 @@ def preallocate(path: str, nbytes: int) -> None:
     os.close(fd)
 
 
+def fsync_path(path: str, flags: int = 0) -> None:
+    """fsync the file (or, with ``os.O_DIRECTORY``, the directory) at ``path`` through a fresh descriptor
+    (engines whose handles are not descriptors sync this way). Raises OSError on failure."""
+    fd = os.open(path, os.O_RDONLY | flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
     """fsync a directory so renames and new entries in it are durable.
 
     Raises SystemLimitError if an OS limit (open files) stops it, OSError on other failures.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        fsync_path(path, os.O_DIRECTORY)
     except OSError as e:
         limit = os_limit_error(e, f"syncing directory {path}")
         if limit is not None:
             raise limit from e
         raise
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -2,9 +2,9 @@
 
 ``auto`` is the POSIX pool (O_DIRECT ``preadv``/``pwritev``), or the engine named by the
 ``FUYOU_IO`` environment variable (how the CLI, which has no flag for it, selects another).
-``kvikio`` (RAPIDS, GPUDirect Storage) is used only when asked for explicitly: it is not yet
-measured faster than the POSIX pool. ``pyfile`` is the POSIX pool behind Python file objects, the
-CPU stand-in for kvikio's non-descriptor handles in tests.
+``kvikio`` (RAPIDS file I/O, given host buffers: not GPUDirect Storage) is used only when asked
+for explicitly: it is not yet measured faster than the POSIX pool. ``pyfile`` is the POSIX pool
+behind Python file objects, the CPU stand-in for kvikio's non-descriptor handles in tests.
 """
 
 from __future__ import annotations

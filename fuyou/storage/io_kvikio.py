@@ -1,4 +1,5 @@
-"""kvikio I/O engine (RAPIDS): GPUDirect Storage where the system has it, its POSIX compat mode else.
+"""kvikio I/O engine (RAPIDS file I/O). Fuyou passes it host buffers, so data goes through host memory
+(kvikio's POSIX path), never GPUDirect Storage, which needs device buffers.
 
 kvikio cannot do any I/O without a CUDA driver (it loads ``libcuda.so.1`` even for host buffers),
 so it is only used when asked for (``io="kvikio"``) and usable — never on CPU, and not by
@@ -12,12 +13,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import os
 from typing import Any
 
 import numpy as np
 
 from fuyou.errors import StoreError, error_number
+from fuyou.storage.dirs import fsync_path
 from fuyou.storage.io_base import FileHandle, IOEngine
 
 
@@ -46,7 +47,7 @@ class KvikioEngine(IOEngine):
         super().__init__(threads, block_bytes, max_open)
 
     def _open_raw(self, path: str, direct: bool) -> Any:
-        """A kvikio ``CuFile`` of ``path`` (``r+``); kvikio decides GDS vs compat mode itself.
+        """A kvikio ``CuFile`` of ``path`` (``r+``) for I/O through host buffers.
 
         Raises OSError (with the errno kvikio reports, else EIO) if kvikio cannot open it.
         """
@@ -69,8 +70,4 @@ class KvikioEngine(IOEngine):
             raise StoreError(f"short write to {h.path}: {n} of {arr.size} bytes at byte {offset}")
 
     def _fsync(self, raw: Any, h: FileHandle) -> None:
-        fd = os.open(h.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(h.path)

@@ -14,6 +14,7 @@ import io
 import os
 from typing import Any
 
+from fuyou.storage.dirs import fsync_path
 from fuyou.storage.io_base import FileHandle
 from fuyou.storage.io_posix import PosixEngine
 
@@ -36,8 +37,4 @@ class PyFileEngine(PosixEngine):
 
     def _fsync(self, raw: Any, h: FileHandle) -> None:
         """fsync through a fresh descriptor of ``h.path`` (as kvikio's engine does)."""
-        fd = os.open(h.path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(h.path)

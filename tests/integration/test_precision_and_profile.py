@@ -76,16 +76,20 @@ def _data(tmp_path):
     return str(p)
 
 
-@pytest.mark.parametrize("factor, expect", [(40.0, "fp32"), (1.0, "bf16")])
-def test_auto_precision_is_printed_and_recorded(tmp_path, cache, model_dir, factor, expect):
-    _plant(factor)
+def _assert_auto_precision(out, output: str, factor: float, expect: str) -> None:
+    """The decision is printed, recorded in run.json and is the dtype the model was trained and saved in."""
+    assert f"precision: {expect} (auto: bf16 matmul measured {factor:.1f}×" in output
+    rec = json.loads((out / "run.json").read_text())["precision"]
+    assert rec == {"precision": expect, "requested": "auto", "bf16_slowdown": factor, "reason": rec["reason"]}
+    saved = json.loads((out / "model" / "config.json").read_text())
+    assert saved.get("dtype", saved.get("torch_dtype")) == ("float32" if expect == "fp32" else "bfloat16")
+
+
+def test_auto_precision_picks_bf16_where_it_is_fast(tmp_path, cache, model_dir):
+    _plant(1.0)
     r = _finetune(model_dir, _data(tmp_path), tmp_path / "run")
     assert r.exit_code == 0, r.output
-    assert f"precision: {expect} (auto: bf16 matmul measured {factor:.1f}×" in r.output
-    rec = json.loads((tmp_path / "run" / "run.json").read_text())["precision"]
-    assert rec == {"precision": expect, "requested": "auto", "bf16_slowdown": factor, "reason": rec["reason"]}
-    saved = json.loads((tmp_path / "run" / "model" / "config.json").read_text())
-    assert saved.get("dtype", saved.get("torch_dtype")) == ("float32" if expect == "fp32" else "bfloat16")
+    _assert_auto_precision(tmp_path / "run", r.output, 1.0, "bf16")
 
 
 def test_explicit_bf16_on_a_slow_bf16_machine_warns_with_the_factor(tmp_path, cache, model_dir):
@@ -108,6 +112,7 @@ def test_quick_profile_is_measured_once_and_reused(tmp_path, cache, model_dir, m
     first = _finetune(model_dir, data, tmp_path / "a", "--save-every", "1", "--steps", "2")
     assert first.exit_code == 0, first.output
     assert "measuring a quick hardware profile" in first.output
+    _assert_auto_precision(tmp_path / "a", first.output, 40.0, "fp32")  # where bf16 is slow: fp32
     keys = set(json.loads((cache / "quick-profile.json").read_text()))
     assert len(keys) == 2  # the machine's figures and the model's
     again = _finetune(model_dir, data, tmp_path / "b")
