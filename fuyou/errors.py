@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import re
+from collections.abc import Iterator
 
 
 class FuyouError(Exception):
@@ -66,12 +67,23 @@ _ERRNO_IN_TEXT = re.compile(r"(?:os error|errno) ?(\d+)", re.IGNORECASE)
 _ERRNO_WORDS = (("too many open files in system", errno.ENFILE), ("too many open files", errno.EMFILE))
 
 
-def error_number(e: BaseException) -> int | None:
-    """The errno behind ``e``: its own, its cause's, or one quoted in its text ("os error 24")."""
+def exception_chain(e: BaseException, suppressed: bool = True) -> Iterator[BaseException]:
+    """``e``, then its cause (or context) and theirs, each once. ``suppressed=False`` stops at a
+    context hidden by ``raise … from None``."""
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
+        yield cur
+        if cur.__cause__ is not None:
+            cur = cur.__cause__
+        else:
+            cur = None if (cur.__suppress_context__ and not suppressed) else cur.__context__
+
+
+def error_number(e: BaseException) -> int | None:
+    """The errno behind ``e``: its own, its cause's, or one quoted in its text ("os error 24")."""
+    for cur in exception_chain(e):
         if isinstance(cur, OSError) and cur.errno is not None:
             return cur.errno
         text = str(cur)
@@ -81,7 +93,6 @@ def error_number(e: BaseException) -> int | None:
         for words, code in _ERRNO_WORDS:
             if words in text.lower():
                 return code
-        cur = cur.__cause__ or cur.__context__
     return None
 
 

@@ -26,7 +26,7 @@ import time
 import torch
 
 from fuyou.engine.ram_tier import STALE
-from fuyou.errors import FuyouError, ManifestError, StoreError
+from fuyou.errors import FuyouError, ManifestError, StoreError, exception_chain
 from fuyou.storage.dirs import fsync_dir
 from fuyou.storage.manifest import MANIFEST, read_manifest, write_manifest
 from fuyou.storage.store import ID_FILE, TensorStore
@@ -50,14 +50,8 @@ class CheckpointAccessError(FuyouError):
 
 def _os_cause(e: BaseException) -> OSError | None:
     """The first OSError with an errno in ``e``'s chain (``e`` itself, then its causes/contexts)."""
-    seen: set[int] = set()
-    cur: BaseException | None = e
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        if isinstance(cur, OSError) and cur.errno is not None:
-            return cur
-        cur = cur.__cause__ if cur.__cause__ is not None else (None if cur.__suppress_context__ else cur.__context__)
-    return None
+    return next((c for c in exception_chain(e, suppressed=False) if isinstance(c, OSError) and c.errno is not None),
+                None)
 
 
 def access_error(e: BaseException, what: str) -> CheckpointAccessError | None:
