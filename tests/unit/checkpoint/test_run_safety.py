@@ -15,19 +15,15 @@ from fuyou.checkpoint import list_checkpoints, prune, restore, take, validate
 from fuyou.checkpoint.resume import resume_point, set_aside_newer
 from fuyou.checkpoint.snapshot import CKPT, REPLACED, SET_ASIDE
 from fuyou.errors import FuyouWarning
-from fuyou.storage import ExtentSpec, TensorSpec, TensorStore
+from tests.unit.checkpoint.helpers import make_store
+from fuyou.storage import TensorStore
 
 N = 50_000
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def make(tmp_path, ndirs=2):
-    dirs = []
-    for i in range(ndirs):
-        (tmp_path / f"s{i}").mkdir()
-        dirs.append(str(tmp_path / f"s{i}"))
-    exts = [ExtentSpec(f"e{i}", (TensorSpec("w", (N,), torch.float32),)) for i in range(3)]
-    return TensorStore.create(dirs, exts, block_bytes=64 << 10, stripe_min=1 << 15)
+    return make_store(tmp_path, N, ndirs, stripe_min=1 << 15)[0]
 
 
 def fill(st, v):

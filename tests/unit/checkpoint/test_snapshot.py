@@ -7,7 +7,8 @@ from fuyou.checkpoint import list_checkpoints, prune, restore, take, validate
 from fuyou.checkpoint.resume import resume_point
 from fuyou.checkpoint.snapshot import CKPT, disk_usage
 from fuyou.errors import ChecksumError, ConfigError, FuyouWarning, StoreError
-from fuyou.storage import ExtentSpec, TensorSpec, TensorStore
+from fuyou.storage import TensorStore
+from tests.unit.checkpoint.helpers import make_store
 from tests.io_engines import engines_under_test, use_engine
 
 N = 200_000
@@ -20,12 +21,7 @@ def io_engine(request, monkeypatch):
 
 
 def make(tmp_path, ndirs=2):
-    dirs = []
-    for i in range(ndirs):
-        (tmp_path / f"s{i}").mkdir()
-        dirs.append(str(tmp_path / f"s{i}"))
-    exts = [ExtentSpec(f"e{i}", (TensorSpec("w", (N,), torch.float32),)) for i in range(3)]
-    return TensorStore.create(dirs, exts, block_bytes=64 << 10, stripe_min=1 << 16), exts
+    return make_store(tmp_path, N, ndirs)
 
 
 def fill(st, v):
