@@ -41,6 +41,8 @@ def _profile_path(path: str | None) -> str:
 @click.option("--tokens-per-step", type=int, help="Tokens per optimizer step (default 8 sequences).")
 @click.option("--max-grad-norm", type=float, default=0.0, help="Clipping (> 0 forces the overlap_next_forward schedule).")
 @click.option("--state-precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
+              help="Compute dtype of the run (`fuyou finetune --precision auto` picks fp32 where bf16 is slow).")
 @click.option("--micro-batch-size", type=int, help="Fix the micro-batch size instead of searching it.")
 @click.option("--schedule", type=click.Choice(["overlap_backward", "overlap_next_forward"]), help="Fix the schedule.")
 @click.option("--prefetch-depth", type=int, help="Fix the prefetch depth.")
@@ -50,7 +52,7 @@ def _profile_path(path: str | None) -> str:
 @click.option("--json", "json_out", type=click.Path(), help="Also write the result as JSON here ('-' for stdout only).")
 def plan_cmd(model: str, profile_path: str | None, cpu_memory: str | None, gpu_memory: str | None,
              ssd_space: str | None, seq_len: int, tokens_per_step: int | None, max_grad_norm: float,
-             state_precision: str, micro_batch_size: int | None, schedule: str | None, prefetch_depth: int | None,
+             state_precision: str, precision: str, micro_batch_size: int | None, schedule: str | None, prefetch_depth: int | None,
              activations: str | None, allow_engine_changes: bool, json_out: str | None) -> None:
     """Plan a run of MODEL (a model directory, a config.json, or a named shape such as GPT-3-13B)."""
     from fuyou.planner.profile import load_profile
@@ -66,7 +68,8 @@ def plan_cmd(model: str, profile_path: str | None, cpu_memory: str | None, gpu_m
                   ssd_bytes=parse_size(ssd_space, "--ssd-space") if ssd_space else 0)
     req = Request(seq_len=seq_len, tokens_per_step=tokens_per_step or 8 * seq_len, clip=max_grad_norm > 0,
                   state_precision=state_precision, micro_batch_size=micro_batch_size, schedule=schedule,
-                  prefetch_depth=prefetch_depth, activations=activations, allow_engine_changes=allow_engine_changes)
+                  prefetch_depth=prefetch_depth, activations=activations, allow_engine_changes=allow_engine_changes,
+                  precision=precision)
     res = search(shape, prof, bud, req)
     if json_out == "-":
         click.echo(json.dumps(res.to_json(), indent=2))

@@ -120,3 +120,18 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
     assert d["prediction"]["bottleneck"] == "ssd" and d["plan"]["ram_state_blocks"] == 0
     r = CliRunner().invoke(plan_cmd, ["GPT-3-13B", "--profile", LOHAN, "--gpu-memory", "1GiB"])
     assert r.exit_code != 0 and "device memory" in str(r.exception)
+
+
+def test_cli_plan_precision_sizes_the_store_and_buffers(tmp_path):
+    """``--precision fp32`` plans 4-byte weights and gradients: a bigger store than bf16's."""
+    from fuyou.cli.plan_cmd import plan_cmd
+
+    sizes = {}
+    for p in ("bf16", "fp32"):
+        out = tmp_path / f"{p}.json"
+        r = CliRunner().invoke(plan_cmd, ["llama-3-8b", "--profile", LOHAN, "--tokens-per-step", "2048", "--seq-len",
+                                          "1024", "--cpu-memory", "64GiB", "--gpu-memory", "22GiB", "--precision", p,
+                                          "--json", str(out)])
+        assert r.exit_code == 0, r.output
+        sizes[p] = json.loads(out.read_text())["prediction"]["memory"]["ssd"]
+    assert sizes["fp32"] > sizes["bf16"]
