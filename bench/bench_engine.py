@@ -46,7 +46,7 @@ import torch  # noqa: E402
 
 from bench.common import emit, hardware_info  # noqa: E402
 from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
-from fuyou.engine.timeline import RESOURCES, Span, union_length  # noqa: E402
+from fuyou.timeline import RESOURCES, Span, union_length  # noqa: E402
 
 LR, WD = 1e-4, 0.01
 GROUPS = {"cpu": ("compute", "adam", "h2d", "d2h"), "ssd": ("ssd_read", "ssd_write")}
@@ -139,10 +139,10 @@ def fuyou_engine(cfg: Any, state_dict: Any, store_dir: str, precision: str, poli
     """An engine with ``policy`` for every decoder layer (``keep`` for embed and head)."""
     nblocks = cfg.num_hidden_layers + 2
     plan = Plan(micro_batches=micro_batches, prefetch_depth=depth, state_buffers=state_buffers,
-                activation_policy=("keep",) + (policy,) * (nblocks - 2) + ("keep",))
-    extra = {"state_chunk": state_chunk} if state_chunk else {}
+                activation_policy=("keep",) + (policy,) * (nblocks - 2) + ("keep",),
+                **({"state_chunk": state_chunk} if state_chunk else {}))
     ec = EngineConfig(ssd_dirs=(store_dir,), precision=precision, lr=LR, weight_decay=WD, cpu_memory=cpu_memory,
-                      plan=plan, adam_threads=adam_threads, **extra)
+                      plan=plan, adam_threads=adam_threads)
     return Engine.from_state_dict(cfg, state_dict, ec)
 
 
@@ -475,7 +475,7 @@ def main() -> None:
     ap.add_argument("--adam-threads", default="0", help="comma list of numba Adam thread counts; 0 = all cores")
     ap.add_argument("--depth", type=int, default=2, help="prefetch depth")
     ap.add_argument("--state-buffers", type=int, default=2, help="Plan.state_buffers (optimizer-state chunks in flight)")
-    ap.add_argument("--state-chunk", type=int, default=None, help="EngineConfig.state_chunk (elements; default: engine's)")
+    ap.add_argument("--state-chunk", type=int, default=None, help="Plan.state_chunk (elements; default: the plan's)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--quiet-cores", type=float, default=0.05,

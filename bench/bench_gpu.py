@@ -25,7 +25,8 @@ from transformers import LlamaConfig  # noqa: E402
 
 from bench.common import emit, hardware_info  # noqa: E402
 from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
-from fuyou.flops import FORMULA, train_flops_per_token  # noqa: E402
+from fuyou.planner.cost import FLOP_FORMULA  # noqa: E402
+from fuyou.planner.shapes import shape_from_config  # noqa: E402
 
 
 def matmul_peak(device: str, n: int, repeats: int = 10) -> float:
@@ -104,7 +105,7 @@ def run(a: argparse.Namespace, work: str) -> None:
     t0 = time.perf_counter()
     eng = Engine.from_state_dict(cfg, LazyInit(shapes), ec)
     import_s = time.perf_counter() - t0
-    fpt = train_flops_per_token(list(eng.layout.blocks), a.layers, a.hidden, a.seq)
+    fpt = shape_from_config(cfg.to_dict()).train_flops_per_token(a.seq)
     ids = torch.randint(0, a.vocab, (a.micro_batch * a.grad_accum, a.seq))
     times, stats = [], None
     with eng:
@@ -119,7 +120,7 @@ def run(a: argparse.Namespace, work: str) -> None:
     tflops = fpt * ids.numel() / step / 1e12
     emit({"bench": "gpu_throughput", "smoke": a.smoke, "device": device, "params": params, "nblocks": nb,
           "tokens_per_step": ids.numel(), "step_s_median": step, "step_s_all": times, "tflops": tflops,
-          "matmul_peak_tflops": peak, "mfu": tflops / peak, "flop_formula": FORMULA, "import_s": import_s,
+          "matmul_peak_tflops": peak, "mfu": tflops / peak, "flop_formula": FLOP_FORMULA, "import_s": import_s,
           "bottleneck": stats["bottleneck"], "busy_frac": stats["busy_frac"], "cpu_memory": a.cpu_memory,
           "hardware": hardware_info([work])}, a.out)
 

@@ -86,7 +86,7 @@ def run_engine(cfg: object, sd: dict, store: str, plan: Plan, chunk: int | None,
                a: argparse.Namespace) -> tuple[float, list[float], Plan, int, dict]:
     """Median step time of the real engine running ``plan``: (median s, all, plan run, chunk, busy)."""
     ec = EngineConfig(ssd_dirs=(store,), precision="bf16", lr=1e-4, weight_decay=0.01, cpu_memory=a.cpu_memory,
-                      plan=plan, adam_threads=threads or None, **({"state_chunk": chunk} if chunk else {}))
+                      plan=replace(plan, state_chunk=chunk) if chunk else plan, adam_threads=threads or None)
     eng = Engine.from_state_dict(cfg, sd, ec)
     try:
         times, busy = [], {}
@@ -111,7 +111,7 @@ def run_interleaved(cfg: object, sd: dict, work: str, specs: list[tuple[Plan, in
             d = os.path.join(work, f"cmp{i}")
             os.makedirs(d)
             ec = EngineConfig(ssd_dirs=(d,), precision="bf16", lr=1e-4, weight_decay=0.01, cpu_memory=a.cpu_memory,
-                              plan=plan, adam_threads=threads or None, **({"state_chunk": chunk} if chunk else {}))
+                              plan=replace(plan, state_chunk=chunk) if chunk else plan, adam_threads=threads or None)
             engines.append(Engine.from_state_dict(cfg, sd, ec))
         times: list[list[float]] = [[] for _ in specs]
         n = len(engines)
@@ -164,8 +164,7 @@ def setting(name: str, model: str, batch: int, seq: int, policy: str, threads: i
     plan = Plan(micro_batches=1, prefetch_depth=2, activation_policy=("keep",) + (policy,) * (nb - 2) + ("keep",),
                 ram_weight_blocks=nb if ram else 0, ram_state_blocks=nb if ram else 0)
     meas, all_t, ran, chunk, busy = run_engine(cfg, sd, work, plan, None, threads, ids, a)
-    pred = predict(shape, ran, StepConfig(batch, seq, chunk, ram_weight_blocks=ran.ram_weight_blocks,
-                                          ram_state_blocks=ran.ram_state_blocks), prof)
+    pred = predict(shape, ran, StepConfig(batch, seq), prof)
     emit({"bench": "planner_p7", "setting": name, "model": {**m, "params": shape.params, "batch": batch, "seq": seq},
           "plan": ran.to_json(), "state_chunk": chunk, "adam_threads": threads or "all",
           "predicted_s": pred.step_s, "measured_s": meas, "ratio": pred.step_s / meas,
@@ -179,12 +178,12 @@ def setting(name: str, model: str, batch: int, seq: int, policy: str, threads: i
     res = {tiers: search(shape, prof, budgets, Request(seq_len=seq, tokens_per_step=batch * seq,
                                                        micro_batch_size=batch, ram_tiers=tiers))
            for tiers in (False, True)}  # the planner with state on SSD only, then allowed RAM tiers
-    specs = [(ran, chunk)] + [(r.plan, r.step.state_chunk) for r in res.values()]
+    specs = [(ran, chunk)] + [(r.plan, r.plan.state_chunk) for r in res.values()]
     rules_t, *planner_t = run_interleaved(cfg, sd, work, specs, threads, ids, a)
     for (tiers, r), p_t in zip(res.items(), planner_t):
         pairs = [x / y for x, y in zip(rules_t, p_t)]
         emit({"bench": "planner_vs_rules", "setting": name, "ram_tiers": tiers, "rules_plan": ran.to_json(),
-              "rules_chunk": chunk, "planner_plan": r.plan.to_json(), "planner_chunk": r.step.state_chunk,
+              "rules_chunk": chunk, "planner_plan": r.plan.to_json(), "planner_chunk": r.plan.state_chunk,
               "rules_measured_s": statistics.median(rules_t), "planner_measured_s": statistics.median(p_t),
               "speedup": statistics.median(rules_t) / statistics.median(p_t),
               "speedup_pair_median": statistics.median(pairs), "planner_predicted_s": r.prediction.step_s,

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from bench.common import emit, hardware_info  # noqa: E402
 from fuyou.device import get_backend  # noqa: E402
 from fuyou.storage import ExtentSpec, TensorSpec, TensorStore  # noqa: E402
-from fuyou.transfer.buffers import HostBufferPool  # noqa: E402
+from fuyou.transfer.host_pool import HostBufferPool  # noqa: E402
 
 
 def fio(directory: str, rw: str, size_mib: int, iodepth: int = 8) -> float:

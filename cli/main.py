@@ -44,7 +44,7 @@ def doctor(ssd_dirs: tuple[str, ...]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from fuyou.doctor import run_checks
+    from fuyou.run.doctor import run_checks
 
     checks = run_checks(list(ssd_dirs))
     table = Table("check", "status", "detail", show_lines=False)
@@ -113,8 +113,8 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 def finetune(model_dir: str | None, config_file: str | None, no_progress: bool, overwrite: bool, betas: str | None,
              **flags: object) -> None:
     """Fine-tune MODEL_DIR (a Hugging Face directory) out of core; without one, run the built-in demo."""
-    from fuyou.finetune import finetune as run
-    from fuyou.finetune_config import load_yaml, merge
+    from fuyou.run.config import load_yaml, merge
+    from fuyou.run.loop import finetune as run
 
     given = {k: v for k, v in flags.items() if v is not None and v != ()}
     if model_dir:

@@ -110,10 +110,10 @@ def print_result(res: object, params: int) -> None:
         t.add_row("batch", f"micro-batch {s.micro_batch_size} × accumulation {p.micro_batches} × seq {s.seq_len} "
                            f"= {pr.tokens} tokens/step")
         t.add_row("schedule", f"{p.schedule}, prefetch depth {p.prefetch_depth}, state buffers {p.state_buffers}, "
-                              f"state chunk {s.state_chunk} elements")
+                              f"state chunk {p.state_chunk} elements")
         t.add_row("activations", _policies(p.activation_policy))
         if not s.executable:
-            t.add_row("tiers", f"weights of {s.ram_weight_blocks} blocks and state of {s.ram_state_blocks} blocks in RAM; "
+            t.add_row("tiers", f"weights of {p.ram_weight_blocks} blocks and state of {p.ram_state_blocks} blocks in RAM; "
                                f"block inputs offloaded: {s.boundary_offload}; async swaps: {s.async_swap}")
         t.add_row("memory", f"device {fs(m.device)}, host {fs(m.host)} (buffers {fs(m.host_buffers)}, activations "
                             f"{fs(m.host_activations)}, RAM tiers {fs(m.host_ram_tiers)}), SSD {fs(m.ssd)}")

@@ -6,6 +6,9 @@ import re
 
 from fuyou.errors import ConfigError
 
+HOST_ALIGN = 4096
+"""Alignment of host buffers (a page; O_DIRECT's): the pool counts every buffer rounded up to it."""
+
 _UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,

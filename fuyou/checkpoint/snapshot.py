@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from fuyou.engine.ram_tier import STALE
+from fuyou.transfer.ram_tier import STALE
 from fuyou.errors import FuyouError, ManifestError, StoreError, exception_chain
 from fuyou.storage.dirs import fsync_dir
 from fuyou.storage.manifest import MANIFEST, read_manifest, write_manifest

@@ -34,7 +34,7 @@ _EXPORTS = {
     "LoaderState": "fuyou.data.loader",
     "build_datasets": "fuyou.data.build",
     "check_seq_len": "fuyou.data.build",
-    "write_demo_dataset": "fuyou.data.demo",
+    "write_demo_dataset": "fuyou.data.demo_corpus",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -18,10 +18,7 @@ from typing import Any
 import torch
 
 from fuyou.errors import DeviceMemoryError
-from fuyou.units import align_up, format_size
-
-HOST_ALIGN = 4096
-"""Alignment (bytes) of every host buffer: the page size, which O_DIRECT and pinning need."""
+from fuyou.units import HOST_ALIGN, align_up, format_size  # noqa: F401 - HOST_ALIGN: re-exported
 
 
 @dataclass(frozen=True)

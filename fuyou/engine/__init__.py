@@ -1,6 +1,6 @@
 """The out-of-core training engine: layer-streamed steps over the SSD store with overlapped CPU Adam.
 
-Names are imported lazily, so ``from fuyou.engine.plan import Plan`` (plain data, used by the
+Names are imported lazily, so ``fuyou.engine.Plan`` (plain data from ``fuyou.schedule``, used by the
 planner) does not import torch.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-_EXPORTS = {"Engine": "fuyou.engine.engine", "EngineConfig": "fuyou.engine.config", "Plan": "fuyou.engine.plan"}
+_EXPORTS = {"Engine": "fuyou.engine.engine", "EngineConfig": "fuyou.engine.config", "Plan": "fuyou.schedule.plan"}
 __all__ = sorted(_EXPORTS)
 
 

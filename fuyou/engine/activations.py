@@ -5,7 +5,7 @@
   at pack time and back at unpack (saved-tensor hooks). Weights are recognised by their storage
   and left alone: their storage is freed after forward and refilled before backward.
 * ``swap_ssd`` — like ``swap_cpu``, then written to a scratch file on the SSD and read back a block
-  ahead of its backward (``act_ssd.py``).
+  ahead of its backward (``fuyou.transfer.activation_files``).
 * ``recompute`` — only the block input (and the RNG state, for dropout) is kept; backward re-runs
   the forward with gradients enabled.
 """
@@ -18,9 +18,9 @@ from typing import Any
 import torch
 
 from fuyou.device.base import Backend
-from fuyou.engine.act_ssd import ActivationSpace, SSDRecord
+from fuyou.transfer.activation_files import ActivationSpace, SSDRecord
 from fuyou.models.adapters import Adapter, MicroBatchContext
-from fuyou.transfer.buffers import HostBufferPool
+from fuyou.transfer.host_pool import HostBufferPool
 
 
 @dataclass

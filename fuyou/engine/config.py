@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from fuyou.engine.plan import Plan
+from fuyou.schedule.plan import Plan
+from fuyou.schedule.rules import resolve
 from fuyou.errors import ConfigError
 from fuyou.units import parse_size
 
@@ -35,14 +36,12 @@ class EngineConfig:
     no_decay: frozenset[str] = frozenset()
     """Parameter names (HF keys) without weight decay, e.g. biases and norm weights as Trainer does."""
     max_grad_norm: float = 0.0
-    """Global-norm clipping threshold; 0 = off. Set ⇒ the overlap_next_forward schedule."""
+    """Global-norm clipping threshold; 0 = off. Needs the overlap_next_forward schedule (the plan's
+    default ``auto`` schedule resolves to it: ``fuyou.schedule.rules.resolve``)."""
     plan: Plan = field(default_factory=Plan)
     io: str = "auto"
     direct: str = "auto"
     checksums: bool = True
-    state_chunk: int = 1 << 23
-    """Elements per optimizer-state chunk (a multiple of 32): host memory for state is
-    ``state_buffers`` × chunk × 12 bytes, whatever the largest block."""
     adam_threads: int | None = None
     """numba threads for the CPU Adam (default: all cores)."""
 
@@ -57,8 +56,6 @@ class EngineConfig:
                 problems.append(f"--{name.replace('_', '-')} must be one of {allowed}, got {getattr(self, name)!r}")
         if not (math.isfinite(self.lr) and self.lr >= 0):
             problems.append(f"--lr must be a finite number ≥ 0, got {self.lr}")
-        if self.state_chunk <= 0 or self.state_chunk % 32:
-            problems.append(f"state chunk must be a positive multiple of 32 elements, got {self.state_chunk}")
         if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):
             problems.append(f"--max-grad-norm must be ≥ 0 (0 = off), got {self.max_grad_norm}")
         try:
@@ -69,10 +66,7 @@ class EngineConfig:
             problems.append(str(e))
         if problems:
             raise ConfigError("; ".join(problems))
-        if self.max_grad_norm and self.plan.schedule != "overlap_next_forward":
-            import dataclasses
-
-            object.__setattr__(self, "plan", dataclasses.replace(self.plan, schedule="overlap_next_forward"))
+        resolve(self.plan, clip=self.max_grad_norm > 0)  # refuses overlap_backward with clipping, naming both
 
     @property
     def cpu_bytes(self) -> int:

@@ -11,32 +11,32 @@ compute copy + fp32 master + zeroed m/v) and never sit whole in RAM.
 from __future__ import annotations
 
 import math
+import dataclasses
 import os
 import shutil
-import time
-from concurrent.futures import Future
 from typing import Any, Callable, Iterator
 
 import torch
 
 from fuyou.device import get_backend
-from fuyou.engine.act_ssd import ActivationSpace
+from fuyou.engine.adam_stage import AdamStage
 from fuyou.engine.config import EngineConfig
-from fuyou.engine.layout import ModelLayout, elem_size
-from fuyou.engine.optimizer import STATE, AdamStage
-from fuyou.engine.ram_tier import RamTier, refuse_stale, rollback_blocks
-from fuyou.engine.grad_park import GradientParking
-from fuyou.engine.rules import fit_host, parked
-from fuyou.engine.step import StepRunner, StepState, gate_for, park_class, settle
-from fuyou.engine.timeline import Timeline
-from fuyou.engine.weights import HOST_CLASS, WeightLoader
+from fuyou.engine.export import HF_FILES, export_layout, iter_master
+from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
 from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
 from fuyou.models.adapters import make_adapter
-from fuyou.engine.export import HF_FILES, export_layout, iter_master
 from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config
+from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.optim import AdamWHyper
+from fuyou.schedule import rules, sizing
+from fuyou.schedule.plan import Plan
 from fuyou.storage.store import TensorStore
-from fuyou.transfer.buffers import HostBufferPool
+from fuyou.timeline import Timeline
+from fuyou.transfer.activation_files import ActivationSpace
+from fuyou.transfer.grad_park import GradientParking
+from fuyou.transfer.host_pool import HostBufferPool
+from fuyou.transfer.ram_tier import RamTier, refuse_stale
+from fuyou.transfer.weights import WeightLoader
 from fuyou.units import format_size
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -50,34 +50,32 @@ class Engine:
         """Build the engine; with ``store`` (an opened store of an earlier run) resume from it, else
         create a new store in ``cfg.ssd_dirs`` and import ``tensors`` block by block."""
         self.cfg, self.source_dir = cfg, source_dir
-        self.plan = cfg.plan
-        self.lr, self.step, self.max_grad_norm = cfg.lr, 0, cfg.max_grad_norm
-        self.pending: dict[int, Future] = {}
+        self.progress = Progress(step=0, lr=cfg.lr)
+        self.max_grad_norm = cfg.max_grad_norm
         self.adapter = make_adapter(config)
         self.backend = get_backend(cfg.device, cfg.gpu_bytes)
         self.adapter.prepare(self.backend.device)
         blocks = tuple(self.adapter.blocks)
-        if max(self.plan.ram_weight_blocks, self.plan.ram_state_blocks) > len(blocks):
-            raise ConfigError(f"the plan keeps {self.plan.ram_weight_blocks} blocks' weights and "
-                              f"{self.plan.ram_state_blocks} blocks' optimizer state in host RAM, but the model has "
-                              f"{len(blocks)} blocks")
+        plan = rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0)
+        rules.check_ram_tier(plan, len(blocks))
         if store is None:
-            layout = ModelLayout(blocks, DTYPES[cfg.precision], DTYPES[cfg.state_precision], cfg.state_chunk)
-            self.layout, self.plan = fit_host(layout, self.plan, cfg.cpu_bytes)
+            layout = ModelLayout(blocks, DTYPES[cfg.precision], DTYPES[cfg.state_precision], plan.state_chunk)
         else:
-            self.layout, self.plan = fit_host(_stored_layout(blocks, store, cfg), self.plan, cfg.cpu_bytes, fixed_chunk=True)
-            self.step = int(store.meta.get("step", 0))
-        self._check_device_budget()
+            layout = _stored_layout(blocks, store, cfg)
+            plan = dataclasses.replace(plan, state_chunk=layout.state_chunk)
+            self.progress.step = int(store.meta.get("step", 0))
+        self.plan: Plan = admit(layout, plan, cfg.cpu_bytes, self.backend.memory().capacity, store is not None)
+        """The plan this engine runs: ``cfg.plan`` with its schedule resolved, fitted to the host budget."""
+        self.layout = dataclasses.replace(layout, state_chunk=self.plan.state_chunk)
         self.pool = HostBufferPool(self.backend, cfg.cpu_bytes)
-        self._reserve_host()
+        for c in sizing.buffer_classes(self.layout.footprint(), self.plan):
+            self.pool.reserve(c.name, c.nbytes, c.count)
         self.timeline = Timeline()
         self.store = store or TensorStore.create(list(cfg.ssd_dirs), self.layout.extents(), io=cfg.io,
                                                  direct=cfg.direct, checksums=cfg.checksums, overwrite=True)
         try:
             self.tier = RamTier(self.store, self.pool, self.layout, self.timeline, self.plan.ram_weight_blocks,
                                 self.plan.ram_state_blocks)
-            self._reserve_parks(rollback_blocks(self.plan.ram_weight_blocks, self.plan.ram_state_blocks,
-                                                self.plan.schedule))
             if store is not None:
                 self.tier.load()
         except BaseException:
@@ -92,14 +90,25 @@ class Engine:
                                self.backend.new_stream(), cfg.adam_threads, cfg.no_decay)
         self.parking = GradientParking(self.stage, self.pool, self.layout, self.store.engine, self.store.dirs,
                                        self.store.direct, self.timeline,
-                                       [b for b in parked(self.layout, self.plan) if not self.plan.parks_in_ram(b)],
-                                       cfg.checksums)
+                                       rules.parked_on_ssd(len(self.layout.blocks), self.plan), cfg.checksums)
         self.act_space = ActivationSpace(self.backend, self.pool, self.store.engine, self.store.dirs,
                                          self.store.direct, self.timeline)
-        self.runner = StepRunner(self)
+        self.runner = StepRunner(StepContext(
+            self.layout, self.plan, self.adapter, self.backend, self.loader, self.stage, self.parking, self.tier,
+            self.act_space, self.timeline, self.compute_stream, self.max_grad_norm, self.progress, self.commit_meta))
         if store is None:
             self._save_model_files()
             self._import(tensors)
+
+    @property
+    def step(self) -> int:
+        """Updates applied so far."""
+        return self.progress.step
+
+    @property
+    def lr(self) -> float:
+        """Learning rate of the next update(s) (``set_lr``)."""
+        return self.progress.lr
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -139,36 +148,6 @@ class Engine:
         """Build from an in-memory state dict (tests, the Trainer plugin); copies go block by block."""
         return cls(config, cfg, lambda keys: {k: state_dict[k] for k in keys})
 
-    def _check_device_budget(self) -> None:
-        cap = self.backend.memory().capacity
-        lay, H = self.layout, len(self.layout.blocks) - 1
-        per = [lay.w(b).nbytes + lay.numel(b) * elem_size(lay.compute_dtype) for b in range(H + 1)]
-        head = per[H] + sum(per[lay.index(o)] for o in lay.blocks[H].borrows)
-        need = max(max(per), head)
-        if need > cap:
-            raise DeviceMemoryError(
-                f"the largest block needs {format_size(need)} of device memory for its weights and gradients, "
-                f"the device budget is {format_size(cap)}; raise --gpu-memory (or use a GPU with more memory)"
-            )
-
-    def _reserve_host(self) -> None:
-        """Reserve the streaming buffers and the clipping schedule's parked gradients (the RAM tier and
-        the gradients its blocks park reserve theirs after, so a budget too small names the tier)."""
-        lay, plan = self.layout, self.plan
-        self.pool.reserve(HOST_CLASS, WeightLoader.host_bytes(lay), plan.prefetch_depth + 1)
-        for name, nbytes, count in AdamStage.host_classes(lay, plan.state_buffers):
-            self.pool.reserve(name, nbytes, count)
-        if plan.schedule == "overlap_next_forward":
-            self._reserve_parks(range(len(lay.blocks)))
-
-    def _reserve_parks(self, blocks: range) -> None:
-        """One parked-gradient host buffer per block in ``blocks`` that parks in RAM (the others park
-        on SSD through the Adam stage's gradient buffers: ``grad_park``)."""
-        lay = self.layout
-        for b in blocks:
-            if self.plan.parks_in_ram(b):
-                self.pool.reserve(park_class(b), lay.numel(b) * elem_size(lay.compute_dtype), 1)
-
     def _import(self, tensors: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
         """Write every block's weights and zeroed state to the store (and the RAM tier's copies), one
         block's source at a time, converting through the pool's own buffers (so import stays inside
@@ -180,7 +159,7 @@ class Engine:
     def _import_block(self, b: int, src: dict[str, torch.Tensor]) -> None:
         lay = self.layout
         n = lay.numel(b)
-        buf = self.pool.acquire(HOST_CLASS)
+        buf = self.pool.acquire(sizing.WEIGHTS)
         try:
             w = buf.data[: n * elem_size(lay.compute_dtype)]
             lay.flatten_into(b, src, w.view(lay.compute_dtype), 0, n)
@@ -189,7 +168,7 @@ class Engine:
             self.pool.release(buf)
         for c, (lo, hi) in enumerate(lay.chunks(b)):
             ext = lay.s(b, c)
-            buf = self.pool.acquire(STATE)
+            buf = self.pool.acquire(sizing.STATE)
             try:
                 s = buf.data[: ext.nbytes]
                 s.zero_()
@@ -219,9 +198,9 @@ class Engine:
         """Learning rate for the next update(s); raises ConfigError if negative or not finite."""
         if not (math.isfinite(lr) and lr >= 0):
             raise ConfigError(f"learning rate must be a finite number ≥ 0, got {lr}")
-        self.lr = lr
+        self.progress.lr = lr
 
-    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> dict:
+    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> StepResult:
         """One optimizer step on a batch of ``[B, T]`` token ids (B divisible by the micro-batch count).
 
         ``labels`` default to ``input_ids``; -100 marks positions without loss. The loss is the mean
@@ -236,7 +215,7 @@ class Engine:
         return self.train_micro_batches(list(input_ids.chunk(K)), list(labels.chunk(K)))
 
     def train_micro_batches(self, input_ids: list[torch.Tensor], labels: list[torch.Tensor],
-                            num_items: int | None = None) -> dict:
+                            num_items: int | None = None) -> StepResult:
         """One optimizer step over micro-batches of ``[b, t]`` token ids (shapes may differ).
 
         All micro-batches pass each block together (layer-grouped accumulation). ``num_items`` is the
@@ -249,24 +228,11 @@ class Engine:
             num_items = int(sum((lab[:, 1:] != -100).sum() for lab in labels))
         st = StepState(xs=[x.to(dev) for x in input_ids], ctxs=[None] * len(input_ids),
                        labels=[lab.to(dev) for lab in labels], num_items=num_items)
-        H = len(self.layout.blocks) - 1
-        borrowed = [self.layout.index(o) for o in self.layout.blocks[H].borrows]
-        t0 = time.perf_counter()
-        self.loader.gate = gate_for(self)
-        self.loader.start(list(range(H)) + [H] + borrowed + list(range(H - 1, -1, -1)))
-        try:
-            self.runner.forward(st)
-            settle(self)
-            self.runner.turnaround(st)
-            self.runner.backward(st)
-            applied = self.runner.finish(st)
-        finally:
-            self.loader.drain()
-        t1 = time.perf_counter()
+        applied, t0, t1 = self.runner.run(st)
         tokens = sum(x.numel() for x in input_ids)
-        return {"step": self.step, "loss": st.loss, "grad_norm": math.sqrt(st.norm_sq), "applied": applied,
-                "lr": self.lr, "tokens": tokens, "step_time_s": t1 - t0, "tokens_per_s": tokens / (t1 - t0),
-                **self.timeline.summary(t0, t1)}
+        return StepResult(step=self.step, loss=st.loss, grad_norm=math.sqrt(st.norm_sq), applied=applied, lr=self.lr,
+                          tokens=tokens, step_time_s=t1 - t0, tokens_per_s=tokens / (t1 - t0),
+                          **self.timeline.summary(t0, t1))
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
@@ -279,8 +245,8 @@ class Engine:
         dev = self.backend.device
         H = len(self.layout.blocks) - 1
         borrowed = [self.layout.index(o) for o in self.layout.blocks[H].borrows]
-        self.loader.gate = gate_for(self)
-        self.loader.start(list(range(H + 1)) + borrowed)
+        self.loader.gate = self.runner.gate
+        self.loader.start(rules.eval_order(H + 1, borrowed))
         try:
             x, ctx = input_ids.to(dev), None
             for b in range(H):
@@ -305,11 +271,11 @@ class Engine:
 
     def flush(self) -> None:
         """Wait for pending updates (clipping schedule) and commit them; then write the RAM tier's
-        changed extents to the store and commit a complete version (see ``fuyou.engine.ram_tier``).
+        changed extents to the store and commit a complete version (see ``fuyou.transfer.ram_tier``).
 
         Call before checkpoints and exports. Raises StoreError if a write or commit fails.
         """
-        settle(self)
+        self.runner.settle()
         self.tier.persist(self.commit_meta())
 
     # ------------------------------------------------------------------ results
@@ -343,9 +309,27 @@ class Engine:
         self.close()
 
 
+def admit(layout: ModelLayout, plan: Plan, host_bytes: int, device_bytes: int, fixed_chunk: bool = False) -> Plan:
+    """The engine's budget check: ``plan`` (schedule resolved) fitted to ``host_bytes`` by the budget
+    rules (``sizing.fit_host``; a plan that fits comes back unchanged). ``fixed_chunk``: the layout's
+    state chunk is a store's and cannot change.
+
+    Raises DeviceMemoryError if ``device_bytes`` is below ``sizing.device_floor``. A plan whose
+    smallest form still passes ``host_bytes`` is returned; the pool's reservation then refuses it,
+    naming every buffer class.
+    """
+    fp = layout.footprint()
+    need = sizing.device_floor(fp)
+    if need > device_bytes:
+        raise DeviceMemoryError(
+            f"the largest block needs {format_size(need)} of device memory for its weights and gradients, "
+            f"the device budget is {format_size(device_bytes)}; raise --gpu-memory (or use a GPU with more memory)")
+    return sizing.fit_host(fp, dataclasses.replace(plan, state_chunk=layout.state_chunk), host_bytes, fixed_chunk)
+
+
 def _stored_layout(blocks: tuple, store: TensorStore, cfg: EngineConfig) -> ModelLayout:
     """The layout a store was created with (dtypes and state chunk from its metadata)."""
-    from fuyou.storage.layout import dtype_from_name
+    from fuyou.storage.extents import dtype_from_name
 
     meta = store.meta
     compute = dtype_from_name(meta["compute_dtype"])

@@ -13,11 +13,11 @@ from typing import Any, Iterator
 
 import torch
 
-from fuyou.engine.layout import ModelLayout, elem_size
+from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.errors import ConfigError, ManifestError
 from fuyou.models.hf_io import load_config, save_streamed
-from fuyou.storage.layout import dtype_from_name
-from fuyou.engine.ram_tier import RamTier, refuse_stale
+from fuyou.storage.extents import dtype_from_name
+from fuyou.transfer.ram_tier import RamTier, refuse_stale
 from fuyou.storage.store import TensorStore
 
 HF_FILES = "hf-model-files"

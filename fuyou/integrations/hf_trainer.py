@@ -16,6 +16,19 @@ Supported: AdamW (``adamw_torch``, ``adamw_torch_fused``), LR schedulers, warm-u
 (``save_strategy``; the SSD state is checkpointed copy-free, by hard links) with ``save_total_limit``:
 a copy-free checkpoint goes when Trainer rotates its ``checkpoint-N`` directory away (the newest N
 stay, and the best model's when tracked), and ``resume_from_checkpoint``.
+
+The engine plan is chosen as ``fuyou finetune`` chooses it (``fuyou.run.plan_choice``, the same
+chooser): by default the cost-model planner, for ``per_device_train_batch_size`` ×
+``gradient_accumulation_steps`` sequences per step under ``cpu_memory``/``gpu_memory``, with clipping
+when ``max_grad_norm`` > 0; ``plan="rules"`` uses the engine's budget rules, and ``prefetch_depth``,
+``activations`` and ``profile`` mean what the CLI flags of those names mean. Trainer does not know the
+sequence length before the first batch, and the plan is fixed when the engine is built (at
+construction), so the plan is sized for ``FuyouTrainingArguments.seq_len`` when given — set it to your
+longest batch (e.g. the tokenizer's ``max_length``) — else for the model's maximum positions
+(``max_position_embeddings``/``n_positions``) capped at ``SEQ_LEN_CAP``. The chosen plan is printed
+(one line, as the CLI does), kept as ``trainer.plan_choice`` and recorded in each checkpoint's
+``fuyou_checkpoint.json``; a batch longer than the planned length warns once (the plan may then
+exceed the memory budgets). A profile measured for the plan is saved as ``OUTPUT_DIR/fuyou_profile.json``.
 """
 
 from __future__ import annotations
@@ -28,11 +41,15 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 
-from fuyou.engine import Engine, EngineConfig, Plan
+from fuyou.engine import Engine, EngineConfig
 from fuyou.errors import ConfigError
+from fuyou.run.plan_choice import ChosenPlan, PlanRequest, choose_plan
 
 SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 FUYOU_CKPT = "fuyou_checkpoint.json"
+FUYOU_PROFILE = "fuyou_profile.json"
+SEQ_LEN_CAP = 2048
+"""Without ``FuyouTrainingArguments.seq_len``, the plan is sized for the model's maximum positions, at most this."""
 
 
 @dataclasses.dataclass
@@ -42,6 +59,17 @@ class FuyouTrainingArguments(TrainingArguments):
     ssd_dirs: list[str] = dataclasses.field(default_factory=list, metadata={"help": "Store directories, one per SSD."})
     cpu_memory: str = dataclasses.field(default="8GiB", metadata={"help": "Host-memory budget, e.g. 64GiB."})
     gpu_memory: str | None = dataclasses.field(default=None, metadata={"help": "Device-memory budget, e.g. 20GiB."})
+    seq_len: int | None = dataclasses.field(default=None, metadata={
+        "help": "Longest sequence of a batch, what the plan is sized for (default: the model's maximum positions, "
+                f"at most {SEQ_LEN_CAP})."})
+    plan: str = dataclasses.field(default="auto", metadata={
+        "help": "auto: the cost-model planner picks the engine plan; rules: the engine's simple budget rules."})
+    profile: str | None = dataclasses.field(default=None, metadata={
+        "help": "Hardware profile JSON for the planner (default $FUYOU_PROFILE, ~/.cache/fuyou/hw.json, else measured)."})
+    prefetch_depth: int | None = dataclasses.field(default=None, metadata={
+        "help": "Fix the weight prefetch depth instead of planning it."})
+    activations: str | None = dataclasses.field(default=None, metadata={
+        "help": "Fix every layer's activation policy (keep|swap_cpu|swap_ssd|recompute) instead of planning it."})
 
     @property
     def place_model_on_device(self) -> bool:
@@ -106,18 +134,26 @@ class FuyouTrainer(Trainer):
         if problems:
             raise ConfigError("FuyouTrainer: " + "; ".join(problems))
         super().__init__(model=model, args=args, **kwargs)
+        req, seq_from = plan_request(args, model.config)
+        # the engine plan this trainer runs and how it was chosen (info: source, profile, prediction)
+        self.plan_choice = _choose(req, seq_from, _stderr if args.should_log else lambda s: None)
         cfg = EngineConfig(
-            ssd_dirs=tuple(args.ssd_dirs), cpu_memory=args.cpu_memory, gpu_memory=args.gpu_memory,
-            device="cpu" if args.use_cpu else "auto", precision="bf16" if args.bf16 else "fp32",
+            ssd_dirs=req.store_dirs, cpu_memory=req.cpu_memory, gpu_memory=req.gpu_memory, device=req.device,
+            precision=req.precision, state_precision=req.state_precision,
             lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
             weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or 0.0,
             no_decay=frozenset(n for n, _ in model.named_parameters()) - frozenset(self.get_decay_parameter_names(model)),
-            plan=Plan(micro_batches=args.gradient_accumulation_steps))
+            plan=self.plan_choice.plan)
         self.engine = Engine.from_state_dict(model.config, model.state_dict(), cfg)
         if args.bf16:
             _warn_if_bf16_is_slow(self.engine.backend)
+        self._planned_seq_len = req.seq_len
         self._pending: list[dict[str, torch.Tensor]] = []
         self._last: dict = {}
+
+    def plan_record(self) -> dict[str, Any]:
+        """The chosen plan's info plus the plan the engine executes (what ``fuyou_checkpoint.json`` records)."""
+        return {**self.plan_choice.info, "seq_len": self._planned_seq_len, "executed": self.engine.plan.to_json()}
 
     # ---- optimizer -----------------------------------------------------------------------------
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
@@ -130,7 +166,10 @@ class FuyouTrainer(Trainer):
     # ---- training ------------------------------------------------------------------------------
     def training_step(self, model: Any, inputs: dict[str, Any], num_items_in_batch: Any = None) -> torch.Tensor:
         """Buffer a micro-batch; on the last one of the accumulation, run one engine step."""
-        self._pending.append(_micro_batch(inputs))
+        mb = _micro_batch(inputs)
+        if mb["input_ids"].shape[-1] > self._planned_seq_len:
+            self._warn_longer(mb["input_ids"].shape[-1])
+        self._pending.append(mb)
         if len(self._pending) < self.current_gradient_accumulation_steps:
             return torch.tensor(0.0, device=self.args.device)
         batch, self._pending = self._pending, []
@@ -139,9 +178,22 @@ class FuyouTrainer(Trainer):
         self._last = self.engine.train_micro_batches([b["input_ids"] for b in batch], [b["labels"] for b in batch], n)
         return torch.tensor(self._last["loss"], device=self.args.device)
 
+    def _warn_longer(self, seq_len: int) -> None:
+        """Once: a batch is longer than the sequence length the plan was sized for."""
+        import warnings
+
+        from fuyou.errors import FuyouWarning
+
+        if getattr(self, "_warned_longer", False):
+            return
+        self._warned_longer = True
+        warnings.warn(f"FuyouTrainer: a batch of {seq_len} tokens per sequence is longer than the {self._planned_seq_len} "
+                      "the engine plan was sized for, so activations may exceed the memory budgets; set "
+                      "FuyouTrainingArguments.seq_len to the longest batch", FuyouWarning, stacklevel=3)
+
     def _clip_grad_norm(self, model: Any) -> torch.Tensor:
         """Clipping already happened, exactly, in the engine; report its gradient norm."""
-        return torch.tensor(self._last.get("grad_norm", 0.0))
+        return torch.tensor(self._last["grad_norm"] if self._last else 0.0)
 
     # ---- evaluation and saving -----------------------------------------------------------------
     def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
@@ -204,7 +256,7 @@ class FuyouTrainer(Trainer):
         take(self.engine.store, name, {"hf_checkpoint": os.path.abspath(output_dir), "step": self.state.global_step},
              replace=True)
         with open(os.path.join(output_dir, FUYOU_CKPT), "w") as f:
-            json.dump({"stripes": list(self.engine.store.dirs), "name": name}, f)
+            json.dump({"stripes": list(self.engine.store.dirs), "name": name, "plan": self.plan_record()}, f)
         torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -230,6 +282,44 @@ class FuyouTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """The weights come back with the SSD state in ``_load_optimizer_and_scheduler``."""
+
+
+def plan_request(args: FuyouTrainingArguments, config: Any) -> tuple[PlanRequest, str]:
+    """The plan chooser's request for a Trainer run of a model with ``config``, and where its sequence
+    length came from (``seq_len``, else the model's maximum positions capped: see the module docstring)."""
+    if args.seq_len is not None:
+        seq_len, seq_from = args.seq_len, "FuyouTrainingArguments.seq_len"
+    else:
+        max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        seq_len = min(int(max_pos or SEQ_LEN_CAP), SEQ_LEN_CAP)
+        seq_from = (f"the model's {max_pos} positions, at most {SEQ_LEN_CAP}" if max_pos else "no seq_len given")
+        seq_from += "; set FuyouTrainingArguments.seq_len to the longest batch"
+    req = PlanRequest(
+        model_config=config, store_dirs=tuple(args.ssd_dirs), cpu_memory=args.cpu_memory, gpu_memory=args.gpu_memory,
+        device="cpu" if args.use_cpu else "auto", precision="bf16" if args.bf16 else "fp32",
+        micro_batch_size=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
+        seq_len=seq_len, clip=bool(args.max_grad_norm), mode=args.plan, prefetch_depth=args.prefetch_depth,
+        activations=args.activations, profile=args.profile, profile_out=os.path.join(args.output_dir, FUYOU_PROFILE))
+    return req, seq_from
+
+
+def _choose(req: PlanRequest, seq_from: str, log: Any) -> ChosenPlan:
+    """``choose_plan``, saying which sequence length the plan is sized for; a plan that does not fit names it too."""
+    from fuyou.planner.search import InfeasibleError
+
+    if req.mode == "auto":
+        log(f"FuyouTrainer: planning for {req.micro_batch_size} × {req.grad_accum} sequences of {req.seq_len} tokens "
+            f"per step (length from {seq_from})")
+    try:
+        return choose_plan(req, log)
+    except InfeasibleError as e:
+        raise InfeasibleError(f"{e} (FuyouTrainer planned for sequences of {req.seq_len} tokens: {seq_from})") from e
+
+
+def _stderr(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr)
 
 
 def _refers(hf_dir: str, name: str) -> bool:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fuyou.storage.layout import ExtentSpec, TensorSpec
+from fuyou.storage.extents import ExtentSpec, TensorSpec
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 ``adamw_step`` (numba, fast) and ``adamw_step_reference`` (torch ops, readable) share one signature
 and give bit-identical results; ``AdamWorker`` runs per-layer updates on a thread. The per-layer
 state layout the engine streams (flat master/m/v per block, in chunks) is
-``fuyou.engine.layout.ModelLayout``.
+``fuyou.models.store_layout.ModelLayout``.
 """
 
 from fuyou.optim.adam_numba import adamw_step

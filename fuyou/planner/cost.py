@@ -8,9 +8,9 @@ from a sum or a max. Memory per tier:
   whatever the policy), ``keep`` activations, and the larger of a layer's working set (weights +
   gradients + two micro-batches' activations) and the head's (its weights, the tied embedding,
   gradients and ~12 bytes per logit: bf16 logits, fp32 upcast, fp32 and bf16 gradients);
-* host — the engine's buffer pool (``engine/rules.py`` ``host_need``, recomputed here without
-  torch), ``swap_cpu`` activations (all alive at the turnaround), transient ``swap_ssd`` staging,
-  and the RAM tiers (``ram_tier_bytes``: the same 4 KiB-rounded extents the engine's pool reserves);
+* host — the engine's buffer pool and RAM tier, counted by the rules the engine reserves them with
+  (``fuyou.schedule.sizing``), ``swap_cpu`` activations (all alive at the turnaround) and transient
+  ``swap_ssd`` staging;
 * SSD — two versions of the store (crash-safe commits) plus ``swap_ssd`` scratch files.
 """
 
@@ -21,13 +21,11 @@ from dataclasses import asdict, dataclass, field
 from fuyou.planner.graph import StepConfig, StepGraph, simulate
 from fuyou.planner.profile import HardwareProfile
 from fuyou.planner.shapes import ModelShape
+from fuyou.schedule import sizing
+from fuyou.schedule.plan import Plan
 
 DAY_S = 86400.0
 FLOP_FORMULA = "model FLOPs = tokens × (6·N_matmul + 12·L·d·T); recompute not counted (fuyou/flops.py)"
-
-
-def _align(n: int, a: int = 4096) -> int:
-    return -(-n // a) * a
 
 
 @dataclass(frozen=True)
@@ -40,7 +38,7 @@ class Memory:
     host_activations: int
     """``swap_cpu`` activations at the turnaround plus ``swap_ssd`` staging in flight."""
     host_ram_tiers: int = 0
-    """Weights/state kept in host RAM instead of on SSD (``fuyou.engine.ram_tier``)."""
+    """Weights/state kept in host RAM instead of on SSD (``fuyou.transfer.ram_tier``)."""
     ssd: int = 0
     """Store (two versions) plus activation scratch files."""
 
@@ -80,41 +78,23 @@ class Prediction:
         return d
 
 
-def host_buffers(shape: ModelShape, plan: object, cfg: StepConfig) -> int:
-    """Bytes of host buffers the engine reserves besides the RAM tier (``engine.rules.host_need`` =
-    this + ``ram_tier_bytes``), parked gradients included: every block's with ``overlap_next_forward``,
-    RAM-tier blocks 1…R−1's with ``overlap_backward`` (``engine.ram_tier.rollback_blocks``), those
-    that ``plan.park_ram_blocks`` keeps in RAM."""
-    numel = [b.numel for b in shape.blocks]
-    cb = cfg.compute_bytes
-    w = _align(cb * max(numel))
-    g = _align(cb * max(numel))
-    chunk = min(cfg.state_chunk, max(numel))
-    state = _align(_state_extent_bytes(chunk, cfg.state_bytes_per_param))
-    need = (plan.prefetch_depth + 1) * w + 2 * g + 2 * w + plan.state_buffers * state
-    parked = range(len(numel)) if plan.schedule == "overlap_next_forward" else \
-        range(1, max(cfg.ram_weight_blocks, cfg.ram_state_blocks))
-    return need + sum(_align(cb * numel[b]) for b in parked if plan.parks_in_ram(b))
+def footprint(shape: ModelShape, cfg: StepConfig) -> sizing.Footprint:
+    """The model's host-memory footprint at ``cfg``'s element sizes."""
+    return shape.footprint(cfg.compute_bytes, cfg.state_bytes_per_param)
 
 
-def ram_tier_bytes(shape: ModelShape, cfg: StepConfig) -> int:
-    """Host bytes of the RAM tier: compute-dtype weights (2 B/param bf16, 4 fp32) of the first ``ram_weight_blocks`` blocks and
-    ``state_bytes_per_param`` (12 fp32, 8 with bf16 m/v) of the first ``ram_state_blocks``, each
-    extent (a block's weights, a state chunk) 4 KiB-rounded as the engine's pool counts it."""
-    total = sum(_align(cfg.compute_bytes * b.numel) for b in shape.blocks[: cfg.ram_weight_blocks])
-    for b in shape.blocks[: cfg.ram_state_blocks]:
-        for lo in range(0, max(b.numel, 1), cfg.state_chunk):
-            total += _align(_state_extent_bytes(min(cfg.state_chunk, b.numel - lo), cfg.state_bytes_per_param))
-    return total
+def host_buffers(shape: ModelShape, plan: Plan, cfg: StepConfig) -> int:
+    """Bytes of the host buffers the engine reserves for ``plan`` besides the RAM tier, parked
+    gradients included (``sizing.buffer_classes``)."""
+    return sizing.host_buffer_bytes(footprint(shape, cfg), plan)
 
 
-def _state_extent_bytes(n: int, per_param: int) -> int:
-    """master (4 B) + m + v at 64-byte tensor alignment, as ``ModelLayout.s``."""
-    mv = (per_param - 4) // 2
-    return _align(4 * n, 64) + _align(mv * n, 64) + mv * n
+def ram_tier_bytes(shape: ModelShape, plan: Plan, cfg: StepConfig) -> int:
+    """Host bytes of ``plan``'s RAM tier (``sizing.ram_tier_bytes``)."""
+    return sizing.ram_tier_bytes(footprint(shape, cfg), plan)
 
 
-def memory(shape: ModelShape, plan: object, cfg: StepConfig, prof: HardwareProfile) -> Memory:
+def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile) -> Memory:
     """Peak bytes per tier (see the module docstring)."""
     g = StepGraph(shape, plan, cfg, prof)
     H, K, mbt = g.H, g.K, g.mb_tokens
@@ -135,10 +115,10 @@ def memory(shape: ModelShape, plan: object, cfg: StepConfig, prof: HardwareProfi
         swap_cpu += H * T * shape.hidden * cb
     store = sum(cb * b.numel + cfg.state_bytes_per_param * b.numel for b in shape.blocks)
     return Memory(device=device, host_buffers=host_buffers(shape, plan, cfg), host_activations=int(swap_cpu + staging),
-                  host_ram_tiers=ram_tier_bytes(shape, cfg), ssd=int(2 * store + sum(g.act_bytes(b) for b in ssd_blocks)))
+                  host_ram_tiers=ram_tier_bytes(shape, plan, cfg), ssd=int(2 * store + sum(g.act_bytes(b) for b in ssd_blocks)))
 
 
-def predict(shape: ModelShape, plan: object, cfg: StepConfig, prof: HardwareProfile) -> Prediction:
+def predict(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile) -> Prediction:
     """Predict one steady-state step of ``plan`` (an engine ``Plan``) under ``cfg`` on ``prof``."""
     step_s, busy = simulate(shape, plan, cfg, prof)
     busy = {k: v for k, v in busy.items() if k != "sync"}

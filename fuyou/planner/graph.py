@@ -23,7 +23,7 @@ all but ``ssd`` are one server, the cores):
   before their Adam), submits Adam(0…H) after backward, and the next step's forward reads of block b wait for Adam(b)'s
   weight write; the next step's turnaround waits for every write (``settle``).
 
-RAM tiers (``StepConfig.ram_*``, executed by ``fuyou.engine.ram_tier``) turn the SSD reads and
+RAM tiers (``StepConfig.ram_*``, executed by ``fuyou.transfer.ram_tier``) turn the SSD reads and
 writes of the first blocks' weights into host memcpys and let Adam update their state in place; with ``overlap_backward`` RAM-tier
 blocks 1…R−1 park their gradients and update after block 0's backward (a non-finite step cannot be
 rolled back in RAM). Not-yet-executable options (``boundary_offload``, ``async_swap``) add copies for
@@ -35,24 +35,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fuyou.planner.profile import HardwareProfile
+from fuyou.schedule import rules
+from fuyou.schedule.plan import Plan
+from fuyou.schedule.sizing import state_chunks
 from fuyou.planner.shapes import ModelShape
 from fuyou.planner.sim import Sim
 
 
 @dataclass(frozen=True)
 class StepConfig:
-    """What one step runs besides the engine ``Plan``: batch shape, state layout, tiers."""
+    """What one step runs besides the ``Plan``: batch shape, element sizes, not-yet-executable options."""
 
     micro_batch_size: int
     seq_len: int
-    state_chunk: int = 1 << 23
-    """Elements per optimizer-state chunk (``EngineConfig.state_chunk``)."""
     state_bytes_per_param: int = 12
     """fp32 master + m + v = 12; bf16 m, v = 8."""
-    ram_weight_blocks: int = 0
-    """Blocks (from the first) whose bf16 weights live in host RAM, not on SSD (``Plan.ram_weight_blocks``)."""
-    ram_state_blocks: int = 0
-    """Blocks (from the first) whose master/m/v live in host RAM, not on SSD (``Plan.ram_state_blocks``)."""
     boundary_offload: bool = False
     """NOT YET EXECUTABLE: block inputs kept for backward go to host RAM instead of device memory."""
     async_swap: bool = False
@@ -76,7 +73,8 @@ class StepConfig:
 class StepGraph:
     """Builds ``steps`` consecutive steps of one plan into a ``Sim``; see the module docstring."""
 
-    def __init__(self, shape: ModelShape, plan: object, cfg: StepConfig, prof: HardwareProfile) -> None:
+    def __init__(self, shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile) -> None:
+        plan = rules.resolve(plan, clip=False)  # ``auto``: the planner's caller did not ask for clipping
         self.m, self.p, self.c, self.hw = shape, plan, cfg, prof
         self.cpu = prof.device == "cpu"
         merge = {r: "cpu" for r in ("h2d", "d2h", "compute", "adam", "thread")} if self.cpu else {}
@@ -84,7 +82,8 @@ class StepGraph:
         H = len(shape.blocks) - 1
         self.H = H
         tied = [i for i, b in enumerate(shape.blocks) for o in shape.blocks[H].borrows if b.name == o]
-        self.order = list(range(H)) + [H] + tied + list(range(H - 1, -1, -1))
+        self.order = rules.load_order(H + 1, tied)
+        self.parked = set(rules.parked(H + 1, plan))
         self.K = plan.micro_batches
         self.mb_tokens = cfg.micro_batch_size * cfg.seq_len
         self.thread: int | None = None
@@ -152,7 +151,7 @@ class StepGraph:
             return
         b = self.order[pos]
         gate = self.prev_writes.get(b)  # overlap_next_forward: Adam(b) of the last step wrote w(b)
-        if b < self.c.ram_weight_blocks:  # RAM tier: a memcpy into the host buffer, no SSD read, done by
+        if b < self.p.ram_weight_blocks:  # RAM tier: a memcpy into the host buffer, no SSD read, done by
             # the thread that issues it (training thread) or, gated on last step's update, the Adam worker
             cp = self._w_bytes(b) / self.hw.host_mem_Bps
             if gate is None:
@@ -178,7 +177,7 @@ class StepGraph:
         self.state_rel: list[int] = []
         self.writes: dict[int, int] = {}
         self.all_writes: list[int] = []
-        self.parked: dict[int, int] = {}
+        self.parked_grads: dict[int, int] = {}
         self.on_ssd: set[int] = set()
         for pos in range(min(self.p.prefetch_depth + 1, len(self.order))):
             self._issue(pos, (start,))
@@ -255,31 +254,27 @@ class StepGraph:
             self.sim.op("thread", nbytes * self.hw.io_cpu_s_per_byte, deps, "io_cpu")
         return op
 
-    def _held_back(self, b: int) -> bool:
-        """overlap_backward: RAM-tier block 1…R−1 whose update waits for block 0 (``ram_tier.rollback_blocks``)."""
-        return self.p.schedule == "overlap_backward" and 0 < b < max(self.c.ram_weight_blocks, self.c.ram_state_blocks)
-
     def hand_off(self, b: int, bwd: int) -> None:
         """Gradient norm (a read of the gradient on the device, then a sync), device→host copy, then
         Adam now (overlap_backward) or parked."""
         self._t(bwd)
         self._t(self.sim.op("compute", self.m.blocks[b].numel / self.hw.grad_norm_rate, (self.thread,), "norm"))
-        if self.p.schedule == "overlap_next_forward" or self._held_back(b):
+        if b in self.parked:  # ``rules.parked``: every block with clipping, held-back RAM-tier blocks without
             d = self.sim.op("d2h", self._w_bytes(b) / self.hw.d2h_Bps, (self.thread, bwd))
             if self.cpu:
                 self._t(d)
             if not self.p.parks_in_ram(b):  # parked on SSD (``grad_park``)
                 d = self._ssd(self._w_bytes(b), "ssd_write", (d,))
                 self.on_ssd.add(b)
-            self.parked[b] = d
+            self.parked_grads[b] = d
             return
         self._acquire(self.grad_rel, 2)
         d = self.sim.op("d2h", self._w_bytes(b) / self.hw.d2h_Bps, (self.thread, bwd))
         if self.cpu:
             self._t(d)
         if b == 0:
-            for o in sorted(self.parked, reverse=True):
-                self.update(o, self.parked.pop(o))
+            for o in sorted(self.parked_grads, reverse=True):
+                self.update(o, self.parked_grads.pop(o))
         self.update(b, d)
 
     def update(self, b: int, grad: int) -> None:
@@ -288,10 +283,10 @@ class StepGraph:
         if b in self.on_ssd:  # the parked gradient comes back from SSD first
             grad = self._ssd(self._w_bytes(b), "ssd_read", (self.thread, grad))
         self._acquire(self.ww_rel, 2)
-        in_ram = b < self.c.ram_state_blocks
+        in_ram = b < self.p.ram_state_blocks
         jobs, writes = [], []
-        for lo in range(0, max(n, 1), self.c.state_chunk):
-            k = min(self.c.state_chunk, n - lo)
+        for lo, hi in state_chunks(n, self.p.state_chunk):
+            k = hi - lo
             nbytes = k * self.c.state_bytes_per_param
             if in_ram:  # RAM tier: Adam updates the resident state in place (no copies)
                 jobs.append(self.sim.op("adam", k / hw.adam_params_per_s, (self.thread, grad)))
@@ -303,7 +298,7 @@ class StepGraph:
             self.state_rel.append(writes[-1])
         done = self.sim.op(None, 0.0, jobs)
         self.grad_rel.append(done)
-        if b < self.c.ram_weight_blocks:
+        if b < self.p.ram_weight_blocks:
             ww = self.sim.op("thread", self._w_bytes(b) / hw.host_mem_Bps, (done,))
         else:
             ww = self._ssd(self._w_bytes(b), "ssd_write", (done,))
@@ -312,25 +307,25 @@ class StepGraph:
         self.all_writes += writes + [ww]
 
     def finish(self) -> None:
-        if self.p.schedule == "overlap_backward":
+        if not self.p.clips:
             self._t(*self.all_writes)
             self.thread = self.sim.op("thread", self.hw.commit_s, (self.thread,))
             self.prev_writes, self.prev_all = {}, []
         else:
             for b in range(self.H + 1):
-                self.update(b, self.parked[b])
+                self.update(b, self.parked_grads[b])
             self.prev_writes, self.prev_all = dict(self.writes), list(self.all_writes)
         self.ends.append(self._t())
 
 
-def simulate(shape: ModelShape, plan: object, cfg: StepConfig, prof: HardwareProfile) -> tuple[float, dict[str, float]]:
+def simulate(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile) -> tuple[float, dict[str, float]]:
     """Steady-state step time (s) and busy seconds per resource kind of that step.
 
     ``overlap_backward`` steps are independent: one is simulated. ``overlap_next_forward`` overlaps
     a step's Adam with the next forward: two are simulated and the second is timed.
     """
     g = StepGraph(shape, plan, cfg, prof)
-    n = 2 if plan.schedule == "overlap_next_forward" else 1
+    n = 2 if g.p.clips else 1
     start = None
     for _ in range(n):
         g.step(start)

@@ -1,7 +1,8 @@
-"""The planner's answer: a frozen, JSON-serialisable result holding the engine ``Plan``.
+"""The planner's answer: a frozen, JSON-serialisable result holding the ``Plan`` the engine runs.
 
-``to_json``/``from_json`` round-trip exactly (tuples stay tuples). ``engine_settings`` gives the
-``EngineConfig`` fields the plan needs besides ``plan`` (today: ``state_chunk``).
+``to_json``/``from_json`` round-trip exactly (tuples stay tuples). The ``Plan`` carries every choice
+(the state chunk and RAM tiers included); ``step`` holds the batch shape and element sizes it was
+predicted for.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fuyou.engine.plan import Plan
+from fuyou.schedule.plan import Plan
 from fuyou.planner.cost import Memory, Prediction
 from fuyou.planner.graph import StepConfig
 
@@ -44,12 +45,6 @@ class PlannerResult:
     considered: int = 0
     """Candidate plans the search evaluated."""
 
-    @property
-    def engine_settings(self) -> dict:
-        """``EngineConfig`` keyword arguments for this plan (``plan``, which carries the RAM tiers, and
-        ``state_chunk``)."""
-        return {"plan": self.plan, "state_chunk": self.step.state_chunk}
-
     def to_json(self) -> dict:
         """Plain data (inverse of ``from_json``)."""
         return {"model": self.model, "profile": self.profile, "plan": self.plan.to_json(),
@@ -63,10 +58,14 @@ class PlannerResult:
         """Rebuild a result written by ``to_json``."""
         plan = dict(d["plan"])
         plan["activation_policy"] = tuple(plan.get("activation_policy", ()))
+        step = dict(d["step"])
+        for moved in ("state_chunk", "ram_weight_blocks", "ram_state_blocks"):  # results written before 0.2
+            if moved in step:
+                plan.setdefault(moved, step.pop(moved))
         pred = dict(d["prediction"])
         mem = {k: v for k, v in pred.pop("memory").items() if k != "host"}
         return PlannerResult(
-            model=d["model"], profile=d["profile"], plan=Plan(**plan), step=StepConfig(**d["step"]),
+            model=d["model"], profile=d["profile"], plan=Plan(**plan), step=StepConfig(**step),
             prediction=Prediction(memory=Memory(**mem), **pred), budgets=Budgets(**d["budgets"]),
             executable=d["executable"], needs=tuple(d["needs"]), considered=d.get("considered", 0),
             alternative=PlannerResult.from_json(d["alternative"]) if d.get("alternative") else None)

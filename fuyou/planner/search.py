@@ -13,7 +13,10 @@ Stages (every candidate is scored by ``cost.predict``; the best seen wins):
 4. schedule — clipping forces ``overlap_next_forward``; otherwise the faster of the two.
 5. RAM tiers (``Request.ram_tiers``) — spare host RAM filled with bf16 weights, then optimizer state
    (RAM absorbs the most-read/written bytes first), kept if predicted ≥ 1 % faster; executable
-   (``fuyou.engine.ram_tier``): the returned ``Plan`` carries ``ram_weight_blocks``/``ram_state_blocks``.
+   (``fuyou.transfer.ram_tier``): the returned ``Plan`` carries ``ram_weight_blocks``/``ram_state_blocks``.
+
+Host memory is counted, and shrunk to fit, by the engine's own rules (``fuyou.schedule.sizing``), so
+a returned plan is one the engine accepts as it is.
 
 A plan needing an engine change (``NEEDS``) is only returned as ``alternative`` (or as the result
 with ``allow_engine_changes`` when nothing else fits).
@@ -25,13 +28,14 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from fuyou.engine.plan import Plan
 from fuyou.errors import ConfigError
 from fuyou.planner.cost import Prediction, host_buffers, memory, predict
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.profile import HardwareProfile
 from fuyou.planner.result import Budgets, PlannerResult
 from fuyou.planner.shapes import ModelShape
+from fuyou.schedule import sizing
+from fuyou.schedule.plan import MIN_CHUNK, Plan
 from fuyou.units import format_size as fs
 
 CHUNKS = (1 << 20, 1 << 22, 1 << 23, 1 << 25)
@@ -105,29 +109,31 @@ class _Search:
         self.grid = sorted(grid)
 
     # ------------------------------------------------------------------ candidates
-    def plan(self, mb: int, pol: tuple[str, ...], depth: int, bufs: int, sched: str) -> Plan:
+    def plan(self, mb: int, pol: tuple[str, ...], depth: int, bufs: int, sched: str, chunk: int) -> Plan:
         return Plan(micro_batches=self.seqs // mb, prefetch_depth=depth, activation_policy=pol, schedule=sched,
-                    state_buffers=bufs, park_ram_blocks=self.park if sched == "overlap_next_forward" else None)
+                    state_buffers=bufs, park_ram_blocks=self.park if sched == "overlap_next_forward" else None,
+                    state_chunk=chunk)
 
-    def cfg(self, mb: int, chunk: int, boundary: bool = False, ram_w: int = 0, ram_s: int = 0) -> StepConfig:
-        return StepConfig(mb, self.r.seq_len, chunk, self.spp, ram_w, ram_s, boundary, self.changes, self.cb)
+    def cfg(self, mb: int, boundary: bool = False) -> StepConfig:
+        return StepConfig(mb, self.r.seq_len, self.spp, boundary, self.changes, self.cb)
 
     def fits(self, plan: Plan, cfg: StepConfig) -> bool:
         mem = memory(self.m, plan, cfg, self.hw)
         return mem.device <= self.b.gpu_memory and mem.host <= self.b.cpu_memory
 
-    def assign(self, mb: int, n: int, depth: int, bufs: int, sched: str, cfg: StepConfig) -> tuple[str, ...] | None:
+    def assign(self, mb: int, n: int, depth: int, bufs: int, sched: str, chunk: int,
+               cfg: StepConfig) -> tuple[str, ...] | None:
         """Policies with the first ``n`` layers (benefit order) saved in the cheapest tier that fits."""
         pol = ["keep"] + ["recompute"] * (self.H - 1) + ["keep"]
         if self.r.activations:
             pol[1:self.H] = [self.r.activations] * (self.H - 1)
-            return tuple(pol) if self.fits(self.plan(mb, tuple(pol), depth, bufs, sched), cfg) else None
-        if not self.fits(self.plan(mb, tuple(pol), depth, bufs, sched), cfg):
+            return tuple(pol) if self.fits(self.plan(mb, tuple(pol), depth, bufs, sched, chunk), cfg) else None
+        if not self.fits(self.plan(mb, tuple(pol), depth, bufs, sched, chunk), cfg):
             return None
         for b in self.order[:n]:
             for kind in ("keep", "swap_cpu", "swap_ssd"):
                 pol[b] = kind
-                if self.fits(self.plan(mb, tuple(pol), depth, bufs, sched), cfg):
+                if self.fits(self.plan(mb, tuple(pol), depth, bufs, sched, chunk), cfg):
                     break
             else:
                 pol[b] = "recompute"
@@ -138,33 +144,15 @@ class _Search:
         return predict(self.m, plan, cfg, self.hw)
 
     def knobs(self, sched: str, chunk: int) -> tuple[int, int, int]:
-        """Default depth/buffers/chunk shrunk like ``engine.rules.fit_host`` until the buffers fit:
-        the state chunk, then (clipping) parked gradients moved to SSD (``self.park``), then depth."""
-        depth = self.r.prefetch_depth or 2
-        clip = sched == "overlap_next_forward"
-        while True:
-            need = host_buffers(self.m, self.plan(1, (), depth, 2, sched), self.cfg(1, chunk))
-            if need <= self.b.cpu_memory:
-                return depth, 2, chunk
-            if chunk > CHUNKS[0]:
-                chunk = max(CHUNKS[0], chunk // 2 // 32 * 32)
-            elif clip and self.park != 0:
-                self.park = self._ram_parks(depth, sched, chunk)
-            elif depth > 1 and not self.r.prefetch_depth:
-                depth -= 1
-            else:
-                return depth, 2, chunk
-
-    def _ram_parks(self, depth: int, sched: str, chunk: int) -> int:
-        """The most blocks (from the first) whose parked gradients fit in RAM beside the buffers."""
-        n = len(self.m.blocks) if self.park is None else self.park
-        while n > 0:
-            self.park = n
-            if host_buffers(self.m, self.plan(1, (), depth, 2, sched), self.cfg(1, chunk)) <= self.b.cpu_memory:
-                return n
-            n -= 1
-        self.park = 0
-        return 0
+        """The default depth/buffers with ``chunk``, shrunk by the engine's budget rules
+        (``sizing.fit_host``) until the buffers fit: the state chunk, then (clipping) parked gradients
+        moved to SSD (``self.park``), then the depth unless the user fixed it."""
+        base = self.plan(1, (), self.r.prefetch_depth or 2, 2, sched, chunk)
+        fit = sizing.fit_host(self.m.footprint(self.cb, self.spp), base, self.b.cpu_memory,
+                              fixed_depth=bool(self.r.prefetch_depth))
+        if fit.clips:
+            self.park = fit.park_ram_blocks
+        return fit.prefetch_depth, fit.state_buffers, fit.state_chunk
 
     # ------------------------------------------------------------------ the search
     def run(self) -> PlannerResult:
@@ -179,17 +167,17 @@ class _Search:
                                   f"{self.seqs} sequences of a step (--tokens-per-step / --seq-len)")
             mbs = [self.r.micro_batch_size]
         boundary = False
-        feasible = [mb for mb in mbs if self.assign(mb, 0, depth, bufs, sched, self.cfg(mb, chunk)) is not None]
+        feasible = [mb for mb in mbs if self.assign(mb, 0, depth, bufs, sched, chunk, self.cfg(mb)) is not None]
         if not feasible:
             if not self.changes:
                 self._device_error(mbs[-1], depth, bufs, sched, chunk)
             boundary = True
-            feasible = [mb for mb in mbs if self.assign(mb, 0, depth, bufs, sched, self.cfg(mb, chunk, True))]
+            feasible = [mb for mb in mbs if self.assign(mb, 0, depth, bufs, sched, chunk, self.cfg(mb, True))]
             if not feasible:
                 self._device_error(mbs[-1], depth, bufs, sched, chunk)
         best: tuple[float, Plan, StepConfig, Prediction] | None = None
         for mb in feasible:
-            best = self._scan(mb, depth, bufs, sched, self.cfg(mb, chunk, boundary), best)
+            best = self._scan(mb, depth, bufs, sched, chunk, self.cfg(mb, boundary), best)
         _, plan, cfg, _ = best
         mb = cfg.micro_batch_size
         for d in ([self.r.prefetch_depth] if self.r.prefetch_depth else DEPTHS):
@@ -200,13 +188,13 @@ class _Search:
         for c in sorted(fine | {c for c in CHUNKS if -(-big // c) <= MAX_CHUNKS}):
             nchunks = -(-big // c)
             for s in sorted({2, 4, nchunks + 1}):
-                best = self._try(dataclasses.replace(plan, state_buffers=s), dataclasses.replace(cfg, state_chunk=c), best)
+                best = self._try(dataclasses.replace(plan, state_buffers=s, state_chunk=c), cfg, best)
         _, plan, cfg, _ = best
-        best = self._scan(mb, plan.prefetch_depth, plan.state_buffers, plan.schedule, cfg, best)
+        best = self._scan(mb, plan.prefetch_depth, plan.state_buffers, plan.schedule, plan.state_chunk, cfg, best)
         for s in self._schedules()[1:]:
             _, plan, cfg, _ = best
             pol = self.assign(mb, sum(p != "recompute" for p in plan.activation_policy[1:-1]), plan.prefetch_depth,
-                              plan.state_buffers, s, cfg)
+                              plan.state_buffers, s, plan.state_chunk, cfg)
             if pol is not None:
                 best = self._try(dataclasses.replace(plan, schedule=s, activation_policy=pol), cfg, best)
         return self._result(best)
@@ -224,14 +212,15 @@ class _Search:
         p = self.score(plan, cfg)
         return (p.step_s, plan, cfg, p) if best is None or p.step_s < best[0] * (1 - MARGIN) else best
 
-    def _scan(self, mb: int, depth: int, bufs: int, sched: str, cfg: StepConfig, best: tuple | None) -> tuple:
+    def _scan(self, mb: int, depth: int, bufs: int, sched: str, chunk: int, cfg: StepConfig,
+              best: tuple | None) -> tuple:
         seen = set()
         for n in ([0] if self.r.activations else self.grid):
-            pol = self.assign(mb, n, depth, bufs, sched, cfg)
+            pol = self.assign(mb, n, depth, bufs, sched, chunk, cfg)
             if pol is None or pol in seen:
                 continue
             seen.add(pol)
-            best = self._try(self.plan(mb, pol, depth, bufs, sched), cfg, best)
+            best = self._try(self.plan(mb, pol, depth, bufs, sched, chunk), cfg, best)
         return best
 
     # ------------------------------------------------------------------ errors
@@ -242,7 +231,8 @@ class _Search:
             raise InfeasibleError(f"SSD space: the store needs {fs(store)} (two versions of {cb + spp} B/param × "
                                   f"{m.params / 1e9:.2f} B params), {fs(self.b.ssd_bytes)} is free; add --ssd "
                                   f"directories or use --state-precision bf16")
-        need = host_buffers(m, Plan(prefetch_depth=1, schedule=sched, park_ram_blocks=0), self.cfg(1, CHUNKS[0]))
+        need = host_buffers(m, Plan(prefetch_depth=1, schedule=sched, park_ram_blocks=0, state_chunk=MIN_CHUNK),
+                            self.cfg(1))
         if need > self.b.cpu_memory:
             big = max(b.numel for b in m.blocks)
             park = "; clipping's parked gradients already on SSD" if sched == "overlap_next_forward" else ""
@@ -253,7 +243,7 @@ class _Search:
 
     def _device_error(self, mb: int, depth: int, bufs: int, sched: str, chunk: int) -> None:
         pol = ("keep",) + ("recompute",) * (self.H - 1) + ("keep",)
-        plan, cfg = self.plan(mb, pol, depth, bufs, sched), self.cfg(mb, chunk)
+        plan, cfg = self.plan(mb, pol, depth, bufs, sched, chunk), self.cfg(mb)
         mem = memory(self.m, plan, cfg, self.hw)
         per_tok = self.H * self.m.hidden * self.cb
         boundary = per_tok * self.seqs * self.r.seq_len
@@ -267,7 +257,7 @@ class _Search:
             raise InfeasibleError(f"device memory: one micro-batch of {self.r.seq_len} tokens needs a working set of "
                                   f"{fs(work)} (weights, gradients, activations of one block, logits); --gpu-memory is "
                                   f"{fs(self.b.gpu_memory)}. Lower --seq-len or raise --gpu-memory")
-        ok = self.assign(mb, 0, depth, bufs, sched, self.cfg(mb, chunk, True)) is not None
+        ok = self.assign(mb, 0, depth, bufs, sched, chunk, self.cfg(mb, True)) is not None
         hint = "; offloading block inputs to host RAM (an engine change) would fit: --allow-engine-changes" \
             if ok and not self.changes else ""
         raise InfeasibleError(msg + hint)
@@ -277,7 +267,6 @@ class _Search:
         if self.r.ram_tiers:
             best = self._ram_tiers(*best[1:]) or best
         _, plan, cfg, pred = best
-        plan = dataclasses.replace(plan, ram_weight_blocks=cfg.ram_weight_blocks, ram_state_blocks=cfg.ram_state_blocks)
         if cfg.async_swap and not cfg.boundary_offload and not {"swap_cpu", "swap_ssd"} & set(plan.activation_policy):
             cfg = dataclasses.replace(cfg, async_swap=False)  # nothing swapped: same prediction, no change needed
         needs = tuple(NEEDS[n] for n in cfg.needs)
@@ -310,14 +299,14 @@ class _Search:
                 break
             spare -= self.spp * blk.numel
             s += 1
-        alt_cfg = dataclasses.replace(cfg, ram_weight_blocks=w, ram_state_blocks=s)
-        while (w or s) and not self.fits(plan, alt_cfg):  # 4 KiB rounding and parked gradients: shrink
+        alt = dataclasses.replace(plan, ram_weight_blocks=w, ram_state_blocks=s)
+        while (w or s) and not self.fits(alt, cfg):  # 4 KiB rounding and parked gradients: shrink
             s, w = (s - 1, w) if s else (0, w - 1)
-            alt_cfg = dataclasses.replace(cfg, ram_weight_blocks=w, ram_state_blocks=s)
+            alt = dataclasses.replace(plan, ram_weight_blocks=w, ram_state_blocks=s)
         if not w:
             return None
-        p = self.score(plan, alt_cfg)
-        return (p.step_s, plan, alt_cfg, p)
+        p = self.score(alt, cfg)
+        return (p.step_s, alt, cfg, p)
 
 def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Request = Request()) -> PlannerResult:
     """The fastest predicted plan for ``shape`` on ``prof`` within ``budgets``.

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuyou.errors import ConfigError
+from fuyou.schedule.sizing import Footprint
 
 TENSOR_ALIGN_ELEMS = 32
 """The store packs each tensor at 64-byte alignment: 32 bf16 elements."""
@@ -81,6 +82,15 @@ class ModelShape:
         """Model FLOPs per token, ``fuyou.flops`` formula: 6·N_matmul + 12·L·d·T (no recompute)."""
         n_matmul = sum(b.matmul_flops_per_token for b in self.blocks) // 2
         return 6 * n_matmul + 12 * self.layers * self.hidden * seq_len
+
+
+    def footprint(self, compute_bytes: int, state_bytes_per_param: int) -> Footprint:
+        """What host-memory sizing (``fuyou.schedule.sizing``) needs: weights of ``compute_bytes`` per
+        element (the store's 64-byte tensor gaps counted at bf16's 32 elements: exact for bf16, a few
+        bytes high for fp32), and state of ``state_bytes_per_param``."""
+        names = [b.name for b in self.blocks]
+        return Footprint(tuple(compute_bytes * b.numel for b in self.blocks), tuple(b.numel for b in self.blocks),
+                         compute_bytes, state_bytes_per_param, tuple(names.index(o) for o in self.blocks[-1].borrows))
 
 
 def _aligned(*shapes: tuple[int, ...]) -> int:

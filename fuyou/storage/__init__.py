@@ -1,6 +1,6 @@
 """SSD-resident tensors: layout, I/O engines, checksums, manifest and the versioned store."""
 
-from fuyou.storage.layout import ExtentSpec, Piece, TensorSpec
+from fuyou.storage.extents import ExtentSpec, Piece, TensorSpec
 from fuyou.storage.store import TensorStore
 
 __all__ = ["ExtentSpec", "Piece", "TensorSpec", "TensorStore"]

@@ -23,7 +23,7 @@ import numpy as np
 
 from fuyou.errors import ChecksumError, FuyouError, StoreError, StoreSpaceError, os_limit_error
 from fuyou.storage import checksum
-from fuyou.storage.layout import FILE_ALIGN
+from fuyou.storage.extents import FILE_ALIGN
 from fuyou.storage.open_files import FileHandle, OpenFiles, default_capacity
 
 __all__ = ["FileHandle", "IOEngine", "gather", "os_error", "then"]

@@ -19,7 +19,7 @@ import numpy as np
 from fuyou.device.base import host_aligned_empty
 from fuyou.errors import StoreError
 from fuyou.storage.io_base import FileHandle, IOEngine
-from fuyou.storage.layout import FILE_ALIGN
+from fuyou.storage.extents import FILE_ALIGN
 
 
 def _full(op, fd: int, mv: memoryview, offset: int, path: str) -> None:

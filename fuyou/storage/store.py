@@ -26,7 +26,7 @@ from fuyou.errors import ConfigError, ManifestError, StoreDirError, StoreError
 from fuyou.storage import checksum, dirs as fsdirs
 from fuyou.storage.engines import make_engine
 from fuyou.storage.io_base import FileHandle, gather, then
-from fuyou.storage.layout import ExtentSpec, Piece, place
+from fuyou.storage.extents import ExtentSpec, Piece, place
 from fuyou.storage.manifest import MANIFEST, read_manifest, write_manifest
 
 ID_FILE = "fuyou-store.id"

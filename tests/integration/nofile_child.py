@@ -44,7 +44,7 @@ def main() -> None:
     model_dir, ssd, steps, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     sampler = FdSampler()
     ec = EngineConfig(ssd_dirs=(ssd,), precision="fp32", lr=LR, weight_decay=WD, cpu_memory="512MiB",
-                      state_chunk=chunk, plan=Plan(prefetch_depth=2))
+                      plan=Plan(prefetch_depth=2, state_chunk=chunk))
     with Engine.from_pretrained(model_dir, ec) as eng:
         losses = [eng.train_step(ids, labels)["loss"] for ids, labels in batches(steps)]
         extents = len(eng.store.extents)

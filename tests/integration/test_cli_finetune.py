@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from fuyou.cli.main import main
-from fuyou.demo import _random_model
+from fuyou.run.demo import _random_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -137,7 +137,7 @@ def test_unwritable_output_and_ssd(tmp_path, model_dir, readonly_dir):
 
 def test_finetune_plans_with_the_cost_model_by_default(tmp_path, model_dir, monkeypatch):
     """No profile anywhere: a quick one is measured into the run directory and the planner's plan runs."""
-    import fuyou.finetune_plan as fp
+    import fuyou.run.plan_choice as fp
 
     monkeypatch.setattr(fp, "default_profile", lambda: str(tmp_path / "no-profile-here.json"))
     monkeypatch.delenv("FUYOU_PROFILE", raising=False)

@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 from fuyou.checkpoint import list_checkpoints, validate
-from fuyou.demo import _random_model
+from fuyou.run.demo import _random_model
 from tests.io_engines import engines_under_test, use_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

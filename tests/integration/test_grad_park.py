@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from fuyou.engine import Engine, EngineConfig, Plan
-from fuyou.engine.layout import ModelLayout
-from fuyou.engine.rules import fit_host, host_need
+from fuyou.models.store_layout import ModelLayout
+from fuyou.schedule.sizing import fit_host, host_need
 from fuyou.errors import HostMemoryError
 from fuyou.models.adapters import make_adapter
 from tests.integration.tiny_models import batches, tiny
@@ -48,9 +48,9 @@ def _layout_and_budget(family="llama_tied"):
     cfg, _ = tiny(family, layers=3)
     ad = make_adapter(cfg)
     layout = ModelLayout(tuple(ad.blocks), torch.float32, torch.float32, 1 << 20)
-    clip = Plan(schedule="overlap_next_forward", prefetch_depth=1)
-    all_ssd = host_need(layout, dataclasses.replace(clip, park_ram_blocks=0))
-    all_ram = host_need(layout, clip)
+    clip = Plan(schedule="overlap_next_forward", prefetch_depth=1, state_chunk=1 << 20)
+    all_ssd = host_need(layout.footprint(), dataclasses.replace(clip, park_ram_blocks=0))
+    all_ram = host_need(layout.footprint(), clip)
     return layout, clip, all_ssd, all_ram
 
 
@@ -60,9 +60,9 @@ def test_rules_park_on_ssd_before_refusing(tmp_path):
     layout, clip, all_ssd, all_ram = _layout_and_budget()
     assert all_ram > all_ssd
     budget = (all_ssd + all_ram) // 2
-    fitted_layout, fitted = fit_host(layout, clip, budget, fixed_chunk=True)
+    fitted = fit_host(layout.footprint(), clip, budget, fixed_chunk=True)
     assert fitted.park_ram_blocks is not None and 0 < fitted.park_ram_blocks < len(layout.blocks)
-    assert host_need(fitted_layout, fitted) <= budget
+    assert host_need(layout.footprint(), fitted) <= budget
     ref, w_ref, _, _ = train(tmp_path, "ref", Plan(prefetch_depth=1))
     out, w, plan, peak = train(tmp_path, "tight", Plan(prefetch_depth=1), cpu=budget)
     assert plan.park_ram_blocks is not None and plan.park_ram_blocks < len(layout.blocks)

@@ -108,3 +108,49 @@ def test_resume_from_checkpoint_matches_uninterrupted(tmp_path):
     assert losses(second)[-3:] == pytest.approx(losses(straight)[-3:], rel=1e-6)
     a, b = straight.model.state_dict(), second.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _cpu_profile(path):
+    """A hand-written CPU profile, so the planner's choice does not depend on this machine's measurements."""
+    from fuyou.planner.profile import HardwareProfile, save_profile
+
+    save_profile(HardwareProfile(name="tiny-cpu", device="cpu", ssd_read_Bps=2e8, ssd_write_Bps=1e8,
+                                 adam_params_per_s=5e7, device_peak_flops=2e10, host_mem_Bps=5e9, h2d_Bps=5e9,
+                                 d2h_Bps=5e9, device_memory_bytes=1 << 30, host_memory_bytes=1 << 30), str(path))
+    return str(path)
+
+
+def test_trainer_runs_the_plan_the_shared_chooser_picks(tmp_path, capsys):
+    """FuyouTrainer plans as `fuyou finetune` does: the same chooser, given the same request, picks the plan
+    its engine runs (here, under a 2 MiB host budget, smaller state chunks and gradients parked on SSD — not
+    the engine's default plan); `plan="rules"` keeps the budget rules."""
+    from fuyou.engine import Plan
+    from fuyou.run.plan_choice import PlanRequest, choose_plan
+
+    cfg, model = tiny("llama_tied", layers=2)
+    profile = _cpu_profile(tmp_path / "hw.json")
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    kw = {**COMMON, "max_steps": 2}
+    args = FuyouTrainingArguments(output_dir=str(tmp_path / "fy"), optim="adamw_torch", ssd_dirs=[str(ssd)],
+                                  cpu_memory="2MiB", seq_len=16, profile=profile, **kw)
+    fy = FuyouTrainer(model=model, args=args, train_dataset=dataset())
+    req = PlanRequest(model_config=cfg, store_dirs=(str(ssd),), cpu_memory="2MiB", device="cpu", precision="fp32",
+                      micro_batch_size=2, grad_accum=2, seq_len=16, clip=True, profile=profile)
+    chosen = choose_plan(req)
+    assert fy.plan_choice.info["source"] == "planner" and fy.plan_choice.info["profile"] == profile
+    assert fy.plan_choice.plan == chosen.plan
+    assert fy.engine.plan == chosen.plan
+    default = Plan(micro_batches=2, schedule="overlap_next_forward")
+    assert chosen.plan.micro_batches == 2 and chosen.plan != default
+    assert (chosen.plan.state_chunk, chosen.plan.park_ram_blocks) != (default.state_chunk, default.park_ram_blocks)
+    assert "planner: 2 micro-batches" in capsys.readouterr().err
+    fy.train()
+    assert len(losses(fy)) == 2 and fy.plan_record()["executed"] == fy.engine.plan.to_json()
+
+    ssd2 = tmp_path / "ssd2"
+    ssd2.mkdir()
+    args = FuyouTrainingArguments(output_dir=str(tmp_path / "rules"), optim="adamw_torch", ssd_dirs=[str(ssd2)],
+                                  cpu_memory="64MiB", plan="rules", **kw)
+    rules = FuyouTrainer(model=tiny("llama_tied", layers=2)[1], args=args, train_dataset=dataset())
+    assert rules.plan_choice.info == {"source": "rules"} and rules.engine.plan.micro_batches == 2

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from fuyou.checkpoint import list_checkpoints
 from fuyou.checkpoint.snapshot import CKPT, SET_ASIDE
 from fuyou.cli.main import main
-from fuyou.demo import _random_model
+from fuyou.run.demo import _random_model
 
 TEXT = [{"text": f"def f{i}(x):\n    return x * {i} + {i * i}  # some python {i}"} for i in range(40)]
 

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from fuyou.cli.main import main
-from fuyou.demo import _random_model
+from fuyou.run.demo import _random_model
 from fuyou.device import get_backend
 from fuyou.device.precision import SLOW_FACTOR, bf16_slowdown, choose_precision, measure_bf16_slowdown
 from fuyou.errors import ConfigError, FuyouWarning
@@ -103,7 +103,7 @@ def test_explicit_bf16_on_a_slow_bf16_machine_warns_with_the_factor(tmp_path, ca
 def test_quick_profile_is_measured_once_and_reused(tmp_path, cache, model_dir, monkeypatch):
     """No profile anywhere: the first run measures the quick profile; a re-run, a resumed run and a
     second run on this machine reuse it (nothing measured again), and each saves it to its run."""
-    import fuyou.finetune_plan as fp
+    import fuyou.run.plan_choice as fp
 
     monkeypatch.setattr(fp, "default_profile", lambda: str(tmp_path / "no-profile-here.json"))
     monkeypatch.delenv("FUYOU_PROFILE", raising=False)

@@ -9,7 +9,7 @@ import torch
 
 from fuyou.engine import Engine, EngineConfig, Plan
 from fuyou.engine.export import export_store
-from fuyou.engine.rules import host_need
+from fuyou.schedule.sizing import host_need
 from fuyou.errors import HostMemoryError, StoreError
 from tests.integration.test_engine_fidelity import LR, WD, assert_same
 from tests.integration.tiny_models import batches, reference_steps, tiny
@@ -132,7 +132,7 @@ def test_too_small_budget_fails_up_front_naming_the_ram_tier(tmp_path):
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ec = config(tmp_path / "s", NBLOCKS, NBLOCKS)
     with Engine.from_state_dict(cfg, sd, config(tmp_path / "ok")) as eng:
-        without = host_need(eng.layout, eng.plan)
+        without = host_need(eng.layout.footprint(), eng.plan)
     with pytest.raises(HostMemoryError, match="ram-tier") as e:
         Engine.from_state_dict(cfg, sd, dataclasses.replace(ec, cpu_memory=without + 4096))
     assert "\n" not in str(e.value)
@@ -155,13 +155,14 @@ def test_planner_ram_tier_plan_is_executable_and_runs(tmp_path):
     assert res.executable and not res.needs
     assert res.plan.ram_weight_blocks == NBLOCKS and res.plan.ram_state_blocks > 0
     assert PlannerResult.from_json(res.to_json()) == res
-    ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="bf16", lr=LR, cpu_memory=1 << 30, **res.engine_settings)
+    ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="bf16", lr=LR, cpu_memory=1 << 30, plan=res.plan)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     with Engine.from_state_dict(cfg, sd, ec) as eng:
         assert eng.plan.ram_weight_blocks == res.plan.ram_weight_blocks
         mem = res.prediction.memory
-        assert host_need(eng.layout, eng.plan) == mem.host_buffers + mem.host_ram_tiers
-        assert ram_tier_bytes(shape, res.step) == mem.host_ram_tiers
+        assert eng.plan == res.plan  # accepted as it is
+        assert host_need(eng.layout.footprint(), eng.plan) == mem.host_buffers + mem.host_ram_tiers
+        assert ram_tier_bytes(shape, res.plan, res.step) == mem.host_ram_tiers
         for d in data:
             st = eng.train_step(*d)
             assert st["applied"]

@@ -3,9 +3,9 @@ import torch
 from transformers import get_scheduler
 
 from fuyou.errors import ConfigError
-from fuyou.flops import matmul_params, train_flops_per_token
-from fuyou.lr import lr_at
 from fuyou.models.adapters import make_adapter
+from fuyou.planner.shapes import shape_from_config
+from fuyou.run.lr import lr_at
 from tests.integration.tiny_models import tiny
 
 
@@ -28,13 +28,38 @@ def test_bad_schedule():
         lr_at(0, 1.0, "linear", -1, 10)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_tied", "gpt2"])
-def test_matmul_params_counts_linears_and_lm_head(family):
-    cfg, model = tiny(family)
-    blocks = make_adapter(cfg).blocks
+def _extra_configs():
+    """Shapes the tiny families do not cover: multi-query attention with biases, Qwen3's head_dim ≠ hidden/heads."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    llama = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1,
+                        vocab_size=96, num_hidden_layers=3, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
+    llama.architectures = ["LlamaForCausalLM"]
+    qwen3 = Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                        vocab_size=96, num_hidden_layers=2, tie_word_embeddings=False)
+    qwen3.architectures = ["Qwen3ForCausalLM"]
+    return {"llama_mqa_bias_tied": llama, "qwen3_head_dim": qwen3}
+
+
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2", "gpt2", "llama_mqa_bias_tied", "qwen3_head_dim"])
+def test_train_flops_count_linears_and_lm_head(family):
+    """The one FLOP formula (``ModelShape.train_flops_per_token``, what the run's TFLOPS and the planner's
+    prediction use) against the real model: 6 × every matmul weight (tied head included, embeddings not)
+    + 12·L·d·T, for tied and untied heads, GQA/MQA, biases and a head_dim that is not hidden ÷ heads."""
+    from transformers import AutoModelForCausalLM
+
+    if family in _extra_configs():
+        cfg = _extra_configs()[family]
+        model = AutoModelForCausalLM.from_config(cfg)
+    else:
+        cfg, model = tiny(family)
     expected = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2
                    and not any(s in n for s in ("embed_tokens", "wte", "wpe")))
     if "lm_head.weight" not in dict(model.named_parameters()):  # tied: the head multiplies by the embedding
         expected += model.get_input_embeddings().weight.numel()
-    assert matmul_params(blocks) == expected
-    assert train_flops_per_token(blocks, 2, 64, 16) == 6 * expected + 12 * 2 * 64 * 16
+    layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    shape = shape_from_config(cfg.to_dict())
+    for seq in (16, 512):
+        assert shape.train_flops_per_token(seq) == 6 * expected + 12 * layers * hidden * seq
+    # the engine's own block FLOPs (what it runs) agree with the planner's blocks
+    assert [b.matmul_flops_per_token for b in shape.blocks] == [b.flops_per_token for b in make_adapter(cfg).blocks]

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from fuyou.engine.plan import Plan
+from fuyou.schedule.plan import Plan
 from fuyou.planner.cost import predict
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.sim import Sim
@@ -100,8 +100,9 @@ def test_faster_hardware_never_predicts_a_slower_step(policy, schedule, ram):
                 pageable_Bps=5e9, host_mem_Bps=1e10, device_mem_Bps=5e11, device_peak_flops=5e12,
                 grad_add_elems_per_s=8e10, grad_norm_elems_per_s=2.5e11, flops_efficiency=0.7,
                 flops_half_tokens=256, commit_s=0.003)
-    plan = Plan(micro_batches=2, activation_policy=("keep",) + (policy,) * 8 + ("keep",), schedule=schedule)
-    cfg = StepConfig(micro_batch_size=2, seq_len=128, state_chunk=1 << 22, ram_weight_blocks=ram, ram_state_blocks=ram)
+    plan = Plan(micro_batches=2, activation_policy=("keep",) + (policy,) * 8 + ("keep",), schedule=schedule,
+                state_chunk=1 << 22, ram_weight_blocks=ram, ram_state_blocks=ram)
+    cfg = StepConfig(micro_batch_size=2, seq_len=128)
     t0 = predict(shape, plan, cfg, profile(**base)).step_s
     for k in SPEEDS:
         for f in (1.5, 4.0):

@@ -34,7 +34,7 @@ def test_shapes_match_the_adapter():
     sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
     from tiny_models import tiny
 
-    from fuyou.engine.layout import ModelLayout
+    from fuyou.models.store_layout import ModelLayout
     from fuyou.models.adapters import make_adapter
     from fuyou.planner.shapes import shape_from_config
 
@@ -47,29 +47,25 @@ def test_shapes_match_the_adapter():
         assert [b.matmul_flops_per_token for b in s.blocks] == [b.flops_per_token for b in ad.blocks]
 
 
-def test_host_buffers_match_the_engine_rules():
-    from fuyou.engine.layout import ModelLayout
-    from fuyou.engine.plan import Plan
-    from fuyou.engine.rules import host_need
-    from fuyou.models.blocks import BlockSpec, ParamSpec
-    from fuyou.planner.cost import host_buffers
-    from fuyou.planner.graph import StepConfig
-    from fuyou.planner.shapes import BlockShape, ModelShape
+def test_the_planner_sizes_host_memory_from_the_engines_footprint():
+    """Host sizing is written once (``fuyou.schedule.sizing``); what each side feeds it must agree: the
+    footprint the planner derives from a config alone equals the one the engine's layout gives (bf16),
+    and is never below it (fp32, whose 64-byte tensor gaps are fewer elements)."""
+    import torch
 
-    dims = [(32000, 512), (1024, 1024), (32000, 512)]
-    specs = tuple(BlockSpec(n, (ParamSpec("w", d),)) for n, d in zip(("embed", "layer.0", "head"), dims))
-    shape = ModelShape("t", tuple(BlockShape(n, "layer", d[0] * d[1], 0) for n, d in zip(("embed", "layer.0", "head"), dims)),
-                       512, 1, 32000)
-    for chunk in (1 << 20, 3 << 15):
-        for plan in (Plan(prefetch_depth=3), Plan(schedule="overlap_next_forward", state_buffers=5),
-                     Plan(schedule="overlap_next_forward", park_ram_blocks=1),
-                     Plan(schedule="overlap_next_forward", park_ram_blocks=0)):
-            assert host_need(ModelLayout(specs, state_chunk=chunk), plan) == host_buffers(shape, plan, StepConfig(1, 8, chunk))
-        import torch
+    from fuyou.models.adapters import make_adapter
+    from fuyou.models.store_layout import ModelLayout
+    from tests.integration.tiny_models import tiny
 
-        fp32 = ModelLayout(specs, torch.float32, state_chunk=chunk)  # fp32 compute: 4 B per weight and gradient
-        plan = Plan(schedule="overlap_next_forward", park_ram_blocks=2)
-        assert host_need(fp32, plan) == host_buffers(shape, plan, StepConfig(1, 8, chunk, compute_bytes=4))
+    for fam in ("llama", "llama_tied", "qwen2", "gpt2"):
+        cfg, _ = tiny(fam, hidden=72)
+        blocks = tuple(make_adapter(cfg).blocks)
+        shape = shape_from_config(cfg.to_dict())
+        assert ModelLayout(blocks).footprint() == shape.footprint(2, 12)
+        assert ModelLayout(blocks, state_dtype=torch.bfloat16).footprint() == shape.footprint(2, 8)
+        fp32, planned = ModelLayout(blocks, torch.float32).footprint(), shape.footprint(4, 12)
+        assert fp32.numels == tuple(-(-w // 4) for w in fp32.weight_bytes) and fp32.borrowed == planned.borrowed
+        assert all(e <= p for e, p in zip(fp32.weight_bytes, planned.weight_bytes))
 
 
 def test_profile_json_round_trip(tmp_path):
@@ -93,7 +89,7 @@ def test_result_json_round_trip():
                Budgets(cpu_memory=4 * gib, gpu_memory=gib), Request(seq_len=128, tokens_per_step=512))
     back = PlannerResult.from_json(json.loads(json.dumps(r.to_json())))
     assert back == r and back.plan.activation_policy == r.plan.activation_policy
-    assert set(r.engine_settings) == {"plan", "state_chunk"}
+    assert r.plan.state_chunk % 32 == 0  # the plan carries every choice, the state chunk included
 
 
 def test_planner_imports_without_torch():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fuyou.engine.plan import Plan
+from fuyou.schedule.plan import Plan
 from fuyou.planner.cost import host_buffers
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.result import Budgets
@@ -66,7 +66,8 @@ def test_clipping_under_a_small_host_budget_parks_gradients_on_ssd():
     roomy = search(shape, HW, Budgets(cpu_memory=8 * GiB, gpu_memory=GiB), req)
     assert roomy.plan.park_ram_blocks is None
     parks = sum(2 * b.numel for b in shape.blocks)
-    smallest_chunks = host_buffers(shape, Plan(prefetch_depth=2, schedule="overlap_next_forward"), StepConfig(1, 256, 1 << 20))
+    smallest_chunks = host_buffers(shape, Plan(prefetch_depth=2, schedule="overlap_next_forward", state_chunk=1 << 20),
+                                   StepConfig(1, 256))
     tight_budget = smallest_chunks - parks // 2
     tight = search(shape, HW, Budgets(cpu_memory=tight_budget, gpu_memory=GiB), req)
     assert tight.plan.park_ram_blocks is not None and tight.plan.park_ram_blocks < len(shape.blocks)

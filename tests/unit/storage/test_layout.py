@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from fuyou.errors import ConfigError
-from fuyou.storage.layout import FILE_ALIGN, ExtentSpec, TensorSpec, dtype_from_name, place
+from fuyou.storage.extents import FILE_ALIGN, ExtentSpec, TensorSpec, dtype_from_name, place
 
 
 def ext(name, *sizes, dtype=torch.float32):

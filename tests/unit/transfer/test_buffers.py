@@ -6,7 +6,7 @@ import torch
 
 from fuyou.device import CPUBackend
 from fuyou.errors import ConfigError, FuyouError, HostMemoryError
-from fuyou.transfer.buffers import HostBufferPool
+from fuyou.transfer.host_pool import HostBufferPool
 
 
 def test_reserve_within_budget_and_refuse_past_it():

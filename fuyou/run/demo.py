@@ -55,7 +55,7 @@ def demo_model_dir(cache: str | None = None) -> tuple[str, bool]:
     if not os.path.isfile(os.path.join(out, "config.json")):
         # In a child process: dequantising holds the whole fp32 model in RAM, which must not count
         # against (or stay in) the training process.
-        code = "import sys; from fuyou.demo import _convert_gguf; _convert_gguf(sys.argv[1], sys.argv[2])"
+        code = "import sys; from fuyou.run.demo import _convert_gguf; _convert_gguf(sys.argv[1], sys.argv[2])"
         r = subprocess.run([sys.executable, "-c", code, gguf, out], capture_output=True, text=True)
         if r.returncode != 0:
             raise FuyouError(f"converting the demo model {gguf} failed: {r.stderr.strip().splitlines()[-1:]}")

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from fuyou.models.blocks import BlockSpec
-from fuyou.storage.layout import ExtentSpec, TensorSpec
+from fuyou.schedule.sizing import Footprint, state_chunks
+from fuyou.storage.extents import ExtentSpec, TensorSpec
 
 
 def elem_size(dtype: torch.dtype) -> int:
@@ -48,8 +49,7 @@ class ModelLayout:
 
     def chunks(self, b: int) -> list[tuple[int, int]]:
         """Element ranges [lo, hi) of block ``b``'s optimizer-state chunks."""
-        n = self.numel(b)
-        return [(lo, min(lo + self.state_chunk, n)) for lo in range(0, n, self.state_chunk)] or [(0, 0)]
+        return state_chunks(self.numel(b), self.state_chunk)
 
     def s(self, b: int, c: int) -> ExtentSpec:
         """Chunk ``c`` of block ``b``'s optimizer state: master, m, v."""
@@ -64,6 +64,14 @@ class ModelLayout:
     def state_bytes(self) -> int:
         """Largest state chunk in bytes (the size of one host state buffer)."""
         return max(self.s(b, c).nbytes for b in range(len(self.blocks)) for c in range(len(self.chunks(b))))
+
+    def footprint(self) -> Footprint:
+        """What host-memory sizing (``fuyou.schedule.sizing``) needs of this layout."""
+        nb = range(len(self.blocks))
+        head = self.blocks[-1]
+        return Footprint(tuple(self.w(b).nbytes for b in nb), tuple(self.numel(b) for b in nb),
+                         elem_size(self.compute_dtype), 4 + 2 * elem_size(self.state_dtype),
+                         tuple(self.index(o) for o in head.borrows))
 
     def extents(self) -> list[ExtentSpec]:
         """Every extent, block by block."""

@@ -3,7 +3,7 @@
 A run directory holds ``model/`` (the trained Hugging Face model), ``metrics.jsonl`` (one line per
 step) and ``run.json`` (the summary) — written last, so a directory without it is not a finished
 run. The store lives under ``--ssd`` (default ``OUTPUT/store``). Nothing of an earlier run is deleted
-unless asked: a fresh start over one refuses without ``--overwrite`` (``fuyou.run_dir``), and resuming
+unless asked: a fresh start over one refuses without ``--overwrite`` (``fuyou.run.directory``), and resuming
 an older checkpoint sets the newer ones aside.
 """
 
@@ -16,11 +16,11 @@ from typing import Any, Iterator
 
 from fuyou.engine import Engine, EngineConfig
 from fuyou.errors import ConfigError
-from fuyou.finetune_config import FinetuneConfig
-from fuyou.finetune_plan import ChosenPlan, choose_plan
-from fuyou.flops import FORMULA, train_flops_per_token
-from fuyou.lr import lr_at
-from fuyou.run_report import Progress, peak_rss, summary_table
+from fuyou.planner.cost import FLOP_FORMULA
+from fuyou.run.config import FinetuneConfig
+from fuyou.run.lr import lr_at
+from fuyou.run.plan_choice import ChosenPlan, PlanRequest, choose_plan, device_kind
+from fuyou.run.report import Progress, peak_rss, summary_table
 from fuyou.units import parse_size
 
 
@@ -44,27 +44,36 @@ def prepare_output(path: str) -> str:
 def _model(cfg: FinetuneConfig) -> tuple[str, bool]:
     if cfg.model:
         return cfg.model, True
-    from fuyou.demo import demo_model_dir
+    from fuyou.run.demo import demo_model_dir
 
     return demo_model_dir()
 
 
-def _engine_config(cfg: FinetuneConfig, chosen: ChosenPlan) -> EngineConfig:
-    return EngineConfig(ssd_dirs=cfg.store_dirs, device=cfg.device, gpu_memory=cfg.gpu_memory,
-                        cpu_memory=cfg.cpu_memory, precision=cfg.precision, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                        weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm, plan=chosen.plan,
-                        **({"state_chunk": chosen.state_chunk} if chosen.state_chunk else {}))
+def plan_request(cfg: FinetuneConfig, config: Any) -> PlanRequest:
+    """What the plan chooser needs of this run (``cfg.precision`` resolved); the engine gets the same budgets."""
+    return PlanRequest(model_config=config, store_dirs=tuple(cfg.store_dirs), cpu_memory=cfg.cpu_memory,
+                       gpu_memory=cfg.gpu_memory, device=cfg.device, precision=cfg.precision,
+                       micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.grad_accum, seq_len=cfg.seq_len,
+                       clip=cfg.max_grad_norm > 0, mode=cfg.plan, prefetch_depth=cfg.prefetch_depth,
+                       activations=cfg.activations, profile=cfg.profile,
+                       profile_out=os.path.join(cfg.output, "profile.json"))
+
+
+def _engine_config(cfg: FinetuneConfig, req: PlanRequest, chosen: ChosenPlan) -> EngineConfig:
+    return EngineConfig(ssd_dirs=req.store_dirs, device=req.device, gpu_memory=req.gpu_memory,
+                        cpu_memory=req.cpu_memory, precision=req.precision, state_precision=req.state_precision,
+                        lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                        max_grad_norm=cfg.max_grad_norm, plan=chosen.plan)
 
 
 def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Run a fine-tuning job end to end; return the summary (also written to OUTPUT/run.json)."""
     from transformers import AutoTokenizer
 
-    from fuyou.finetune_data import build_data
+    from fuyou.run.data import build_data
     from fuyou.models.adapters import architecture_of
     from fuyou.models.hf_io import ModelFileError, load_config
-
-    from fuyou.run_dir import check_fresh_start
+    from fuyou.run.directory import check_fresh_start
 
     out = prepare_output(cfg.output)
     cfg = FinetuneConfig(**{**cfg.__dict__, "output": out})
@@ -88,7 +97,7 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     _say_precision(precision)
     metrics_path = cfg.metrics or os.path.join(out, "metrics.jsonl")
     try:
-        summary = _train(cfg, engine, data, metrics_path, state)
+        summary = _train(cfg, engine, data, metrics_path, state, config)
         engine.export(os.path.join(out, "model"), dtype=cfg.precision)
     finally:
         engine.close()
@@ -113,13 +122,12 @@ def _precision(cfg: FinetuneConfig) -> tuple[FinetuneConfig, Any]:
     choice is printed when training starts (``_say_precision``); an explicit bf16 on a device where it is slow warns with the measured factor."""
     from fuyou.device import get_backend
     from fuyou.device.precision import PrecisionChoice, choose_precision
-    from fuyou.finetune_plan import _device_kind
 
     stored = _stored_precision(cfg) if cfg.resume and cfg.precision == "auto" else None
     if stored:
         choice = PrecisionChoice(stored, "auto", None, f"auto: the store being resumed computes in {stored}")
     else:
-        choice = choose_precision(cfg.precision, get_backend(_device_kind(cfg.device)))
+        choice = choose_precision(cfg.precision, get_backend(device_kind(cfg.device)))
     return FinetuneConfig(**{**cfg.__dict__, "precision": choice.precision}), choice
 
 
@@ -151,7 +159,7 @@ def _stored_precision(cfg: FinetuneConfig) -> str | None:
 
 def _start(cfg: FinetuneConfig, model_dir: str, config: Any) -> tuple[Engine, dict | None, ChosenPlan]:
     """A fresh engine from the model, or one restored from a checkpoint (``--resume``) with its trainer
-    state, running the plan chosen for this run (``finetune_plan``).
+    state, running the plan chosen for this run (``fuyou.run.plan_choice``).
 
     Deletes nothing of an earlier run except with ``--overwrite`` on a fresh start; checkpoints newer
     than the one resumed (or, when ``auto`` found none intact, the damaged ones) are set aside.
@@ -166,12 +174,13 @@ def _start(cfg: FinetuneConfig, model_dir: str, config: Any) -> tuple[Engine, di
             os.makedirs(d, exist_ok=True)
     point = resume_point(stripes, cfg.resume) if cfg.resume else None
     _make_way(cfg, stripes, point)
-    chosen = choose_plan(cfg, config, log=_log if cfg.progress else lambda s: None)
+    req = plan_request(cfg, config)
+    chosen = choose_plan(req, log=_log if cfg.progress else lambda s: None)
     if point is None:
-        return Engine.from_pretrained(model_dir, _engine_config(cfg, chosen)), None, chosen
+        return Engine.from_pretrained(model_dir, _engine_config(cfg, req, chosen)), None, chosen
     name, state = point
     restore(stripes, name)
-    return Engine.resume(_engine_config(cfg, chosen)), state, chosen
+    return Engine.resume(_engine_config(cfg, req, chosen)), state, chosen
 
 
 def _make_way(cfg: FinetuneConfig, stripes: list[str], point: tuple[str, dict] | None) -> None:
@@ -179,7 +188,7 @@ def _make_way(cfg: FinetuneConfig, stripes: list[str], point: tuple[str, dict] |
     earlier run; otherwise checkpoints are only set aside, and the old run.json and model/ removed
     (this run writes new ones) once it is clear that a finished model is not being replaced."""
     from fuyou.checkpoint.resume import set_aside_newer
-    from fuyou.run_dir import check_fresh_after_auto, clear_earlier_run, clear_finished
+    from fuyou.run.directory import check_fresh_after_auto, clear_earlier_run, clear_finished
 
     if point is None and cfg.overwrite:
         clear_earlier_run(cfg.output, stripes)
@@ -217,12 +226,13 @@ def _checkpoint(cfg: FinetuneConfig, engine: Engine, data: Any, step: int, count
     return time.perf_counter() - t0
 
 
-def _train(cfg: FinetuneConfig, engine: Engine, data: Any, metrics_path: str, state: dict | None) -> dict[str, Any]:
+def _train(cfg: FinetuneConfig, engine: Engine, data: Any, metrics_path: str, state: dict | None,
+           config: Any) -> dict[str, Any]:
     from fuyou.checkpoint.resume import decode_rng
+    from fuyou.planner.shapes import shape_from_config
 
     total = data.total_steps
-    blocks = engine.layout.blocks
-    fpt = train_flops_per_token(list(blocks), len(blocks) - 2, engine.adapter.hidden, cfg.seq_len)
+    fpt = shape_from_config(config.to_dict()).train_flops_per_token(cfg.seq_len)  # model FLOPs: FLOP_FORMULA
     c = {"tokens": 0, "written": 0, "read": 0, "first_loss": None, "loss": None, "wall": 0.0, "stall": 0.0,
          "eval_before": None}
     start = 0
@@ -262,7 +272,7 @@ def _train(cfg: FinetuneConfig, engine: Engine, data: Any, metrics_path: str, st
             "first_loss": c["first_loss"], "last_loss": c["loss"], "eval_loss_before": c["eval_before"],
             "eval_loss_after": _evaluate(engine, data.eval_batches), "peak_rss_bytes": peak_rss(),
             "ssd_write_bytes": c["written"], "ssd_read_bytes": c["read"], "checkpoint_stall_s": c["stall"],
-            "resumed_from_step": start, "cpu_memory_bytes": parse_size(cfg.cpu_memory), "flop_formula": FORMULA,
+            "resumed_from_step": start, "cpu_memory_bytes": parse_size(cfg.cpu_memory), "flop_formula": FLOP_FORMULA,
             "store_dirs": list(cfg.store_dirs)}
 
 
@@ -271,7 +281,7 @@ def _record(step: int, st: dict, fpt: int) -> dict:
     return {"step": step + 1, "loss": st["loss"], "lr": st["lr"], "grad_norm": st["grad_norm"],
             "applied": st["applied"], "tokens": st["tokens"], "step_time_s": st["step_time_s"],
             "tokens_per_s": st["tokens_per_s"], "tflops": fpt * st["tokens"] / st["step_time_s"] / 1e12,
-            "flop_formula": FORMULA, "flops_per_token": fpt, "busy_frac": st["busy_frac"],
+            "flop_formula": FLOP_FORMULA, "flops_per_token": fpt, "busy_frac": st["busy_frac"],
             "bottleneck": st["bottleneck"], "ssd_read_gb": st["ssd_read_bytes"] / 1e9,
             "ssd_write_gb": st["ssd_write_bytes"] / 1e9}
 

@@ -8,7 +8,7 @@ from typing import Any, Iterator
 
 import torch
 
-from fuyou.finetune_config import FinetuneConfig
+from fuyou.run.config import FinetuneConfig
 
 EVAL_BATCHES = 8
 """Held-out batches evaluated before and after training (at most)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from fuyou.data.build import build_datasets
-from fuyou.data.demo import split_topics, write_demo_dataset
+from fuyou.data.demo_corpus import split_topics, write_demo_dataset
 
 
 def read(path: str) -> list[str]:

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 from fuyou.errors import ConfigError
-from fuyou.lr import SCHEDULES
+from fuyou.run.lr import SCHEDULES
 from fuyou.units import parse_size
 
 

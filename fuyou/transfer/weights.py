@@ -16,13 +16,13 @@ from typing import Callable
 import torch
 
 from fuyou.device.base import Backend, Event
-from fuyou.engine.futures import chain, done_future
-from fuyou.engine.layout import ModelLayout
-from fuyou.engine.timeline import Timeline
-from fuyou.engine.ram_tier import RamTier
-from fuyou.transfer.buffers import HostBuffer, HostBufferPool
+from fuyou.models.store_layout import ModelLayout
+from fuyou.schedule.sizing import WEIGHTS as HOST_CLASS
+from fuyou.timeline import Timeline
+from fuyou.transfer.futures import chain, done_future
+from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
+from fuyou.transfer.ram_tier import RamTier
 
-HOST_CLASS = "weights"
 
 
 class WeightLoader:
@@ -37,11 +37,6 @@ class WeightLoader:
         self._reads: dict[int, tuple[HostBuffer, Future]] = {}
         self._copies: list[tuple[HostBuffer, Event]] = []
         self.gate: Callable[[int], Future] = lambda b: done_future()
-
-    @staticmethod
-    def host_bytes(layout: ModelLayout) -> int:
-        """Size of one host weight buffer: the largest ``w`` extent."""
-        return max(layout.w(b).nbytes for b in range(len(layout.blocks)))
 
     def start(self, order: list[int]) -> None:
         """Begin a new load order (one step); reads for its first ``depth`` blocks are issued."""

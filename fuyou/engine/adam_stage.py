@@ -1,11 +1,12 @@
-"""The optimizer stage: gradient → host, state SSD → host, CPU AdamW, state and weights → SSD.
+"""The Adam stage: state SSD → host, CPU AdamW, state and new weights → SSD, block by block.
 
-Per block: the device gradient is copied into a host buffer (``offload``); ``update`` reads the
-block's master/m/v from the store, runs the fused AdamW on the Adam worker thread (writing the new
-compute weights into a host buffer in the same pass) and writes both extents back. Everything is
-chained on futures: the training thread only submits, and the returned future completes when the
-block's new weights are in the store (readable by the next step). State and weights go through the
-``RamTier`` facade: RAM-tier extents are memcpys, not SSD traffic.
+Per block, the device gradient is first copied into a host buffer (``offload``, done by
+``fuyou.transfer.gradients``); ``update`` reads the block's master/m/v from the store, runs the fused
+AdamW on the Adam worker thread (writing the new compute weights into a host buffer in the same
+pass) and writes both extents back. Everything is chained on futures: the training thread only
+submits, and the returned future completes when the block's new weights are in the store (readable
+by the next step). State and weights go through the ``RamTier`` facade: RAM-tier extents are
+memcpys, not SSD traffic.
 """
 
 from __future__ import annotations
@@ -19,38 +20,33 @@ from typing import Callable
 import torch
 
 from fuyou.device.base import Backend, Event
-from fuyou.engine.futures import chain, done_future
-from fuyou.engine.layout import ModelLayout, elem_size
-from fuyou.engine.timeline import Timeline
+from fuyou.models.store_layout import ModelLayout
 from fuyou.optim import AdamJob, AdamWHyper, AdamWorker, adamw_step
 from fuyou.storage.io_base import gather
-from fuyou.engine.ram_tier import RamTier
-from fuyou.transfer.buffers import HostBuffer, HostBufferPool
+from fuyou.timeline import Timeline
+from fuyou.transfer.futures import chain, done_future
+from fuyou.schedule.sizing import GRADS, NEW_WEIGHTS, STATE
+from fuyou.transfer.gradients import GradientOffload
+from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
+from fuyou.transfer.ram_tier import RamTier
 
-GRADS, STATE, NEW_WEIGHTS = "grads", "state", "new-weights"
 
 
 class AdamStage:
-    """Offload, update and write back one block at a time; see the module docstring."""
+    """Offload (through ``gradients``), update and write back one block at a time; see the module
+    docstring."""
 
     def __init__(self, store: RamTier, backend: Backend, pool: HostBufferPool, layout: ModelLayout,
                  hyper: AdamWHyper, timeline: Timeline, d2h_stream: object, num_threads: int | None = None,
                  no_decay: frozenset[str] = frozenset()) -> None:
         self.store, self.backend, self.pool, self.layout = store, backend, pool, layout
         self.no_decay = no_decay
-        self.timeline, self.stream = timeline, d2h_stream
+        self.timeline = timeline
+        self.gradients = GradientOffload(backend, pool, layout, timeline, d2h_stream)
         self.worker = AdamWorker(hyper, step_fn=self._timed_step, num_threads=num_threads)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._feeder = threading.Thread(target=self._feed, name="fuyou-adam-feeder", daemon=True)
         self._feeder.start()
-
-    @staticmethod
-    def host_classes(layout: ModelLayout, state_buffers: int) -> list[tuple[str, int, int]]:
-        """Host buffer classes this stage needs: (name, bytes each, count)."""
-        nb = range(len(layout.blocks))
-        grad = max(layout.numel(b) for b in nb) * elem_size(layout.compute_dtype)
-        return [(GRADS, grad, 2), (STATE, layout.state_bytes(), state_buffers),
-                (NEW_WEIGHTS, max(layout.w(b).nbytes for b in nb), 2)]
 
     def _runs(self, b: int, lo: int, hi: int) -> list[tuple[int, int, bool]]:
         """Decay runs of block ``b`` clipped to the chunk [lo, hi)."""
@@ -68,14 +64,9 @@ class AdamStage:
         self.timeline.add("adam", f"adam {master.numel()}", t0, time.perf_counter(), master.numel())
 
     def offload(self, b: int, grad: torch.Tensor, cls: str = GRADS) -> tuple[HostBuffer, Event]:
-        """Copy block ``b``'s flat device gradient into a host buffer of class ``cls``."""
-        buf = self.pool.acquire(cls)
-        n = grad.numel()
-        self.backend.record().wait(self.stream)  # hazard: copying the gradient before backward finished writing it
-        with self.timeline.span("d2h", self.layout.blocks[b].name, n * grad.element_size()), self.backend.on(self.stream):
-            buf.view(grad.dtype, n).copy_(grad, non_blocking=True)
-            self.backend.keep_alive(grad, self.stream)  # hazard: the caller frees grad while the copy still reads it
-        return buf, self.backend.record(self.stream)
+        """Copy block ``b``'s flat device gradient into a host buffer of class ``cls``
+        (``GradientOffload.offload``, on this stage's device-to-host stream)."""
+        return self.gradients.offload(b, grad, cls)
 
     def update(self, b: int, grad: HostBuffer | Callable[[], tuple[HostBuffer, Event]], ready: Event | None,
                lr: float, step: int, scale: float) -> Future:

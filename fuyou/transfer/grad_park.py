@@ -5,10 +5,11 @@ clipping coefficient needs the global norm), so every block's gradient waits —
 4 in fp32, 350 GB for a 175B model. ``Plan.park_ram_blocks`` = N keeps blocks 0…N−1's in host RAM
 (one pool buffer each, class ``park/<b>``); later blocks' go to SSD:
 
-* park — the device gradient is copied into one of the Adam stage's two gradient buffers (``grads``)
-  and written, asynchronously and checksummed, to a scratch file of that block (``<ssd>/gradients/``,
-  striped over the store directories, allocated once, reused every step); the buffer returns to the
-  pool when the write lands. The training thread only waits when both buffers are in flight.
+* park — the device gradient is copied into one of the two gradient buffers (``grads``:
+  ``fuyou.transfer.gradients``) and written, asynchronously and checksummed, to a scratch file of
+  that block (``<ssd>/gradients/``, striped over the store directories, allocated once, reused every
+  step); the buffer returns to the pool when the write lands. The training thread only waits when
+  both buffers are in flight.
 * read back — the Adam pass asks for the gradient on its feeder thread (``AdamStage.update`` takes a
   callable): a ``grads`` buffer is taken, the file read into it (checksums verified), and Adam starts
   when the read lands, so reads of later blocks overlap Adam of earlier ones.
@@ -28,20 +29,16 @@ from typing import Callable
 import torch
 
 from fuyou.device.base import Event
-from fuyou.engine.layout import ModelLayout, elem_size
-from fuyou.engine.optimizer import GRADS, AdamStage
-from fuyou.engine.timeline import Timeline
+from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.storage.dirs import preallocate
 from fuyou.storage.io_base import FileHandle, IOEngine
-from fuyou.transfer.buffers import HostBuffer, HostBufferPool
+from fuyou.timeline import Timeline
+from fuyou.schedule.sizing import GRADS, park_class
+from fuyou.transfer.gradients import Offloads
+from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
 from fuyou.units import align_up
 
 GRAD_DIR = "gradients"
-
-
-def park_class(b: int) -> str:
-    """Host buffer class for block ``b``'s gradient parked in RAM."""
-    return f"park/{b}"
 
 
 class FutureEvent(Event):
@@ -73,11 +70,12 @@ Parked = tuple[HostBuffer, Event] | OnSSD
 
 class GradientParking:
     """Parks finished gradients in RAM or on SSD and hands them to the Adam stage; see the module
-    docstring. ``ssd_blocks``: the blocks whose gradients park on SSD."""
+    docstring. ``gradients`` copies them off the device (the Adam stage's ``offload``: its
+    device-to-host stream); ``ssd_blocks``: the blocks whose gradients park on SSD."""
 
-    def __init__(self, stage: AdamStage, pool: HostBufferPool, layout: ModelLayout, io: IOEngine, dirs: list[str],
+    def __init__(self, gradients: Offloads, pool: HostBufferPool, layout: ModelLayout, io: IOEngine, dirs: list[str],
                  direct: list[bool], timeline: Timeline, ssd_blocks: list[int], checksums: bool = True) -> None:
-        self.stage, self.pool, self.layout, self.io, self.timeline = stage, pool, layout, io, timeline
+        self.gradients, self.pool, self.layout, self.io, self.timeline = gradients, pool, layout, io, timeline
         self.checksums = checksums
         self.dirs = [os.path.join(d, GRAD_DIR) for d in dirs]
         self._direct = direct
@@ -110,8 +108,8 @@ class GradientParking:
         """Park block ``b``'s finished device gradient ``grad``; returns at once (the copy and any
         write run asynchronously)."""
         if not self.on_ssd(b):
-            return self.stage.offload(b, grad, park_class(b))
-        buf, ready = self.stage.offload(b, grad, GRADS)
+            return self.gradients.offload(b, grad, park_class(b))
+        buf, ready = self.gradients.offload(b, grad, GRADS)
         prev = self._last.get(b)
         assert self._writer is not None
         fut = self._writer.submit(self._write, b, buf, ready, prev)

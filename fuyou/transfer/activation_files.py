@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from fuyou.device.base import Backend, host_aligned_empty
-from fuyou.engine.timeline import Timeline
 from fuyou.storage.dirs import preallocate
+from fuyou.storage.extents import TENSOR_ALIGN
 from fuyou.storage.io_base import FileHandle, IOEngine
-from fuyou.storage.layout import TENSOR_ALIGN
-from fuyou.transfer.buffers import HostBufferPool
+from fuyou.timeline import Timeline
+from fuyou.transfer.host_pool import HostBufferPool
 from fuyou.units import align_up
 
 

@@ -1,5 +1,6 @@
-"""The Plan: the frozen, plain-data contract between whoever decides (rules now, the cost-model
-planner later) and the engine that executes."""
+"""The Plan: everything that decides how a step runs, as frozen plain data — the contract between
+whoever decides (the cost-model planner, or the budget rules in ``fuyou.schedule.sizing``) and the
+engine that executes it. No torch."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ from fuyou.errors import ConfigError
 
 POLICIES = ("keep", "swap_cpu", "swap_ssd", "recompute")
 SCHEDULES = ("overlap_backward", "overlap_next_forward")
+AUTO = "auto"
+"""``Plan.schedule`` default: ``overlap_next_forward`` with clipping, else ``overlap_backward``
+(``fuyou.schedule.rules.resolve``)."""
+MIN_CHUNK = 1 << 20
+"""Smallest state chunk the budget rules shrink to (elements)."""
 
 
 @dataclass(frozen=True)
@@ -27,21 +33,26 @@ class Plan:
     """Blocks of weights read ahead of the one being computed (≥ 1)."""
     activation_policy: tuple[str, ...] = ()
     """Per-block policy; empty means ``recompute`` for every layer (``keep`` for embed)."""
-    schedule: str = "overlap_backward"
+    schedule: str = AUTO
     """``overlap_backward``: Adam(i) during backward of i−1 (no global clipping); ``overlap_next_forward``:
-    exact clipping and non-finite skipping, Adam(i) overlapped with the next step's forward."""
+    exact clipping and non-finite skipping, Adam(i) overlapped with the next step's forward; ``auto``:
+    the latter with clipping, else the former (resolved by the engine: ``rules.resolve``)."""
     state_buffers: int = 2
     """Host buffers for optimizer state in flight (≥ 2: read of the next overlaps the current update)."""
     ram_weight_blocks: int = 0
     """Blocks 0…N−1 (layout order) whose compute weights live in host RAM instead of on SSD: reads are
-    memcpys, and per-step commits do not write them (``fuyou.engine.ram_tier``). ≤ the block count."""
+    memcpys, and per-step commits do not write them (``fuyou.transfer.ram_tier``). ≤ the block count."""
     ram_state_blocks: int = 0
     """Blocks 0…M−1 whose fp32 master + m + v live in host RAM instead of on SSD. ≤ the block count."""
     park_ram_blocks: int | None = None
     """Where parked gradients wait (the clipping schedule parks every block's until backward ends;
     ``overlap_backward`` with a RAM tier parks blocks 1…R−1's): blocks 0…N−1 in host RAM, later blocks
-    on SSD (written as backward finishes them, read back by the Adam pass: ``fuyou.engine.grad_park``).
+    on SSD (written as backward finishes them, read back by the Adam pass: ``fuyou.transfer.grad_park``).
     None: every block in RAM."""
+    state_chunk: int = 1 << 23
+    """Elements per optimizer-state chunk, a multiple of 32 (8 Mi: 96 MiB of fp32 master + m + v):
+    host memory for state is ``state_buffers`` × one chunk, whatever the largest block. A resumed
+    store keeps the chunk it was created with."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -49,8 +60,10 @@ class Plan:
             problems.append(f"--grad-accum must be ≥ 1, got {self.micro_batches}")
         if self.prefetch_depth < 1:
             problems.append(f"prefetch depth must be ≥ 1, got {self.prefetch_depth}")
-        if self.schedule not in SCHEDULES:
-            problems.append(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule not in SCHEDULES + (AUTO,):
+            problems.append(f"schedule must be one of {SCHEDULES + (AUTO,)}, got {self.schedule!r}")
+        if self.state_chunk <= 0 or self.state_chunk % 32:
+            problems.append(f"state chunk must be a positive multiple of 32 elements, got {self.state_chunk}")
         if self.state_buffers < 2:
             problems.append(f"state buffers must be ≥ 2, got {self.state_buffers}")
         for name in ("ram_weight_blocks", "ram_state_blocks"):
@@ -75,6 +88,11 @@ class Plan:
     def parks_in_ram(self, block: int) -> bool:
         """Whether ``block``'s parked gradient waits in host RAM (else on SSD)."""
         return self.park_ram_blocks is None or block < self.park_ram_blocks
+
+    @property
+    def clips(self) -> bool:
+        """Whether this (resolved) plan runs the clipping schedule, which parks every gradient."""
+        return self.schedule == "overlap_next_forward"
 
     def to_json(self) -> dict:
         """Plain data (for logs and the planner)."""

@@ -27,53 +27,27 @@ from concurrent.futures import Future
 
 import torch
 
-from fuyou.device.base import HOST_ALIGN
-from fuyou.engine.futures import done_future
-from fuyou.engine.layout import ModelLayout
-from fuyou.engine.timeline import Timeline
 from fuyou.errors import ConfigError, FuyouError, StoreError
+from fuyou.models.store_layout import ModelLayout
+from fuyou.storage.extents import ExtentSpec
 from fuyou.storage.io_base import gather
-from fuyou.storage.layout import ExtentSpec
 from fuyou.storage.store import TensorStore
-from fuyou.transfer.buffers import HostBuffer, HostBufferPool
-from fuyou.units import align_up
+from fuyou.timeline import Timeline
+from fuyou.transfer.futures import done_future
+from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
+from fuyou.schedule.sizing import RAM_STATE, RAM_WEIGHTS
+from fuyou.units import HOST_ALIGN, align_up
 
 STALE = "ram_tier_stale"
 """Commit-metadata key: True when RAM-tier extents on SSD are older than the committed step."""
-WEIGHTS_CLASS, STATE_CLASS = "ram-tier weights", "ram-tier optimizer state"
 
 
 def ram_extents(layout: ModelLayout, weight_blocks: int, state_blocks: int) -> tuple[list[ExtentSpec], list[ExtentSpec]]:
-    """(weight extents, state extents) held in RAM for the first ``weight_blocks``/``state_blocks`` blocks.
-
-    Raises ConfigError if either count passes the number of blocks.
-    """
-    n = len(layout.blocks)
-    if weight_blocks > n or state_blocks > n:
-        raise ConfigError(f"the plan keeps {weight_blocks} blocks' weights and {state_blocks} blocks' optimizer "
-                          f"state in host RAM, but the model has {n} blocks")
+    """(weight extents, state extents) held in RAM for the first ``weight_blocks``/``state_blocks`` blocks
+    (at most the block count: ``fuyou.schedule.rules.check_ram_tier``)."""
     ws = [layout.w(b) for b in range(weight_blocks)]
     ss = [layout.s(b, c) for b in range(state_blocks) for c in range(len(layout.chunks(b)))]
     return ws, ss
-
-
-def ram_bytes(layout: ModelLayout, weight_blocks: int, state_blocks: int) -> tuple[int, int]:
-    """Host bytes of the RAM tier (weights, state), each extent rounded up to 4 KiB as the pool counts."""
-    ws, ss = ram_extents(layout, weight_blocks, state_blocks)
-    return sum(align_up(e.nbytes, HOST_ALIGN) for e in ws), sum(align_up(e.nbytes, HOST_ALIGN) for e in ss)
-
-
-def rollback_blocks(weight_blocks: int, state_blocks: int, schedule: str) -> range:
-    """Blocks whose gradients ``overlap_backward`` parks until the whole backward was finite.
-
-    A non-finite gradient rolls the step back with ``store.abort``, which cannot undo RAM writes; so
-    RAM-tier blocks 1…R−1 (R = the larger count) are updated only after block 0's backward, once
-    every gradient is known finite. Block 0 is the last gradient: it never needs parking. Empty for
-    ``overlap_next_forward`` (it parks every block anyway).
-    """
-    if schedule != "overlap_backward":
-        return range(0)
-    return range(1, max(weight_blocks, state_blocks))
 
 
 class RamTier:
@@ -92,7 +66,7 @@ class RamTier:
         """RAM extents written since the last commit or abort."""
         self._held: list[HostBuffer] = []
         ws, ss = ram_extents(layout, weight_blocks, state_blocks)
-        for cls, exts in ((WEIGHTS_CLASS, ws), (STATE_CLASS, ss)):
+        for cls, exts in ((RAM_WEIGHTS, ws), (RAM_STATE, ss)):
             self._carve(pool, cls, exts)
 
     def _carve(self, pool: HostBufferPool, cls: str, exts: list[ExtentSpec]) -> None:

@@ -1,0 +1,236 @@
+"""How a run picks its engine plan, for both front ends (``fuyou finetune`` and ``FuyouTrainer``).
+
+A front end describes its run as a ``PlanRequest`` (plain data: no ``FinetuneConfig``, no
+``TrainingArguments``) and calls ``choose_plan``, so the same run gets the same plan from either.
+
+``mode="auto"`` (``--plan auto``, the default) asks the cost-model planner (``fuyou.planner.search``)
+for the fastest plan that fits the budgets, keeping the run's own batch: ``micro_batch_size`` ×
+``grad_accum`` sequences of ``seq_len`` tokens per step, split into ``grad_accum`` micro-batches. It
+chooses the prefetch depth, the per-layer activation policy, the state chunk and buffer count,
+(without clipping) the schedule and, when spare host memory makes it faster (bf16 runs), which blocks'
+weights and optimizer state live in host RAM instead of on SSD (``Plan.ram_weight_blocks``/
+``ram_state_blocks``). ``prefetch_depth`` and ``activations`` (``--prefetch-depth``,
+``--activations``) fix those choices; ``mode="rules"`` (``--plan rules``) uses the engine's simple
+budget rules instead.
+
+The planner reads a hardware profile: ``PlanRequest.profile`` (``--profile PATH``), else
+``$FUYOU_PROFILE``, else ``hw.json`` in the cache directory (``$FUYOU_CACHE``, default
+``~/.cache/fuyou``; written by ``fuyou profile``) if it was measured on the same kind of device.
+Without one, a quick profile is measured (seconds: a 64 MiB SSD test in the first store directory, CPU
+Adam, memcpy, one layer and the head at the run's micro-batch, in the run's compute dtype), cached per
+machine (``fuyou.machine``: the machine's figures per store filesystem, the model's per model shape,
+batch and dtype) so a re-run, a resumed run or another run on this machine does not measure again,
+and saved at ``PlanRequest.profile_out`` (the CLI: ``OUTPUT/profile.json``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fuyou.schedule.plan import Plan
+from fuyou.errors import ConfigError
+from fuyou.units import parse_size
+
+MODES = ("auto", "rules")
+POLICIES = ("keep", "swap_cpu", "swap_ssd", "recompute")
+
+
+def default_profile() -> str:
+    """Where ``fuyou profile`` keeps this machine's profile: ``hw.json`` in the cache directory."""
+    from fuyou.machine import cache_dir
+
+    return os.path.join(cache_dir(), "hw.json")
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """One run as the plan chooser sees it, whichever front end describes it."""
+
+    model_config: Any
+    """The model's ``transformers`` config."""
+    store_dirs: tuple[str, ...]
+    """Store directories, one per SSD (a quick profile measures the first)."""
+    cpu_memory: str | int
+    """Host budget (``64GiB`` or bytes)."""
+    gpu_memory: str | int | None = None
+    """Device budget; None: the profile's device memory."""
+    device: str = "auto"
+    """``auto`` | ``cuda`` | ``cpu``."""
+    precision: str = "bf16"
+    """Compute dtype, resolved: ``bf16`` or ``fp32``."""
+    state_precision: str = "fp32"
+    """Adam m and v: ``fp32`` or ``bf16``."""
+    micro_batch_size: int = 1
+    """Sequences per micro-batch (kept: the planner does not change the run's batch)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    seq_len: int = 1024
+    """Tokens per sequence the plan is sized for (activations, compute)."""
+    clip: bool = False
+    """Global-norm clipping on (forces the ``overlap_next_forward`` schedule)."""
+    mode: str = "auto"
+    """``auto``: the cost-model planner; ``rules``: the engine's budget rules."""
+    prefetch_depth: int | None = None
+    """Fix the prefetch depth instead of planning it."""
+    activations: str | None = None
+    """Fix every layer's activation policy (keep|swap_cpu|swap_ssd|recompute) instead of planning it."""
+    profile: str | None = None
+    """Hardware profile JSON; None: ``$FUYOU_PROFILE``, this machine's ``hw.json``, else measured."""
+    profile_out: str | None = None
+    """Where a profile measured now is saved (None: not saved; it is cached per machine either way)."""
+
+    def __post_init__(self) -> None:
+        p = []
+        if not self.store_dirs:
+            p.append("at least one store directory is needed")
+        if self.mode not in MODES:
+            p.append(f"plan mode must be auto or rules, got {self.mode!r}")
+        for name in ("precision", "state_precision"):
+            if getattr(self, name) not in ("bf16", "fp32"):
+                p.append(f"{name.replace('_', ' ')} must be bf16 or fp32, got {getattr(self, name)!r}")
+        for name, low in (("micro_batch_size", 1), ("grad_accum", 1), ("seq_len", 2)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < low:
+                p.append(f"{name.replace('_', ' ')} must be an integer ≥ {low}, got {v!r}")
+        if self.prefetch_depth is not None and (not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 1):
+            p.append(f"prefetch depth must be an integer ≥ 1, got {self.prefetch_depth!r}")
+        if self.activations is not None and self.activations not in POLICIES:
+            p.append(f"activations must be one of {', '.join(POLICIES)}, got {self.activations!r}")
+        if p:
+            raise ConfigError("; ".join(p))
+
+
+@dataclass(frozen=True)
+class ChosenPlan:
+    """The plan a run uses (the state chunk inside it) and how it was chosen."""
+
+    plan: Plan
+    info: dict[str, Any] = field(default_factory=dict)
+    """For the run's record: source (planner|rules), profile, predicted step time and bottleneck."""
+
+
+def device_kind(device: str) -> str:
+    """``cuda`` or ``cpu`` for a ``--device`` value (``auto``: cuda when torch sees a GPU)."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _profile(req: PlanRequest, log: Callable[[str], None]) -> tuple[Any, str | None]:
+    """The hardware profile for this run and where it came from (None: measured, not saved); see the
+    module docstring."""
+    from fuyou.planner.profile import load_profile, save_profile
+
+    path = req.profile or os.environ.get("FUYOU_PROFILE")
+    if path:
+        if not os.path.isfile(path):
+            raise ConfigError(f"no hardware profile at {path}; run `fuyou profile --ssd DIR --out {path}` or drop --profile")
+        return load_profile(path), path
+    kind = device_kind(req.device)
+    if os.path.isfile(default_profile()):
+        prof = load_profile(default_profile())
+        if prof.device == kind:
+            return prof, default_profile()
+    from fuyou.storage.dirs import check_dir
+
+    for d in req.store_dirs:
+        check_dir(d)  # unusable directories get the store's one-line error before anything is measured
+    prof = quick_profile(req, kind, _stderr)  # said even without progress output: it explains a wait
+    if req.profile_out is None:
+        return prof, None
+    os.makedirs(os.path.dirname(os.path.abspath(req.profile_out)), exist_ok=True)
+    save_profile(prof, req.profile_out)
+    return prof, req.profile_out
+
+
+def quick_profile(req: PlanRequest, kind: str, log: Callable[[str], None]) -> Any:
+    """The quick profile for this run, from the per-machine cache where measured before (see the
+    module docstring)."""
+    from fuyou.device import get_backend
+    from fuyou.machine import cached, machine_key
+    from fuyou.planner.measure import QUICK, machine_figures, model_figures, profile_from
+    from fuyou.planner.shapes import shape_from_config
+
+    backend = get_backend(kind)
+    ssd = os.path.abspath(req.store_dirs[0])
+    base = f"{machine_key(kind + ':' + backend.describe())}/{req.precision}"
+    said = []
+
+    def measuring(what: str) -> Callable[[], Any]:
+        def run() -> Any:
+            if not said:
+                log("planner: measuring a quick hardware profile of this machine (once; seconds) …")
+                said.append(1)
+            return (machine_figures(backend, [ssd], req.precision, QUICK) if what == "machine" else
+                    model_figures(req.model_config, backend, (req.micro_batch_size,), req.seq_len, req.precision, QUICK))
+        return run
+
+    machine, _ = cached("quick-profile", f"{base}/fs{os.stat(ssd).st_dev}", measuring("machine"))
+    sig = shape_from_config(req.model_config.to_dict()).signature
+    model, _ = cached("quick-profile", f"{base}/{sig}/{req.micro_batch_size}x{req.seq_len}", measuring("model"))
+    return profile_from(machine, model, "quick (measured for a run)")
+
+
+def _stderr(msg: str) -> None:
+    import sys
+
+    print(msg, file=sys.stderr)
+
+
+def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -> ChosenPlan:
+    """The engine plan for the run ``req`` describes; ``log`` gets one line saying which plan and why.
+
+    Raises ConfigError (the planner's InfeasibleError among them) naming what does not fit and what
+    to change, or an unreadable profile.
+    """
+    if req.mode == "rules":
+        pol = _fixed_policies(req)
+        plan = Plan(micro_batches=req.grad_accum, **({"prefetch_depth": req.prefetch_depth} if req.prefetch_depth else {}),
+                    **({"activation_policy": pol} if pol else {}))
+        log(f"plan: the engine's budget rules ({req.grad_accum} micro-batches"
+            f"{f', prefetch depth {req.prefetch_depth}' if req.prefetch_depth else ''}"
+            f"{f', activations {req.activations}' if req.activations else ''})")
+        return ChosenPlan(plan, {"source": "rules"})
+    from fuyou.planner.result import Budgets
+    from fuyou.planner.search import Request, search
+    from fuyou.planner.shapes import shape_from_config
+
+    prof, where = _profile(req, log)
+    where = where or "measured now (not saved)"
+    shape = shape_from_config(req.model_config.to_dict())
+    gpu = parse_size(req.gpu_memory, "--gpu-memory") if req.gpu_memory is not None else prof.device_memory_bytes
+    budgets = Budgets(cpu_memory=parse_size(req.cpu_memory, "--cpu-memory"), gpu_memory=gpu)
+    sreq = Request(seq_len=req.seq_len, tokens_per_step=req.seq_len * req.micro_batch_size * req.grad_accum,
+                   clip=req.clip, state_precision=req.state_precision, micro_batch_size=req.micro_batch_size,
+                   prefetch_depth=req.prefetch_depth, activations=req.activations, precision=req.precision)
+    res = search(shape, prof, budgets, sreq)
+    p = res.prediction
+    plan = res.plan  # the state chunk rides inside the plan
+    info = {"source": "planner", "profile": where, "predicted_step_s": p.step_s, "predicted_bottleneck": p.bottleneck,
+            "plan": plan.to_json(), "state_chunk": plan.state_chunk}
+    log(f"planner: {describe(plan)}; predicted {p.step_s:.2f} s/step, bottleneck {p.bottleneck} (profile {where})")
+    return ChosenPlan(plan, info)
+
+
+def describe(plan: Plan) -> str:
+    """One line naming a plan's knobs, for the run's log."""
+    pols = plan.activation_policy[1:-1]
+    acts = ", ".join(f"{pols.count(k)}× {k}" for k in POLICIES if k in pols) or "default"
+    ram = (f", RAM tier: {plan.ram_weight_blocks} blocks' weights, {plan.ram_state_blocks} blocks' state"
+           if plan.ram_weight_blocks or plan.ram_state_blocks else "")
+    return (f"{plan.micro_batches} micro-batches, prefetch depth {plan.prefetch_depth}, layer activations {acts}, "
+            f"schedule {plan.schedule}, state chunk {plan.state_chunk} × {plan.state_buffers} buffers{ram}")
+
+
+def _fixed_policies(req: PlanRequest) -> tuple[str, ...] | None:
+    """``activations`` for every layer (embedding and head keep), as a per-block policy tuple."""
+    if not req.activations:
+        return None
+    from fuyou.planner.shapes import shape_from_config
+
+    n = len(shape_from_config(req.model_config.to_dict()).blocks)
+    return ("keep",) + (req.activations,) * (n - 2) + ("keep",)

@@ -1,0 +1,154 @@
+"""Host-memory sizing, written once: the buffer classes a plan reserves, the RAM tier's bytes, the
+budget rules that fit a plan into ``--cpu-memory``, and the device floor. The engine reserves exactly
+``buffer_classes`` (``fuyou/engine/engine.py``); the planner's cost model counts the same bytes
+(``fuyou/planner/cost.py``). Plain Python, no torch.
+
+Host memory a plan reserves (every buffer rounded up to ``HOST_ALIGN``, as the pool counts):
+``prefetch_depth + 1`` weight buffers (largest block), 2 gradient and 2 new-weight buffers (largest
+block), ``state_buffers`` optimizer-state chunks, one parked gradient per block that parks in RAM
+(``rules.parked_in_ram``), and the RAM tier: the compute weights of the first ``ram_weight_blocks``
+blocks, the master + m + v of the first ``ram_state_blocks`` (12 B/param, 8 with bf16 m/v).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from fuyou.schedule.plan import MIN_CHUNK, Plan
+from fuyou.schedule.rules import parked_in_ram
+from fuyou.units import HOST_ALIGN, align_up
+
+WEIGHTS, GRADS, STATE, NEW_WEIGHTS = "weights", "grads", "state", "new-weights"
+"""Host buffer classes of the streaming path (names as the pool reports them)."""
+RAM_WEIGHTS, RAM_STATE = "ram-tier weights", "ram-tier optimizer state"
+TENSOR_ALIGN = 64
+"""Byte alignment of each tensor inside a store extent (``fuyou.storage`` packs them so)."""
+
+
+def park_class(b: int) -> str:
+    """Host buffer class for block ``b``'s gradient parked in RAM."""
+    return f"park/{b}"
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What sizing needs to know of a model: per block (layout order) the bytes of its compute-weight
+    extent and its flat element count, the element sizes, and the blocks the head borrows."""
+
+    weight_bytes: tuple[int, ...]
+    """Bytes of each block's compute-weight extent (its tensors at 64-byte alignment)."""
+    numels: tuple[int, ...]
+    """Elements of each block's flat gradient and optimizer-state vectors."""
+    compute_bytes: int
+    """Bytes per weight/gradient element: 2 (bf16) or 4 (fp32)."""
+    state_bytes_per_param: int = 12
+    """fp32 master + m + v: 12; with bf16 m and v: 8."""
+    borrowed: tuple[int, ...] = ()
+    """Blocks whose weights the head also uses (a tied embedding)."""
+
+    @property
+    def nblocks(self) -> int:
+        """Number of blocks."""
+        return len(self.numels)
+
+    def grad_bytes(self, b: int) -> int:
+        """Bytes of block ``b``'s flat gradient."""
+        return self.numels[b] * self.compute_bytes
+
+    def state_extent_bytes(self, n: int) -> int:
+        """Bytes of one state extent of ``n`` elements: master (fp32), m, v at 64-byte alignment."""
+        mv = (self.state_bytes_per_param - 4) // 2
+        return align_up(4 * n, TENSOR_ALIGN) + align_up(mv * n, TENSOR_ALIGN) + mv * n
+
+
+@dataclass(frozen=True)
+class BufferClass:
+    """``count`` host buffers of ``nbytes`` each, reserved under ``name``."""
+
+    name: str
+    nbytes: int
+    count: int
+
+    @property
+    def reserved(self) -> int:
+        """Bytes the pool counts for the class (each buffer page-rounded)."""
+        return align_up(self.nbytes, HOST_ALIGN) * self.count
+
+
+def state_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
+    """Element ranges [lo, hi) of a block's optimizer-state chunks (one empty chunk for no elements)."""
+    return [(lo, min(lo + chunk, numel)) for lo in range(0, numel, chunk)] or [(0, 0)]
+
+
+def buffer_classes(fp: Footprint, plan: Plan) -> list[BufferClass]:
+    """The host buffers ``plan`` streams through, in reservation order (the RAM tier apart)."""
+    w = max(fp.weight_bytes)
+    g = max(fp.grad_bytes(b) for b in range(fp.nblocks))
+    state = fp.state_extent_bytes(min(plan.state_chunk, max(fp.numels)))
+    out = [BufferClass(WEIGHTS, w, plan.prefetch_depth + 1), BufferClass(GRADS, g, 2),
+           BufferClass(STATE, state, plan.state_buffers), BufferClass(NEW_WEIGHTS, w, 2)]
+    return out + [BufferClass(park_class(b), fp.grad_bytes(b), 1) for b in parked_in_ram(fp.nblocks, plan)]
+
+
+def ram_tier_extents(fp: Footprint, plan: Plan) -> tuple[list[int], list[int]]:
+    """Bytes of each RAM-tier extent: (compute weights of blocks < ``ram_weight_blocks``, state chunks
+    of blocks < ``ram_state_blocks``), in layout order."""
+    ws = [fp.weight_bytes[b] for b in range(plan.ram_weight_blocks)]
+    ss = [fp.state_extent_bytes(hi - lo) for b in range(plan.ram_state_blocks)
+          for lo, hi in state_chunks(fp.numels[b], plan.state_chunk)]
+    return ws, ss
+
+
+def ram_tier_bytes(fp: Footprint, plan: Plan) -> int:
+    """Host bytes of the RAM tier, each extent page-rounded (how it is carved from the pool)."""
+    ws, ss = ram_tier_extents(fp, plan)
+    return sum(align_up(n, HOST_ALIGN) for n in ws + ss)
+
+
+def host_buffer_bytes(fp: Footprint, plan: Plan) -> int:
+    """Bytes of the streaming buffers and RAM-parked gradients (``buffer_classes``)."""
+    return sum(c.reserved for c in buffer_classes(fp, plan))
+
+
+def host_need(fp: Footprint, plan: Plan) -> int:
+    """Bytes of host memory ``plan`` reserves: its buffers and its RAM tier."""
+    return host_buffer_bytes(fp, plan) + ram_tier_bytes(fp, plan)
+
+
+def device_floor(fp: Footprint) -> int:
+    """Device bytes no plan can go below: the largest block's weights and gradients (the head's with
+    the blocks it borrows)."""
+    per = [fp.weight_bytes[b] + fp.grad_bytes(b) for b in range(fp.nblocks)]
+    return max(max(per), per[-1] + sum(per[o] for o in fp.borrowed))
+
+
+def halve_chunk(chunk: int) -> int:
+    """The next smaller state chunk the budget rules try: half, a multiple of 32, ≥ ``MIN_CHUNK``."""
+    return max(MIN_CHUNK, chunk // 2 // 32 * 32)
+
+
+def fit_host(fp: Footprint, plan: Plan, budget: int, fixed_chunk: bool = False, fixed_depth: bool = False) -> Plan:
+    """``plan`` shrunk until ``host_need`` fits ``budget``: the state chunk first (halved down to
+    ``MIN_CHUNK``; not with ``fixed_chunk``: a store's layout), then parked gradients move to SSD
+    (fewer blocks' in RAM, from the last), then the prefetch depth (down to 1; not with
+    ``fixed_depth``: a user's choice). The RAM tier is never shrunk.
+
+    Returns the plan unchanged if it fits; if nothing fits, the smallest, which the pool's
+    reservation then refuses naming every buffer class.
+    """
+    while not fixed_chunk and host_need(fp, plan) > budget and plan.state_chunk > MIN_CHUNK:
+        plan = dataclasses.replace(plan, state_chunk=halve_chunk(plan.state_chunk))
+    if host_need(fp, plan) > budget and parked_in_ram(fp.nblocks, plan):
+        plan = dataclasses.replace(plan, park_ram_blocks=_ram_parks_that_fit(fp, plan, budget))
+    while not fixed_depth and host_need(fp, plan) > budget and plan.prefetch_depth > 1:
+        plan = dataclasses.replace(plan, prefetch_depth=plan.prefetch_depth - 1)
+    return plan
+
+
+def _ram_parks_that_fit(fp: Footprint, plan: Plan, budget: int) -> int:
+    """The largest ``park_ram_blocks`` (≤ the plan's) whose host need fits ``budget``; 0 if none does."""
+    n = fp.nblocks if plan.park_ram_blocks is None else plan.park_ram_blocks
+    while n > 0 and host_need(fp, dataclasses.replace(plan, park_ram_blocks=n)) > budget:
+        n -= 1
+    return n
