@@ -30,7 +30,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

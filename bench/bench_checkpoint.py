@@ -22,9 +22,9 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from bench.common import emit, hardware_info  # noqa: E402
 from fuyou.checkpoint import take  # noqa: E402
+from fuyou.checkpoint.snapshot import disk_usage  # noqa: E402
 from fuyou.device import get_backend  # noqa: E402
 from fuyou.device.precision import choose_precision  # noqa: E402
-from fuyou.checkpoint.snapshot import disk_usage  # noqa: E402
 from fuyou.engine import Engine, EngineConfig  # noqa: E402
 
 

@@ -189,7 +189,7 @@ def timed_fuyou_step(eng: Engine, ids: torch.Tensor) -> tuple[float, dict, list[
     eng.timeline.clear()
     d0, load = disk_counters(disk), ForeignLoad()
     t0 = time.perf_counter()
-    st = eng.train_step(ids)
+    st = eng.train_step(ids).to_json()
     t1 = time.perf_counter()
     d1, ld = disk_counters(disk), load.result()
     st["bench_sys"] = {"disk": disk, "own_cpu_s": ld["own_cpu_s"], "foreign_cores": ld["foreign_cores"],
@@ -469,7 +469,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=("p2", "p1", "trace"), default="p2")
     ap.add_argument("--dir", default=None, help="store directory parent (default: a temp dir in /work or /tmp)")
     for k in ("hidden", "layers", "inter", "heads", "kv_heads", "vocab", "batch", "seq"):
-        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help=f"model/batch shape (default: per mode)")
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help="model/batch shape (default: per mode)")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default=None, help="default: fp32 for p2, bf16 otherwise")
     ap.add_argument("--policies", default=None, help="comma list of layer activation policies (keep,swap_cpu,recompute)")
     ap.add_argument("--adam-threads", default="0", help="comma list of numba Adam thread counts; 0 = all cores")

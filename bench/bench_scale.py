@@ -30,15 +30,15 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Mapping
-from typing import Any, Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.common import emit, hardware_info  # noqa: E402
 from bench.bench_engine import ForeignLoad, code_version, llama_config  # noqa: E402
+from bench.common import emit, hardware_info  # noqa: E402
 from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
 
 STATE_BYTES_PER_PARAM = 12  # fp32 master + m + v
@@ -78,7 +78,7 @@ class RssSampler:
         self.phase = name
         self.peaks[name] = max(self.peaks.get(name, 0), r)
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self._thread.start()
         return self
 
@@ -228,7 +228,7 @@ def run(a: argparse.Namespace, rss: RssSampler, baseline: int, cfg: Any, shapes:
           "batch": a.batch, "seq": a.seq, "precision": f"{precision} compute, fp32 master/m/v",
           "max_grad_norm": a.max_grad_norm,
           "plan": {"activation_policy": f"keep(embed), recompute × {a.layers}, keep(head)", "prefetch_depth": a.depth,
-                   "schedule": ec.plan.schedule, "state_buffers": plan.state_buffers, "effective": effective},
+                   "schedule": effective["schedule"], "state_buffers": plan.state_buffers, "effective": effective},
           "fp32_state_bytes": state, "host_budget_bytes": budget, "state_over_budget": state / budget,
           "target_state_over_budget": 10.0, "met_ratio": state / budget >= 10.0,
           "host_pool_reserved_bytes": pool_reserved,

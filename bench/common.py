@@ -15,8 +15,9 @@ import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
-from typing import Any, Callable
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
 
 
 def cpu_model() -> str:
@@ -81,7 +82,7 @@ def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> tup
 
 def emit(record: dict[str, Any], out: str | None = None) -> None:
     """Print one JSON line (and append it to ``out`` if given), stamped with the UTC time."""
-    record = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), **record}
+    record = {"time": datetime.now(UTC).isoformat(timespec="seconds"), **record}
     line = json.dumps(record, sort_keys=False)
     print(line, flush=True)
     if out:

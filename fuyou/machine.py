@@ -15,7 +15,8 @@ import os
 import platform
 import re
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA")
 """Environment variables that change which CPU kernels torch runs (so: a different machine)."""

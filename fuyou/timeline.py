@@ -10,10 +10,10 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 RESOURCES = ("ssd_read", "ssd_write", "h2d", "d2h", "compute", "adam")
 

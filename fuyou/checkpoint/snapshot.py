@@ -25,11 +25,11 @@ import time
 
 import torch
 
-from fuyou.transfer.ram_tier import STALE
 from fuyou.errors import FuyouError, ManifestError, StoreError, exception_chain
 from fuyou.storage.dirs import fsync_dir
 from fuyou.storage.manifest import MANIFEST, read_manifest, write_manifest
 from fuyou.storage.store import ID_FILE, TensorStore
+from fuyou.transfer.ram_tier import STALE
 
 CKPT = "checkpoints"
 TRAINER = "trainer.json"
@@ -63,7 +63,7 @@ def access_error(e: BaseException, what: str) -> CheckpointAccessError | None:
     cause = _os_cause(e)
     if cause is None or cause.errno in DAMAGE_ERRNOS:
         return None
-    code = errno.errorcode.get(cause.errno, str(cause.errno))
+    code = str(cause.errno) if cause.errno is None else errno.errorcode.get(cause.errno, str(cause.errno))
     return CheckpointAccessError(
         f"cannot check {what}: the operating system refused ({code}: {cause.strerror or cause}) — this is not "
         f"damage, the checkpoint may be intact; fix the cause (e.g. raise the open-file limit with ulimit -n, "

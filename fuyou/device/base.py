@@ -146,9 +146,9 @@ class Backend(ABC):
         self._account_resize(tensor, nbytes, what)
         storage = tensor.untyped_storage()
         storage.resize_(nbytes)
-        return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (nbytes,))
+        return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage, 0, (nbytes,))  # type: ignore[call-overload]  # torch's stubs lack set_(source, offset, size) (stride optional at runtime)
 
-    def _account_resize(self, tensor: torch.Tensor, nbytes: int, what: str) -> None:
+    def _account_resize(self, tensor: torch.Tensor, nbytes: int, what: str) -> None:  # noqa: B027 (optional hook)
         """Hook for backends that count device memory themselves (the CPU backend)."""
 
     def rng_state(self) -> Any:

@@ -63,7 +63,7 @@ class CachingArena:
             s = self._block(nbytes, what)
             self._lent[id(s)] = (s, s.nbytes())
             self._trim()
-        return torch.empty(0, dtype=dtype).set_(s, 0, shape)
+        return torch.empty(0, dtype=dtype).set_(s, 0, shape)  # type: ignore[call-overload]  # torch's stubs lack set_(source, offset, size) (stride optional at runtime)
 
     def release(self, tensor: torch.Tensor) -> None:
         """Free the memory under ``tensor`` and its views (they keep their metadata, 0 bytes)."""
@@ -74,7 +74,7 @@ class CachingArena:
                 self.allocated -= entry[1]
             if s.nbytes():
                 spare = torch.UntypedStorage(0)
-                s._swap_data_ptr_(spare)
+                s._swap_data_ptr_(spare)  # type: ignore[attr-defined]  # private torch API, not in its stubs
                 self._put(spare)
                 self._trim()
 
@@ -93,12 +93,12 @@ class CachingArena:
                     self._lent[id(s)] = entry
                     self.allocated += entry[1]
                 raise
-            s._swap_data_ptr_(donor)
+            s._swap_data_ptr_(donor)  # type: ignore[attr-defined]  # private torch API, not in its stubs
             if donor.nbytes():
                 self._put(donor)
             self._lent[id(s)] = (s, s.nbytes())
             self._trim()
-        return torch.empty(0, dtype=torch.uint8).set_(s, 0, (nbytes,))
+        return torch.empty(0, dtype=torch.uint8).set_(s, 0, (nbytes,))  # type: ignore[call-overload]  # torch's stubs lack set_(source, offset, size) (stride optional at runtime)
 
     def stats(self) -> tuple[int, int, int]:
         """(allocated, peak, cached free) bytes, after noticing storages freed since the last call."""

@@ -1,7 +1,13 @@
 """The out-of-core training engine: layer-streamed steps over the SSD store with overlapped CPU Adam.
 
-Names are imported lazily, so ``fuyou.engine.Plan`` (plain data from ``fuyou.schedule``, used by the
-planner) does not import torch.
+Modules, in the order a step uses them: ``config`` (``EngineConfig``), ``engine`` (``Engine``: build,
+admit the ``Plan`` to the budgets, ``train_step``, ``export``), ``step`` (one step: forward,
+turnaround, backward, finish, over a typed ``StepContext``, returning a ``StepResult``),
+``activations`` (what a block keeps for backward, per policy), ``adam_stage`` (state store → host →
+CPU AdamW → store, chained on futures), ``export`` (HF safetensors out of the store). The rules the
+step follows are ``fuyou.schedule``; the data moves are ``fuyou.transfer``.
+
+Names are imported lazily, so ``fuyou.engine.Plan`` (``fuyou.schedule.Plan``) does not import torch.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from fuyou.device.base import Backend
-from fuyou.transfer.activation_files import ActivationSpace, SSDRecord
 from fuyou.models.adapters import Adapter, MicroBatchContext
+from fuyou.transfer.activation_files import ActivationSpace, SSDRecord
 from fuyou.transfer.host_pool import HostBufferPool
 
 
@@ -32,7 +32,7 @@ class Saved:
     y: torch.Tensor | None
     ctx: MicroBatchContext | None
     rng: Any = None
-    swap: "_Swap | None" = None
+    swap: _Swap | None = None
 
     def release(self) -> None:
         """Return swapped bytes to the host budget (after backward)."""
@@ -60,6 +60,7 @@ class _Swap:
         if isinstance(packed, torch.Tensor):
             return packed
         if isinstance(packed, int):
+            assert self.record is not None  # pack() gives ints only into an SSD record
             return self.record.unpack(packed)
         device, t = packed
         return t.to(device, non_blocking=True)
@@ -112,6 +113,7 @@ def backward(adapter: Adapter, b: int, saved: Saved, dy: torch.Tensor, backend: 
         with torch.enable_grad():
             y, _ = adapter.forward(b, x_in, saved.ctx)
         backend.set_rng_state(state)
+    assert y is not None  # kept by forward, or recomputed just now
     torch.autograd.backward(y, dy)
     saved.release()
     return x_in.grad if x_in.requires_grad else None

@@ -14,22 +14,21 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable
 
 import torch
 
 from fuyou.device.base import Backend, Event
 from fuyou.models.store_layout import ModelLayout
 from fuyou.optim import AdamJob, AdamWHyper, AdamWorker, adamw_step
+from fuyou.schedule.sizing import GRADS, NEW_WEIGHTS, STATE
 from fuyou.storage.io_base import gather
 from fuyou.timeline import Timeline
 from fuyou.transfer.futures import chain, done_future
-from fuyou.schedule.sizing import GRADS, NEW_WEIGHTS, STATE
 from fuyou.transfer.gradients import GradientOffload
 from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
 from fuyou.transfer.ram_tier import RamTier
-
 
 
 class AdamStage:
@@ -94,8 +93,14 @@ class AdamStage:
                     self.pool.release(grad)
                 out.set_exception(e)
                 continue
-            fut.add_done_callback(lambda f, out=out: out.set_exception(f.exception()) if f.exception()
-                                  else out.set_result(None))
+
+            def relay(f: Future, out: Future = out) -> None:
+                if f.exception():
+                    out.set_exception(f.exception())
+                else:
+                    out.set_result(None)
+
+            fut.add_done_callback(relay)
 
     def _update_now(self, b: int, grad: HostBuffer, ready: Event, lr: float, step: int, scale: float) -> Future:
         """Run AdamW for block ``b`` (1-based ``step``, gradient × ``scale``) and write it back.
@@ -125,11 +130,12 @@ class AdamStage:
         lo, hi = self.layout.chunks(b)[c]
         dt = self.layout.compute_dtype
         ram = self.store.view(s_ext.name)  # RAM tier: Adam updates the resident copy in place
-        sbuf = None if ram is not None else self.pool.acquire(STATE)
-        if sbuf is None:
+        sbuf: HostBuffer | None = None
+        if ram is not None:
             self.store.touch(s_ext.name)
             data, read = ram, done_future()
         else:
+            sbuf = self.pool.acquire(STATE)
             data = sbuf.data
             read = self._io(self.store.read(s_ext.name, data), "ssd_read", s_ext.name, s_ext.nbytes)
 

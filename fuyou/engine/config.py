@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from fuyou.errors import ConfigError
 from fuyou.schedule.plan import Plan
 from fuyou.schedule.rules import resolve
-from fuyou.errors import ConfigError
 from fuyou.units import parse_size
 
 PRECISIONS = ("bf16", "fp32")

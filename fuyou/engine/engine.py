@@ -10,11 +10,12 @@ compute copy + fp32 master + zeroed m/v) and never sit whole in RAM.
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 import os
 import shutil
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -97,6 +98,7 @@ class Engine:
             self.layout, self.plan, self.adapter, self.backend, self.loader, self.stage, self.parking, self.tier,
             self.act_space, self.timeline, self.compute_stream, self.max_grad_norm, self.progress, self.commit_meta))
         if store is None:
+            assert tensors is not None  # a new store is filled from the model's tensors
             self._save_model_files()
             self._import(tensors)
 
@@ -112,7 +114,7 @@ class Engine:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_pretrained(cls, model_dir: str, cfg: EngineConfig) -> "Engine":
+    def from_pretrained(cls, model_dir: str, cfg: EngineConfig) -> Engine:
         """Stream a Hugging Face model directory (config.json + safetensors) into a new store."""
         config = load_config(model_dir)
         reader = CheckpointReader(model_dir)
@@ -124,7 +126,7 @@ class Engine:
         return cls(config, cfg, block_tensors, source_dir=model_dir)
 
     @classmethod
-    def resume(cls, cfg: EngineConfig) -> "Engine":
+    def resume(cls, cfg: EngineConfig) -> Engine:
         """Reopen the store in ``cfg.ssd_dirs`` at its last committed step and continue from there.
 
         The model config comes from the store; precision and state layout are the store's (a
@@ -144,7 +146,7 @@ class Engine:
             raise
 
     @classmethod
-    def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], cfg: EngineConfig) -> "Engine":
+    def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], cfg: EngineConfig) -> Engine:
         """Build from an in-memory state dict (tests, the Trainer plugin); copies go block by block."""
         return cls(config, cfg, lambda keys: {k: state_dict[k] for k in keys})
 
@@ -302,7 +304,7 @@ class Engine:
             self.act_space.close()
             self.store.close()
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:

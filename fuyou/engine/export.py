@@ -9,22 +9,23 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
-from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.errors import ConfigError, ManifestError
 from fuyou.models.hf_io import load_config, save_streamed
+from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.storage.extents import dtype_from_name
-from fuyou.transfer.ram_tier import RamTier, refuse_stale
 from fuyou.storage.store import TensorStore
+from fuyou.transfer.ram_tier import RamTier, refuse_stale
 
 HF_FILES = "hf-model-files"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def iter_master(store: "TensorStore | RamTier", layout: ModelLayout) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_master(store: TensorStore | RamTier, layout: ModelLayout) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF key, fp32 master tensor) for every parameter, one block at a time (latest writes)."""
     for b in range(len(layout.blocks)):
         master = torch.empty(layout.numel(b), dtype=torch.float32)
@@ -37,7 +38,7 @@ def iter_master(store: "TensorStore | RamTier", layout: ModelLayout) -> Iterator
             yield t.name, master[off // size : off // size + t.nbytes // size].view(t.shape)
 
 
-def export_layout(store: "TensorStore | RamTier", layout: ModelLayout, config: Any, out_dir: str, dtype: str,
+def export_layout(store: TensorStore | RamTier, layout: ModelLayout, config: Any, out_dir: str, dtype: str,
                   copy_from: str | None) -> None:
     """Write the store's current weights as a Hugging Face model directory in ``dtype``."""
     if dtype not in DTYPES:

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -238,8 +239,9 @@ class StepRunner:
                 x_in = x.detach().requires_grad_()
                 with torch.enable_grad():
                     logits, _ = c.adapter.forward(H, x_in, st.ctxs[k])
+                    # transformers annotates num_items_in_batch as a Tensor; it divides by it, an int works
                     loss = ForCausalLMLoss(logits, st.labels[k], c.adapter.config.vocab_size,
-                                           num_items_in_batch=st.num_items)
+                                           num_items_in_batch=st.num_items)  # type: ignore[arg-type]
                 loss.backward()
                 st.loss += loss.item()
                 dys.append(x_in.grad)

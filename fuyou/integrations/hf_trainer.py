@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -148,8 +149,9 @@ class FuyouTrainer(Trainer):
         if args.bf16:
             _warn_if_bf16_is_slow(self.engine.backend)
         self._planned_seq_len = req.seq_len
+        self._warned_longer = False
         self._pending: list[dict[str, torch.Tensor]] = []
-        self._last: dict = {}
+        self._last: Any = {}  # the last engine step's result (loss, grad_norm, …)
 
     def plan_record(self) -> dict[str, Any]:
         """The chosen plan's info plus the plan the engine executes (what ``fuyou_checkpoint.json`` records)."""
@@ -184,7 +186,7 @@ class FuyouTrainer(Trainer):
 
         from fuyou.errors import FuyouWarning
 
-        if getattr(self, "_warned_longer", False):
+        if self._warned_longer:
             return
         self._warned_longer = True
         warnings.warn(f"FuyouTrainer: a batch of {seq_len} tokens per sequence is longer than the {self._planned_seq_len} "
@@ -303,7 +305,7 @@ def plan_request(args: FuyouTrainingArguments, config: Any) -> tuple[PlanRequest
     return req, seq_from
 
 
-def _choose(req: PlanRequest, seq_from: str, log: Any) -> ChosenPlan:
+def _choose(req: PlanRequest, seq_from: str, log: Callable[[str], None]) -> ChosenPlan:
     """``choose_plan``, saying which sequence length the plan is sized for; a plan that does not fit names it too."""
     from fuyou.planner.search import InfeasibleError
 

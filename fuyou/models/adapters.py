@@ -72,7 +72,8 @@ class Adapter:
         raise NotImplementedError
 
     def _spec(self, name: str, mods: list[tuple[str, nn.Module]]) -> BlockSpec:
-        params, borrows = [], ()
+        params: list[ParamSpec] = []
+        borrows: tuple[str, ...] = ()
         for prefix, mod in mods:
             for pname, p in mod.named_parameters():
                 key = f"{prefix}.{pname}"
@@ -208,6 +209,7 @@ class LlamaLike(Adapter):
         if block == len(self.blocks) - 1:
             return self.lm_head(m.norm(x)), ctx
         layer = m.layers[block - 1]
+        assert ctx is not None  # block 0 made it
         return layer(x, attention_mask=ctx.mask, position_embeddings=ctx.position_embeddings,
                      position_ids=ctx.position_ids), ctx
 
@@ -239,6 +241,7 @@ class GPT2Adapter(Adapter):
             return t.drop(hidden), ctx
         if block == len(self.blocks) - 1:
             return self.lm_head(t.ln_f(x)), ctx
+        assert ctx is not None  # block 0 made it
         return t.h[block - 1](x, None, ctx.mask, None, position_ids=ctx.position_ids), ctx
 
 

@@ -11,7 +11,8 @@ import copy
 import json
 import os
 import shutil
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 

@@ -7,9 +7,9 @@ state layout the engine streams (flat master/m/v per block, in chunks) is
 """
 
 from fuyou.optim.adam_numba import adamw_step
-from fuyou.optim.numba_kernel import DEFAULT_CHUNK
 from fuyou.optim.args import AdamWHyper, StepCoefficients, step_coefficients
 from fuyou.optim.buffers import OptimBufferError
+from fuyou.optim.numba_kernel import DEFAULT_CHUNK
 from fuyou.optim.reference import adamw_step_reference
 from fuyou.optim.worker import AdamJob, AdamWorker, AdamWorkerError
 

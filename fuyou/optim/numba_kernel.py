@@ -49,12 +49,12 @@ BF16_NAN_BITS: int = 0xFFFF
 
 
 @intrinsic
-def f32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+def f32_from_bits(typingctx, bits):
     """Reinterpret the low 32 bits of an integer as float32 (a bit cast, no conversion)."""
     if not isinstance(bits, types.Integer):
         return None
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         low = args[0]
         if bits.bitwidth > 32:
             low = builder.trunc(low, ir.IntType(32))
@@ -66,42 +66,42 @@ def f32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def bits_from_f32(typingctx, x):  # type: ignore[no-untyped-def]
+def bits_from_f32(typingctx, x):
     """Reinterpret a float32 as uint32 (a bit cast, no conversion)."""
     if x != types.float32:
         return None
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.IntType(32))
 
     return types.uint32(types.float32), codegen
 
 
 @intrinsic
-def fma_f32(typingctx, a, b, c):  # type: ignore[no-untyped-def]
+def fma_f32(typingctx, a, b, c):
     """Fused multiply-add ``a * b + c`` in float32 with a single rounding (llvm.fma.f32)."""
     if not (a == b == c == types.float32):
         return None
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         return builder.fma(args[0], args[1], args[2])
 
     return types.float32(types.float32, types.float32, types.float32), codegen
 
 
-def _item_ptr(context, builder, aryty, ary_val, idx):  # type: ignore[no-untyped-def]
+def _item_ptr(context, builder, aryty, ary_val, idx):
     """LLVM pointer to ``ary[idx]`` (no wraparound, no bounds check)."""
     ary = context.make_array(aryty)(context, builder, ary_val)
     return cgutils.get_item_pointer(context, builder, aryty, ary, [idx], False, False)
 
 
 @intrinsic
-def prefetch_w(typingctx, arr, idx):  # type: ignore[no-untyped-def]
+def prefetch_w(typingctx, arr, idx):
     """Hint the CPU to fetch ``arr[idx]``'s cache line for writing (llvm.prefetch; never faults)."""
     if not (isinstance(arr, types.Array) and isinstance(idx, types.Integer)):
         return None
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         ptr = builder.bitcast(_item_ptr(context, builder, signature.args[0], *args), i8p)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
@@ -113,7 +113,7 @@ def prefetch_w(typingctx, arr, idx):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def nt_store_line(typingctx, dst, di, src, si):  # type: ignore[no-untyped-def]
+def nt_store_line(typingctx, dst, di, src, si):
     """Copy 64 bytes ``src[si:]`` → ``dst[di:]`` with a non-temporal store.
 
     The caller guarantees 64-byte alignment of ``&dst[di]`` and 64 readable bytes at ``&src[si]``.
@@ -123,7 +123,7 @@ def nt_store_line(typingctx, dst, di, src, si):  # type: ignore[no-untyped-def]
     if not dst.dtype == src.dtype == types.uint16:
         return None
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         vty = ir.VectorType(ir.IntType(16), 32).as_pointer()
         d = builder.bitcast(_item_ptr(context, builder, signature.args[0], args[0], args[1]), vty)
         s = builder.bitcast(_item_ptr(context, builder, signature.args[2], args[2], args[3]), vty)
@@ -135,14 +135,14 @@ def nt_store_line(typingctx, dst, di, src, si):  # type: ignore[no-untyped-def]
 
 
 @intrinsic
-def store_fence(typingctx):  # type: ignore[no-untyped-def]
+def store_fence(typingctx):
     """Order this thread's non-temporal stores before its later stores (x86: sfence).
 
     LLVM lowers a seq_cst fence to a locked instruction on x86, which is not documented to order
     weakly ordered (non-temporal) stores, so x86 gets an explicit ``sfence``.
     """
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         if _X86:
             fn = builder.module.declare_intrinsic(
                 "llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), [])
@@ -173,18 +173,18 @@ def f32_to_bf16_bits(x: np.float32) -> np.uint16:
     return np.uint16((rounded | nan_mask) & np.uint32(0xFFFF))
 
 
-def load_f32(arr, i):  # type: ignore[no-untyped-def]
+def load_f32(arr, i):
     """``arr[i]`` as float32; ``arr`` is float32, or uint16 holding bf16 bits (numba only)."""
     raise NotImplementedError("load_f32 is only callable inside numba-compiled code")
 
 
-def store_f32(arr, i, x):  # type: ignore[no-untyped-def]
+def store_f32(arr, i, x):
     """Store float32 ``x`` in ``arr[i]``, rounded to bf16 bits if ``arr`` is uint16 (numba only)."""
     raise NotImplementedError("store_f32 is only callable inside numba-compiled code")
 
 
 @overload(load_f32, inline="always")
-def _load_f32_impl(arr, i):  # type: ignore[no-untyped-def]
+def _load_f32_impl(arr, i):
     if arr.dtype == types.float32:
         return lambda arr, i: arr[i]
     if arr.dtype == types.uint16:
@@ -193,16 +193,16 @@ def _load_f32_impl(arr, i):  # type: ignore[no-untyped-def]
 
 
 @overload(store_f32, inline="always")
-def _store_f32_impl(arr, i, x):  # type: ignore[no-untyped-def]
+def _store_f32_impl(arr, i, x):
     if arr.dtype == types.float32:
 
-        def store_fp32(arr, i, x):  # type: ignore[no-untyped-def]
+        def store_fp32(arr, i, x):
             arr[i] = x
 
         return store_fp32
     if arr.dtype == types.uint16:
 
-        def store_bf16(arr, i, x):  # type: ignore[no-untyped-def]
+        def store_bf16(arr, i, x):
             arr[i] = f32_to_bf16_bits(x)
 
         return store_bf16
@@ -221,7 +221,7 @@ PREFETCH_AHEAD: int = 1024
 
 
 @njit(nogil=True, error_model="numpy", inline="always", cache=True)
-def _update_span(  # type: ignore[no-untyped-def]
+def _update_span(
     p, m, v, g, out, has_out, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step
 ):
     """Update one span in place (0-based views, so LLVM vectorises without index-wrap checks)."""
@@ -240,14 +240,14 @@ def _update_span(  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, inline="always", cache=True)
-def _prefetch_block(arr, start):  # type: ignore[no-untyped-def]
+def _prefetch_block(arr, start):
     """Prefetch every 64-byte line of ``arr[start:start+BLOCK]`` (clipped to the array)."""
     for i in range(start, min(start + BLOCK, arr.size), 64 // arr.itemsize):
         prefetch_w(arr, i)
 
 
 @njit(nogil=True, inline="always", cache=True)
-def _write_out(out, lo, hi, scratch):  # type: ignore[no-untyped-def]
+def _write_out(out, lo, hi, scratch):
     """``out[lo:hi] = scratch[:hi-lo]``: non-temporal for a full, 64-byte-aligned block."""
     if hi - lo == BLOCK and (out.ctypes.data + 2 * lo) % 64 == 0:
         for j in range(0, BLOCK, 32):
@@ -258,7 +258,7 @@ def _write_out(out, lo, hi, scratch):  # type: ignore[no-untyped-def]
 
 
 @njit(nogil=True, error_model="numpy", inline="always", cache=True)
-def _update_chunk(  # type: ignore[no-untyped-def]
+def _update_chunk(
     p, m, v, g, out, has_out, lo, hi, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step
 ):
     """Update ``[lo, hi)`` block by block, prefetching ahead and writing the copy out."""
@@ -280,7 +280,7 @@ def _update_chunk(  # type: ignore[no-untyped-def]
 
 
 @njit(parallel=True, nogil=True, error_model="numpy", cache=True)
-def adamw_kernel(  # type: ignore[no-untyped-def]
+def adamw_kernel(
     p, m, v, g, out, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step, chunk
 ):
     """Fused AdamW over flat arrays, in place; ``out`` (uint16 bf16 bits) is written if non-empty.

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable, Hashable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Callable, Hashable, Protocol
+from typing import Protocol
 
 import numba
 import torch
@@ -69,7 +70,9 @@ class AdamJob:
 
 
 OnDone = Callable[[AdamJob], None]
-_STOP = object()
+_Item = tuple[AdamJob, Future[AdamJob], OnDone | None]
+_STOP = None
+"""The queue's stop marker."""
 
 
 class AdamWorker:
@@ -93,7 +96,7 @@ class AdamWorker:
         if num_threads is not None and not (1 <= num_threads <= limit):
             raise ConfigError(f"num_threads={num_threads}; expected 1..{limit} (numba's pool size)")
         self._hyper, self._num_threads, self._step_fn = hyper, num_threads, step_fn
-        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._cond = threading.Condition()
         self._pending = 0
         self._error: BaseException | None = None
@@ -194,7 +197,7 @@ class AdamWorker:
             except queue.Empty:
                 return
             if item is not _STOP:
-                item[1].cancel()  # type: ignore[index]
+                item[1].cancel()
                 self._pending -= 1
             self._cond.notify_all()
 
@@ -207,7 +210,7 @@ class AdamWorker:
         except BaseException as err:  # noqa: BLE001 - reported by submit/wait/close
             self._record_error(err, "<worker start>")
         while (item := self._queue.get()) is not _STOP:
-            job, fut, on_done = item  # type: ignore[misc]
+            job, fut, on_done = item
             try:
                 self._run_one(job, fut, on_done)
             finally:

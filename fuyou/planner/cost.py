@@ -25,7 +25,7 @@ from fuyou.schedule import sizing
 from fuyou.schedule.plan import Plan
 
 DAY_S = 86400.0
-FLOP_FORMULA = "model FLOPs = tokens × (6·N_matmul + 12·L·d·T); recompute not counted (fuyou/flops.py)"
+FLOP_FORMULA = "model FLOPs = tokens × (6·N_matmul + 12·L·d·T); recompute not counted (ModelShape.train_flops_per_token)"
 
 
 @dataclass(frozen=True)

@@ -35,11 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fuyou.planner.profile import HardwareProfile
+from fuyou.planner.shapes import ModelShape
+from fuyou.planner.sim import Sim
 from fuyou.schedule import rules
 from fuyou.schedule.plan import Plan
 from fuyou.schedule.sizing import state_chunks
-from fuyou.planner.shapes import ModelShape
-from fuyou.planner.sim import Sim
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,9 @@ class StepGraph:
     def step(self, start: int | None) -> None:
         """Append one step; ``start`` is the op the step begins after."""
         self.first_op = len(self.sim.res)
-        self.thread, self.reads, self.act_ssd = start, {}, {}
+        self.thread = start
+        self.reads: dict[int, int] = {}
+        self.act_ssd: dict[int, int] = {}
         self.grad_rel: list[int] = []
         self.ww_rel: list[int] = []
         self.state_rel: list[int] = []

@@ -13,7 +13,8 @@ import shutil
 import statistics
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fuyou.planner.profile import ComputePoint, HardwareProfile
 
@@ -281,7 +282,7 @@ def machine_figures(backend: Any, ssd_dirs: list[str], precision: str = "bf16", 
     Raises StoreError subclasses for unusable or full directories.
     """
     z = {**FULL, **(sizes or {})}
-    per_dir = []
+    per_dir: list[dict[str, Any]] = []
     for d in ssd_dirs:
         log(f"SSD {d} …")
         r, w, io_cpu = ssd_measure([d], z["ssd_bytes"])

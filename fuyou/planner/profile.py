@@ -161,7 +161,7 @@ class HardwareProfile:
         return dataclasses.asdict(self)
 
     @staticmethod
-    def from_json(d: dict[str, Any]) -> "HardwareProfile":
+    def from_json(d: dict[str, Any]) -> HardwareProfile:
         """Build from plain data; unknown keys raise ConfigError naming them (typos stay visible).
 
         Keys starting with ``_`` are comments and ignored.

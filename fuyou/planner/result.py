@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fuyou.schedule.plan import Plan
 from fuyou.planner.cost import Memory, Prediction
 from fuyou.planner.graph import StepConfig
+from fuyou.schedule.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class PlannerResult:
     executable: bool = True
     needs: tuple[str, ...] = ()
     """Engine changes this plan needs (empty when executable)."""
-    alternative: "PlannerResult | None" = None
+    alternative: PlannerResult | None = None
     """A faster plan that needs an engine change (block-input offload, asynchronous swaps), if one exists."""
     considered: int = 0
     """Candidate plans the search evaluated."""
@@ -54,7 +54,7 @@ class PlannerResult:
                 "alternative": self.alternative.to_json() if self.alternative else None}
 
     @staticmethod
-    def from_json(d: dict) -> "PlannerResult":
+    def from_json(d: dict) -> PlannerResult:
         """Rebuild a result written by ``to_json``."""
         plan = dict(d["plan"])
         plan["activation_policy"] = tuple(plan.get("activation_policy", ()))

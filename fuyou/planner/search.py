@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import NoReturn, TypeVar
 
 from fuyou.errors import ConfigError
 from fuyou.planner.cost import Prediction, host_buffers, memory, predict
@@ -47,6 +48,9 @@ MARGIN = 0.02
 """A candidate replaces the plan found so far only if predicted this much faster: candidates are tried
 from the engine's defaults outwards, and a knob is not moved for a gain inside the model's own error
 (measured: moving to 1.5 Mi-element state chunks for a predicted 0.6 % ran 9 % slower)."""
+_Best = tuple[float, Plan, StepConfig, Prediction]
+"""The fastest candidate so far: predicted step time, the plan, its step config, the prediction."""
+_B = TypeVar("_B", _Best, _Best | None)  # a candidate found stays found: _try/_scan never return None for one
 NEEDS = {
     "boundary_offload": "block inputs saved for backward (activations.Saved.x / y) offloaded to host RAM and "
                         "copied back before each block's backward",
@@ -57,7 +61,8 @@ NEEDS = {
 
 def _chunk_for(numel: int, chunks: int) -> int:
     """The state chunk (a multiple of 32 elements) that cuts ``numel`` into ``chunks`` pieces."""
-    return -(-(-(-numel // chunks)) // 32) * 32
+    per_chunk = -(-numel // chunks)  # ceil(numel / chunks)
+    return -(-per_chunk // 32) * 32
 
 
 class InfeasibleError(ConfigError):
@@ -175,9 +180,10 @@ class _Search:
             feasible = [mb for mb in mbs if self.assign(mb, 0, depth, bufs, sched, chunk, self.cfg(mb, True))]
             if not feasible:
                 self._device_error(mbs[-1], depth, bufs, sched, chunk)
-        best: tuple[float, Plan, StepConfig, Prediction] | None = None
+        best: _Best | None = None
         for mb in feasible:
             best = self._scan(mb, depth, bufs, sched, chunk, self.cfg(mb, boundary), best)
+        assert best is not None  # a feasible micro-batch size has a plan that fits (assign() said so)
         _, plan, cfg, _ = best
         mb = cfg.micro_batch_size
         for d in ([self.r.prefetch_depth] if self.r.prefetch_depth else DEPTHS):
@@ -191,12 +197,12 @@ class _Search:
                 best = self._try(dataclasses.replace(plan, state_buffers=s, state_chunk=c), cfg, best)
         _, plan, cfg, _ = best
         best = self._scan(mb, plan.prefetch_depth, plan.state_buffers, plan.schedule, plan.state_chunk, cfg, best)
-        for s in self._schedules()[1:]:
+        for other in self._schedules()[1:]:
             _, plan, cfg, _ = best
             pol = self.assign(mb, sum(p != "recompute" for p in plan.activation_policy[1:-1]), plan.prefetch_depth,
-                              plan.state_buffers, s, plan.state_chunk, cfg)
+                              plan.state_buffers, other, plan.state_chunk, cfg)
             if pol is not None:
-                best = self._try(dataclasses.replace(plan, schedule=s, activation_policy=pol), cfg, best)
+                best = self._try(dataclasses.replace(plan, schedule=other, activation_policy=pol), cfg, best)
         return self._result(best)
 
     def _schedules(self) -> list[str]:
@@ -206,14 +212,14 @@ class _Search:
             return ["overlap_next_forward"]
         return [self.r.schedule] if self.r.schedule else ["overlap_backward", "overlap_next_forward"]
 
-    def _try(self, plan: Plan, cfg: StepConfig, best: tuple | None) -> tuple:
+    def _try(self, plan: Plan, cfg: StepConfig, best: _B) -> _B:
         if not self.fits(plan, cfg):
             return best
         p = self.score(plan, cfg)
         return (p.step_s, plan, cfg, p) if best is None or p.step_s < best[0] * (1 - MARGIN) else best
 
     def _scan(self, mb: int, depth: int, bufs: int, sched: str, chunk: int, cfg: StepConfig,
-              best: tuple | None) -> tuple:
+              best: _B) -> _B:
         seen = set()
         for n in ([0] if self.r.activations else self.grid):
             pol = self.assign(mb, n, depth, bufs, sched, chunk, cfg)
@@ -241,7 +247,7 @@ class _Search:
                 f"of the largest block, {fs(cb * big)} each, + 2 state chunks of 1 Mi params{park}); --cpu-memory is "
                 f"{fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(need)}")
 
-    def _device_error(self, mb: int, depth: int, bufs: int, sched: str, chunk: int) -> None:
+    def _device_error(self, mb: int, depth: int, bufs: int, sched: str, chunk: int) -> NoReturn:
         pol = ("keep",) + ("recompute",) * (self.H - 1) + ("keep",)
         plan, cfg = self.plan(mb, pol, depth, bufs, sched, chunk), self.cfg(mb)
         mem = memory(self.m, plan, cfg, self.hw)
@@ -263,7 +269,7 @@ class _Search:
         raise InfeasibleError(msg + hint)
 
     # ------------------------------------------------------------------ result
-    def _result(self, best: tuple) -> PlannerResult:
+    def _result(self, best: _Best) -> PlannerResult:
         if self.r.ram_tiers:
             best = self._ram_tiers(*best[1:]) or best
         _, plan, cfg, pred = best
@@ -272,19 +278,19 @@ class _Search:
         needs = tuple(NEEDS[n] for n in cfg.needs)
         return PlannerResult(self.m.name, self.hw.name, plan, cfg, pred, self.b, cfg.executable, needs, None, self.evals)
 
-    def _ram_tiers(self, plan: Plan, cfg: StepConfig, pred: Prediction) -> tuple | None:
+    def _ram_tiers(self, plan: Plan, cfg: StepConfig, pred: Prediction) -> _Best | None:
         """The plan with the first blocks' weights (then state) in RAM, as many as fit the host budget,
         under each allowed schedule (with ``overlap_backward`` RAM-tier updates wait for the step's
         finiteness, so ``overlap_next_forward`` often suits a RAM tier better); the fastest if
         predicted ≥ 1 % faster than ``pred``, else None."""
-        best = None
+        best: _Best | None = None
         for sched in self._schedules():
             cand = self._ram_tiers_for(dataclasses.replace(plan, schedule=sched), cfg)
             if cand is not None and (best is None or cand[0] < best[0]):
                 best = cand
         return best if best is not None and best[0] < pred.step_s * 0.99 else None
 
-    def _ram_tiers_for(self, plan: Plan, cfg: StepConfig) -> tuple | None:
+    def _ram_tiers_for(self, plan: Plan, cfg: StepConfig) -> _Best | None:
         if not self.fits(plan, cfg):
             return None
         spare = self.b.cpu_memory - memory(self.m, plan, cfg, self.hw).host

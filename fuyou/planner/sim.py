@@ -13,8 +13,8 @@ O(n log n) for n operations.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Sim:
                     s = max(h[0][0], free.get(r, 0.0))
                     if best is None or (s, h[0][1]) < best:
                         best, best_r = (s, h[0][1]), r
-            if best_r is None:
+            if best is None or best_r is None:  # set together
                 if done < n and not instant:
                     raise RuntimeError("simulation stalled: a dependency cycle")
                 continue

@@ -70,9 +70,9 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Run a fine-tuning job end to end; return the summary (also written to OUTPUT/run.json)."""
     from transformers import AutoTokenizer
 
-    from fuyou.run.data import build_data
     from fuyou.models.adapters import architecture_of
     from fuyou.models.hf_io import ModelFileError, load_config
+    from fuyou.run.data import build_data
     from fuyou.run.directory import check_fresh_start
 
     out = prepare_output(cfg.output)
@@ -233,7 +233,7 @@ def _train(cfg: FinetuneConfig, engine: Engine, data: Any, metrics_path: str, st
 
     total = data.total_steps
     fpt = shape_from_config(config.to_dict()).train_flops_per_token(cfg.seq_len)  # model FLOPs: FLOP_FORMULA
-    c = {"tokens": 0, "written": 0, "read": 0, "first_loss": None, "loss": None, "wall": 0.0, "stall": 0.0,
+    c: dict[str, Any] = {"tokens": 0, "written": 0, "read": 0, "first_loss": None, "loss": None, "wall": 0.0, "stall": 0.0,
          "eval_before": None}
     start = 0
     if state is None:

@@ -26,15 +26,15 @@ and saved at ``PlanRequest.profile_out`` (the CLI: ``OUTPUT/profile.json``).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from fuyou.schedule.plan import Plan
 from fuyou.errors import ConfigError
+from fuyou.schedule.plan import POLICIES, Plan
 from fuyou.units import parse_size
 
 MODES = ("auto", "rules")
-POLICIES = ("keep", "swap_cpu", "swap_ssd", "recompute")
 
 
 def default_profile() -> str:
@@ -113,11 +113,9 @@ class ChosenPlan:
 
 def device_kind(device: str) -> str:
     """``cuda`` or ``cpu`` for a ``--device`` value (``auto``: cuda when torch sees a GPU)."""
-    if device != "auto":
-        return device
-    import torch
+    from fuyou.device import device_kind as kind
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return kind(device)
 
 
 def _profile(req: PlanRequest, log: Callable[[str], None]) -> tuple[Any, str | None]:
@@ -158,7 +156,7 @@ def quick_profile(req: PlanRequest, kind: str, log: Callable[[str], None]) -> An
     backend = get_backend(kind)
     ssd = os.path.abspath(req.store_dirs[0])
     base = f"{machine_key(kind + ':' + backend.describe())}/{req.precision}"
-    said = []
+    said: list[int] = []
 
     def measuring(what: str) -> Callable[[], Any]:
         def run() -> Any:
@@ -189,8 +187,12 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
     """
     if req.mode == "rules":
         pol = _fixed_policies(req)
-        plan = Plan(micro_batches=req.grad_accum, **({"prefetch_depth": req.prefetch_depth} if req.prefetch_depth else {}),
-                    **({"activation_policy": pol} if pol else {}))
+        kw: dict[str, Any] = {"micro_batches": req.grad_accum}
+        if req.prefetch_depth:
+            kw["prefetch_depth"] = req.prefetch_depth
+        if pol:
+            kw["activation_policy"] = pol
+        plan = Plan(**kw)
         log(f"plan: the engine's budget rules ({req.grad_accum} micro-batches"
             f"{f', prefetch depth {req.prefetch_depth}' if req.prefetch_depth else ''}"
             f"{f', activations {req.activations}' if req.activations else ''})")

@@ -54,7 +54,7 @@ class TensorSpec:
         return {"name": self.name, "shape": list(self.shape), "dtype": str(self.dtype).removeprefix("torch.")}
 
     @staticmethod
-    def from_json(d: dict) -> "TensorSpec":
+    def from_json(d: dict) -> TensorSpec:
         """Inverse of ``to_json``."""
         return TensorSpec(d["name"], tuple(d["shape"]), dtype_from_name(d["dtype"]))
 
@@ -102,7 +102,7 @@ class ExtentSpec:
         return {"name": self.name, "tensors": [t.to_json() for t in self.tensors]}
 
     @staticmethod
-    def from_json(d: dict) -> "ExtentSpec":
+    def from_json(d: dict) -> ExtentSpec:
         """Inverse of ``to_json``."""
         return ExtentSpec(d["name"], tuple(TensorSpec.from_json(t) for t in d["tensors"]))
 

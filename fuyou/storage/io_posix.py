@@ -18,8 +18,8 @@ import numpy as np
 
 from fuyou.device.base import host_aligned_empty
 from fuyou.errors import StoreError
-from fuyou.storage.io_base import FileHandle, IOEngine
 from fuyou.storage.extents import FILE_ALIGN
+from fuyou.storage.io_base import FileHandle, IOEngine
 
 
 def _full(op, fd: int, mv: memoryview, offset: int, path: str) -> None:
@@ -68,32 +68,32 @@ class PosixEngine(IOEngine):
         fd = self._fd(raw)
         body, aligned = self._split(h, arr)
         if aligned:
-            _full(os.preadv, fd, memoryview(arr[:body]), offset, h.path)
+            _full(os.preadv, fd, arr[:body].data, offset, h.path)
         else:
             bounce = self._bounce()
-            _full(os.preadv, fd, memoryview(bounce[:body]), offset, h.path)
+            _full(os.preadv, fd, bounce[:body].data, offset, h.path)
             arr[:body] = bounce[:body]
         tail = arr.size - body
         if tail:
             bounce = self._bounce()
-            _full(os.preadv, fd, memoryview(bounce[:FILE_ALIGN]), offset + body, h.path)
+            _full(os.preadv, fd, bounce[:FILE_ALIGN].data, offset + body, h.path)
             arr[body:] = bounce[:tail]
 
     def _write_block(self, raw: Any, h: FileHandle, arr: np.ndarray, offset: int) -> None:
         fd = self._fd(raw)
         body, aligned = self._split(h, arr)
         if aligned:
-            _full(os.pwritev, fd, memoryview(arr[:body]), offset, h.path)
+            _full(os.pwritev, fd, arr[:body].data, offset, h.path)
         else:
             bounce = self._bounce()
             bounce[:body] = arr[:body]
-            _full(os.pwritev, fd, memoryview(bounce[:body]), offset, h.path)
+            _full(os.pwritev, fd, bounce[:body].data, offset, h.path)
         tail = arr.size - body
         if tail:
             bounce = self._bounce()
             bounce[:tail] = arr[body:]
             bounce[tail:FILE_ALIGN] = 0
-            _full(os.pwritev, fd, memoryview(bounce[:FILE_ALIGN]), offset + body, h.path)
+            _full(os.pwritev, fd, bounce[:FILE_ALIGN].data, offset + body, h.path)
 
     def _fsync(self, raw: Any, h: FileHandle) -> None:
         os.fsync(self._fd(raw))

@@ -18,6 +18,7 @@ import threading
 import uuid
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,8 +26,8 @@ import torch
 from fuyou.errors import ConfigError, ManifestError, StoreDirError, StoreError
 from fuyou.storage import checksum, dirs as fsdirs
 from fuyou.storage.engines import make_engine
-from fuyou.storage.io_base import FileHandle, gather, then
 from fuyou.storage.extents import ExtentSpec, Piece, place
+from fuyou.storage.io_base import FileHandle, gather, then
 from fuyou.storage.manifest import MANIFEST, read_manifest, write_manifest
 
 ID_FILE = "fuyou-store.id"
@@ -94,7 +95,7 @@ class TensorStore:
     @classmethod
     def create(cls, dirs: list[str], extents: list[ExtentSpec], *, io: str = "auto", direct: str = "auto",
                checksums: bool = True, threads: int = 16, block_bytes: int = 1 << 20,
-               stripe_min: int = 4 << 20, fsync: bool = True, overwrite: bool = False) -> "TensorStore":
+               stripe_min: int = 4 << 20, fsync: bool = True, overwrite: bool = False) -> TensorStore:
         """Make a new, empty store for ``extents`` striped over ``dirs`` (one per SSD).
 
         Checks up front that each directory exists, is writable and has room for two versions of
@@ -127,7 +128,7 @@ class TensorStore:
 
     @classmethod
     def open(cls, dirs: list[str], *, io: str = "auto", direct: str = "auto", checksums: bool = True,
-             threads: int = 16, fsync: bool = True) -> "TensorStore":
+             threads: int = 16, fsync: bool = True) -> TensorStore:
         """Open an existing store at its last committed version; uncommitted files are discarded.
 
         Raises ManifestError if there is no valid manifest, StoreDirError if the directories are not
@@ -226,7 +227,7 @@ class TensorStore:
                 f.name, f.crcs = new, None
                 f.handle.path = os.path.join(self.dirs[f.dir_index], new)
             return files
-        files: list[_File] = []
+        files = []
         try:
             for p in ext.pieces:
                 path = os.path.join(self.dirs[p.dir_index], f"{ext.index:06d}.{p.dir_index}.{gen}.fy")
@@ -276,8 +277,9 @@ class TensorStore:
         if errors:
             raise StoreError(f"commit of version {self.version + 1} failed, version {self.version} stays current: {errors[0]}")
         if self.fsync:
-            gather([self.engine.fsync(f.handle) for e in dirty for f in e.pending]).result()
-            for d in {f.dir_index for e in dirty for f in e.pending}:
+            written = [f for e in dirty if e.pending is not None for f in e.pending]
+            gather([self.engine.fsync(f.handle) for f in written]).result()
+            for d in {f.dir_index for f in written}:
                 fsdirs.fsync_dir(self.dirs[d])
         with self._lock:
             body = self._body(self.version + 1, meta if meta is not None else self.meta)
@@ -304,7 +306,8 @@ class TensorStore:
         elsewhere (a checkpoint) is then unlinked, never recycled, so the link keeps its data.
         """
         with self._lock:
-            files = {n: [[f.dir_index, f.name, checksum.encode(f.crcs or [])] for f in e.committed]
+            files: dict[str, list[list[Any]]] = {
+                n: [[f.dir_index, f.name, checksum.encode(f.crcs or [])] for f in e.committed]
                      for n, e in self._ext.items() if e.committed is not None}
             body = {"store_id": self.store_id, "version": self.version, "block_bytes": self.block_bytes,
                     "ndirs": len(self.dirs), "stripe_min": self.stripe_min,
@@ -338,7 +341,8 @@ class TensorStore:
         wait([e.write_future for e in dirty if e.write_future is not None])
         with self._lock:
             for e in dirty:
-                e.spares.append(e.pending)
+                if e.pending is not None:
+                    e.spares.append(e.pending)
                 e.pending, e.write_future = None, None
 
     def close(self) -> None:
@@ -353,7 +357,7 @@ class TensorStore:
         self.engine.shutdown()
         self._closed = True
 
-    def __enter__(self) -> "TensorStore":
+    def __enter__(self) -> TensorStore:
         return self
 
     def __exit__(self, *exc: object) -> None:

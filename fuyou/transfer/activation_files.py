@@ -136,6 +136,7 @@ class SSDRecord:
             self.wanted = True
             if self.staging is not None:  # still in memory (its write may be in flight)
                 return
+        assert self.wfut is not None  # flush() started the write before backward asks
         self.wfut.result()  # raises the write's error, if any
         n = self.nbytes
         self._charge(n)
@@ -150,7 +151,9 @@ class SSDRecord:
         if self.io is not None:
             self.io.result()
         device, shape, dtype, off, size = self.metas[i]
-        return self.staging[off : off + size].view(dtype).view(shape).to(device)
+        staging = self.staging
+        assert staging is not None  # prefetch() kept it or read it back
+        return staging[off : off + size].view(dtype).view(shape).to(device)
 
     def release(self) -> None:
         """After backward: drop the host copy and return its bytes to the budget.

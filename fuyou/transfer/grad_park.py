@@ -22,18 +22,18 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from fuyou.device.base import Event
 from fuyou.models.store_layout import ModelLayout, elem_size
+from fuyou.schedule.sizing import GRADS, park_class
 from fuyou.storage.dirs import preallocate
 from fuyou.storage.io_base import FileHandle, IOEngine
 from fuyou.timeline import Timeline
-from fuyou.schedule.sizing import GRADS, park_class
 from fuyou.transfer.gradients import Offloads
 from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
 from fuyou.units import align_up

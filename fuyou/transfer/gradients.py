@@ -17,7 +17,6 @@ from fuyou.models.store_layout import ModelLayout
 from fuyou.schedule.sizing import GRADS
 from fuyou.timeline import Timeline
 from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
-"""Host buffer class of gradients on their way from the device to Adam (or to SSD)."""
 
 
 class GradientOffload:

@@ -29,13 +29,13 @@ import torch
 
 from fuyou.errors import ConfigError, FuyouError, StoreError
 from fuyou.models.store_layout import ModelLayout
+from fuyou.schedule.sizing import RAM_STATE, RAM_WEIGHTS
 from fuyou.storage.extents import ExtentSpec
 from fuyou.storage.io_base import gather
 from fuyou.storage.store import TensorStore
 from fuyou.timeline import Timeline
 from fuyou.transfer.futures import done_future
 from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
-from fuyou.schedule.sizing import RAM_STATE, RAM_WEIGHTS
 from fuyou.units import HOST_ALIGN, align_up
 
 STALE = "ram_tier_stale"

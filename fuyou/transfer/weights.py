@@ -10,8 +10,9 @@ block b's new weights (the gate future), without blocking the training thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable
+from functools import partial
 
 import torch
 
@@ -22,7 +23,6 @@ from fuyou.timeline import Timeline
 from fuyou.transfer.futures import chain, done_future
 from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
 from fuyou.transfer.ram_tier import RamTier
-
 
 
 class WeightLoader:
@@ -52,7 +52,7 @@ class WeightLoader:
                 b = self.order[p]
                 buf = self.pool.acquire(HOST_CLASS)
                 ext = self.layout.w(b)
-                fut = chain(self.gate(b), lambda ext=ext, buf=buf: self.store.read(ext.name, buf.data))
+                fut = chain(self.gate(b), partial(self.store.read, ext.name, buf.data))
                 if not self.store.holds(ext.name):  # RAM-tier reads time themselves, as memcpys
                     fut = self.timeline.track(fut, "ssd_read", ext.name, ext.nbytes)
                 self._reads[p] = (buf, fut)

@@ -12,7 +12,6 @@ import resource
 import sys
 import threading
 
-
 from fuyou.engine import Engine, EngineConfig, Plan
 from tests.integration.tiny_models import batches
 

@@ -59,7 +59,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path, monkey
     out = str(tmp_path / "killed")
     rng = random.Random(7)
     kills = 0
-    for seed in range(10):
+    for _ in range(10):
         child = subprocess.Popen(command(model, data, out), cwd=ROOT, stdout=subprocess.DEVNULL,
                                  stderr=subprocess.PIPE)
         time.sleep(rng.uniform(1.0, 7.0))

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from fuyou.engine import Engine, EngineConfig, Plan
-from fuyou.models.store_layout import ModelLayout
-from fuyou.schedule.sizing import fit_host, host_need
 from fuyou.errors import HostMemoryError
 from fuyou.models.adapters import make_adapter
+from fuyou.models.store_layout import ModelLayout
+from fuyou.schedule.sizing import fit_host, host_need
 from tests.integration.tiny_models import batches, tiny
 
 LR, CLIP = 1e-3, 0.05  # a small clip threshold: the coefficient is < 1 on every step

@@ -8,8 +8,7 @@ import functools
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
 from fuyou.engine.engine import admit

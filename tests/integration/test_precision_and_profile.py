@@ -8,11 +8,11 @@ import pytest
 from click.testing import CliRunner
 
 from fuyou.cli.main import main
-from fuyou.run.demo import _random_model
 from fuyou.device import get_backend
 from fuyou.device.precision import SLOW_FACTOR, bf16_slowdown, choose_precision, measure_bf16_slowdown
 from fuyou.errors import ConfigError, FuyouWarning
 from fuyou.machine import cache_get, cache_put, machine_key
+from fuyou.run.demo import _random_model
 
 TEXT = [{"text": f"def f{i}(x):\n    return x * {i} + {i * i}  # some python {i}"} for i in range(40)]
 

@@ -9,8 +9,8 @@ import torch
 
 from fuyou.engine import Engine, EngineConfig, Plan
 from fuyou.engine.export import export_store
-from fuyou.schedule.sizing import host_need
 from fuyou.errors import HostMemoryError, StoreError
+from fuyou.schedule.sizing import host_need
 from tests.integration.test_engine_fidelity import LR, WD, assert_same
 from tests.integration.tiny_models import batches, reference_steps, tiny
 

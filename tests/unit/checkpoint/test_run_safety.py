@@ -15,8 +15,8 @@ from fuyou.checkpoint import list_checkpoints, prune, restore, take, validate
 from fuyou.checkpoint.resume import resume_point, set_aside_newer
 from fuyou.checkpoint.snapshot import CKPT, REPLACED, SET_ASIDE
 from fuyou.errors import FuyouWarning
-from tests.unit.checkpoint.helpers import make_store
 from fuyou.storage import TensorStore
+from tests.unit.checkpoint.helpers import make_store
 
 N = 50_000
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

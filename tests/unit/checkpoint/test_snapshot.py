@@ -8,8 +8,8 @@ from fuyou.checkpoint.resume import resume_point
 from fuyou.checkpoint.snapshot import CKPT, disk_usage
 from fuyou.errors import ChecksumError, ConfigError, FuyouWarning, StoreError
 from fuyou.storage import TensorStore
-from tests.unit.checkpoint.helpers import make_store
 from tests.io_engines import engines_under_test, use_engine
+from tests.unit.checkpoint.helpers import make_store
 
 N = 200_000
 

@@ -22,7 +22,8 @@ def test_reader_is_lazy(tmp_path: Path) -> None:
 
 
 def test_index_memory_does_not_scale_with_text(tmp_path: Path, tiny_tok: Any) -> None:
-    line = '{"text": "%s"}\n' % " ".join(WORDS * 4)  # ~1.1 kB, ~200 tokens a record
+    text = " ".join(WORDS * 4)  # ~1.1 kB, ~200 tokens a record
+    line = f'{{"text": "{text}"}}\n'
     path = tmp_path / "big.jsonl"
     n = 3000  # ~3.4 MB of text, ~600k tokens
     path.write_text(line * n)

@@ -21,9 +21,9 @@ CHAT = [
 
 def view(tok: Any, ids: list[int], labels: list[int]) -> list[tuple[str, bool]]:
     """(token text, trained) for each position; checks labels equal ids where trained."""
-    for i, l in zip(ids, labels):
-        assert l in (i, IGNORE_INDEX)
-    return [(tok.decode([i]), l != IGNORE_INDEX) for i, l in zip(ids, labels)]
+    for i, label in zip(ids, labels):
+        assert label in (i, IGNORE_INDEX)
+    return [(tok.decode([i]), label != IGNORE_INDEX) for i, label in zip(ids, labels)]
 
 
 def trained(tok: Any, ids: list[int], labels: list[int]) -> list[str]:
@@ -97,7 +97,7 @@ def test_messages_slow_tokenizer_needs_prefix_stable_tokens(monkeypatch: Any) ->
 
 def test_messages_without_assistant_turn_trains_nothing(tiny_tok: Any) -> None:
     ids, labels = Encoder(tiny_tok).encode({"messages": CHAT[:2]}, "messages")
-    assert ids and all(l == IGNORE_INDEX for l in labels)
+    assert ids and all(label == IGNORE_INDEX for label in labels)
 
 
 def test_template_that_is_not_prefix_stable_is_reported(tiny_tok: Any) -> None:

@@ -1,13 +1,12 @@
 """The cost model on hand-computed cases, and monotonicity in every speed."""
 
-import dataclasses
 
 import pytest
 
-from fuyou.schedule.plan import Plan
 from fuyou.planner.cost import predict
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.sim import Sim
+from fuyou.schedule.plan import Plan
 from tests.unit.planner.helpers import profile, small_llama, toy_shape
 
 N0, N1, N2 = 1 << 20, 1 << 22, 1 << 20
@@ -20,7 +19,7 @@ def test_sim_fifo_and_dependencies():
     b = s.op("ssd", 1.0)
     c = s.op("gpu", 1.5, [a])
     d = s.op(None, 0.0, [b, c])
-    e = s.op("gpu", 1.0, [d])
+    s.op("gpu", 1.0, [d])
     assert s.run() == [2.0, 3.0, 3.5, 3.5, 4.5]
     with pytest.raises(ValueError):
         s.op("ssd", 1.0, [99])
@@ -70,9 +69,8 @@ def test_ram_tier_weight_reads_are_memcpys_on_the_training_thread():
     # every block in the RAM tier: reads (forward 3 blocks, backward 2) are memcpys at 1 GB/s that the
     # issuing thread performs, so they add to the step rather than hide behind compute
     hw = profile(device_peak_flops=1e12, host_mem_Bps=1e9)
-    cfg = dataclasses.replace(CFG, ram_weight_blocks=3, ram_state_blocks=3)
     compute = predict(toy_shape(), Plan(), CFG, profile(device_peak_flops=1e12)).step_s
-    p = predict(toy_shape(), Plan(), cfg, hw)
+    p = predict(toy_shape(), Plan(ram_weight_blocks=3, ram_state_blocks=3), CFG, hw)
     reads = 2 * (2 * N0 + 2 * N1 + N2) / 1e9
     writes = 2 * (N0 + N1 + N2) / 1e9  # new weights copied back into RAM
     assert p.ssd_read_bytes == 0 and p.ssd_write_bytes == 0
@@ -82,8 +80,8 @@ def test_ram_tier_weight_reads_are_memcpys_on_the_training_thread():
 def test_state_chunks_pipeline_read_adam_write():
     # one 4 Mi-element chunk: read 48 MiB, then Adam, then write; four chunks overlap the three stages
     hw = profile(device_peak_flops=1e12, adam_params_per_s=2e9, ssd_read_Bps=4e9, ssd_write_Bps=4e9)
-    whole = predict(toy_shape(), Plan(state_buffers=2), dataclasses.replace(CFG, state_chunk=N1), hw).step_s
-    four = predict(toy_shape(), Plan(state_buffers=2), dataclasses.replace(CFG, state_chunk=N1 // 4), hw).step_s
+    whole = predict(toy_shape(), Plan(state_buffers=2, state_chunk=N1), CFG, hw).step_s
+    four = predict(toy_shape(), Plan(state_buffers=2, state_chunk=N1 // 4), CFG, hw).step_s
     assert four < whole
 
 

@@ -12,7 +12,7 @@ from fuyou.errors import ConfigError
 from fuyou.planner.profile import ComputePoint, HardwareProfile, load_profile, save_profile
 from fuyou.planner.result import Budgets, PlannerResult
 from fuyou.planner.search import Request, search
-from fuyou.planner.shapes import load_shape
+from fuyou.planner.shapes import load_shape, shape_from_config
 from tests.unit.planner.helpers import profile, small_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -34,8 +34,8 @@ def test_shapes_match_the_adapter():
     sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
     from tiny_models import tiny
 
-    from fuyou.models.store_layout import ModelLayout
     from fuyou.models.adapters import make_adapter
+    from fuyou.models.store_layout import ModelLayout
     from fuyou.planner.shapes import shape_from_config
 
     for fam in ("llama", "llama_tied", "qwen2", "gpt2"):

@@ -2,11 +2,11 @@
 
 import pytest
 
-from fuyou.schedule.plan import Plan
 from fuyou.planner.cost import host_buffers
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.result import Budgets
 from fuyou.planner.search import InfeasibleError, Request, search
+from fuyou.schedule.plan import Plan
 from tests.unit.planner.helpers import profile, small_llama
 
 GiB = 1 << 30

@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from fuyou.device import host_aligned_empty
-from fuyou.errors import (ChecksumError, ConfigError, DirectIOError, FuyouWarning, ManifestError,
-                          StoreDirError, StoreError, StoreSpaceError)
+from fuyou.errors import (
+    ChecksumError,
+    ConfigError,
+    DirectIOError,
+    FuyouWarning,
+    ManifestError,
+    StoreDirError,
+    StoreError,
+    StoreSpaceError,
+)
 from fuyou.storage import ExtentSpec, TensorSpec, TensorStore
 from fuyou.storage.engines import make_engine
 
