@@ -101,11 +101,11 @@ def _unsupported(args: TrainingArguments) -> list[str]:
 class FuyouOptimizer(torch.optim.Optimizer):
     """The optimizer Trainer sees: real ``param_groups`` (schedulers set ``lr``), ``step`` a barrier."""
 
-    def __init__(self, params: Any, lr: float, engine_ref: "FuyouTrainer") -> None:
+    def __init__(self, params: Any, lr: float, engine_ref: FuyouTrainer) -> None:
         super().__init__(params, {"lr": lr})
         self._trainer = engine_ref
 
-    def step(self, closure: Any = None) -> None:  # noqa: D102 - the engine already stepped
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # a barrier, no closure: the engine already stepped
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:  # noqa: D102 - no gradients live on the model

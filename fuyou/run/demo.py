@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 from fuyou.errors import FuyouError, FuyouWarning
 from fuyou.machine import cache_dir
@@ -67,7 +68,7 @@ def _convert_gguf(gguf: str, out: str) -> None:
 
     d, name = os.path.dirname(gguf), os.path.basename(gguf)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name)
+    model: Any = AutoModelForCausalLM.from_pretrained(d, gguf_file=name)
     # The weights are dequantised: it is a plain fp32 checkpoint now, so drop the GGUF quantizer.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -88,10 +89,11 @@ def _save(model: object, tok: object, out: str) -> None:
 def _random_model(out: str) -> str:
     if os.path.isfile(os.path.join(out, "config.json")):
         return out
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     from pydoc_data.topics import topics
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     raw = Tokenizer(models.BPE(unk_token=None))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from fuyou.engine import Engine, EngineConfig
 from fuyou.errors import ConfigError

@@ -29,7 +29,7 @@ class Progress:
         self.total, self.enabled = total, enabled
         self._bar: Any = None
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         if self.enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
 
