@@ -138,7 +138,7 @@ def fuyou_engine(cfg: Any, state_dict: Any, store_dir: str, precision: str, poli
                  cpu_memory: str = "16GiB", micro_batches: int = 1) -> Engine:
     """An engine with ``policy`` for every decoder layer (``keep`` for embed and head)."""
     nblocks = cfg.num_hidden_layers + 2
-    plan = Plan(micro_batches=micro_batches, prefetch_depth=depth, state_buffers=state_buffers,
+    plan = Plan(grad_accum=micro_batches, prefetch_depth=depth, state_buffers=state_buffers,
                 activation_policy=("keep",) + (policy,) * (nblocks - 2) + ("keep",),
                 **({"state_chunk": state_chunk} if state_chunk else {}))
     ec = EngineConfig(ssd_dirs=(store_dir,), precision=precision, lr=LR, weight_decay=WD, cpu_memory=cpu_memory,
@@ -150,7 +150,7 @@ def plan_desc(eng: Engine, policy: str, layers: int, threads: int | None) -> dic
     """The plan the engine actually runs (the host-budget rules may have changed depth or chunk)."""
     p = eng.plan
     return {"activation_policy": f"keep(embed), {policy} × {layers} layers, keep(head)",
-            "prefetch_depth": p.prefetch_depth, "micro_batches": p.micro_batches, "schedule": p.schedule,
+            "prefetch_depth": p.prefetch_depth, "grad_accum": p.grad_accum, "schedule": p.schedule,
             "state_buffers": p.state_buffers, "state_chunk_elems": eng.layout.state_chunk,
             "host_reserved_bytes": eng.pool.reserved, "adam_threads": threads or "default (all cores)"}
 

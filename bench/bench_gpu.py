@@ -99,7 +99,7 @@ def run(a: argparse.Namespace, work: str) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     peak = matmul_peak(device, 8192 if device == "cuda" else 1024)
     nb = a.layers + 2
-    plan = Plan(micro_batches=a.grad_accum, activation_policy=("keep",) + (a.policy,) * a.layers + ("keep",))
+    plan = Plan(grad_accum=a.grad_accum, activation_policy=("keep",) + (a.policy,) * a.layers + ("keep",))
     ec = EngineConfig(ssd_dirs=(work,), device=device, cpu_memory=a.cpu_memory, gpu_memory=a.gpu_memory,
                       precision="bf16", lr=1e-5, max_grad_norm=1.0, plan=plan)
     t0 = time.perf_counter()

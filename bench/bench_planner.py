@@ -161,7 +161,7 @@ def setting(name: str, model: str, batch: int, seq: int, policy: str, threads: i
     prof = profile_for(cfg, work, batch, seq, threads, a)
     shape = shape_from_config(cfg.to_dict())
     nb = len(shape.blocks)
-    plan = Plan(micro_batches=1, prefetch_depth=2, activation_policy=("keep",) + (policy,) * (nb - 2) + ("keep",),
+    plan = Plan(grad_accum=1, prefetch_depth=2, activation_policy=("keep",) + (policy,) * (nb - 2) + ("keep",),
                 ram_weight_blocks=nb if ram else 0, ram_state_blocks=nb if ram else 0)
     meas, all_t, ran, chunk, busy = run_engine(cfg, sd, work, plan, None, threads, ids, a)
     pred = predict(shape, ran, StepConfig(batch, seq), prof)

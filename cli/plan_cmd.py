@@ -107,7 +107,7 @@ def print_result(res: object, params: int) -> None:
         t.add_column(style="bold")
         t.add_column()
         t.add_row("executable", "yes" if r.executable else "[red]NO — needs: " + "; ".join(r.needs) + "[/]")
-        t.add_row("batch", f"micro-batch {s.micro_batch_size} × accumulation {p.micro_batches} × seq {s.seq_len} "
+        t.add_row("batch", f"micro-batch {s.micro_batch_size} × accumulation {p.grad_accum} × seq {s.seq_len} "
                            f"= {pr.tokens} tokens/step")
         t.add_row("schedule", f"{p.schedule}, prefetch depth {p.prefetch_depth}, state buffers {p.state_buffers}, "
                               f"state chunk {p.state_chunk} elements")

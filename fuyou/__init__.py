@@ -2,7 +2,7 @@
 
 Read the packages in this order — the data path, then what decides and drives it:
 
-1. ``storage`` — SSD-resident tensors: extents, I/O engines, checksums, the versioned store.
+1. ``storage`` — SSD-resident tensors: extents, I/O backends, checksums, the versioned store.
 2. ``models`` — a Hugging Face model as streamed blocks, and how their state is laid out in the store.
 3. ``transfer`` — the moves: store ↔ host buffers (pinned on CUDA) ↔ device, for weights, gradients,
    activations; the host-RAM tier.

@@ -1,12 +1,12 @@
-"""The I/O engines every store-level test runs under: POSIX, the non-descriptor ``pyfile`` engine
+"""The I/O backends every store-level test runs under: POSIX, the non-descriptor ``pyfile`` engine
 (the CPU stand-in for kvikio's handles), and kvikio where it is usable (a CUDA driver)."""
 
 from __future__ import annotations
 
 import pytest
 
-from fuyou.storage.engines import IO_ENV
 from fuyou.storage.io_kvikio import kvikio_usable
+from fuyou.storage.io_select import IO_ENV
 
 
 def engines_under_test() -> list[str]:

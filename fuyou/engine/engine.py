@@ -89,10 +89,10 @@ class Engine:
         hyper = AdamWHyper(cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
         self.stage = AdamStage(self.tier, self.backend, self.pool, self.layout, hyper, self.timeline,
                                self.backend.new_stream(), cfg.adam_threads, cfg.no_decay)
-        self.parking = GradientParking(self.stage, self.pool, self.layout, self.store.engine, self.store.dirs,
+        self.parking = GradientParking(self.stage, self.pool, self.layout, self.store.io, self.store.dirs,
                                        self.store.direct, self.timeline,
                                        rules.parked_on_ssd(len(self.layout.blocks), self.plan), cfg.checksums)
-        self.act_space = ActivationSpace(self.backend, self.pool, self.store.engine, self.store.dirs,
+        self.act_space = ActivationSpace(self.backend, self.pool, self.store.io, self.store.dirs,
                                          self.store.direct, self.timeline)
         self.runner = StepRunner(StepContext(
             self.layout, self.plan, self.adapter, self.backend, self.loader, self.stage, self.parking, self.tier,
@@ -210,7 +210,7 @@ class Engine:
         ``num_items_in_batch``. Returns loss, grad norm, whether the update was applied, tokens,
         step time and the timeline summary (busy time per resource, bottleneck, SSD bytes).
         """
-        K = self.plan.micro_batches
+        K = self.plan.grad_accum
         if input_ids.dim() != 2 or input_ids.shape[0] % K:
             raise ConfigError(f"batch of shape {tuple(input_ids.shape)} cannot be split into {K} micro-batches")
         labels = input_ids if labels is None else labels

@@ -157,11 +157,27 @@ class FuyouTrainer(Trainer):
         """The chosen plan's info plus the plan the engine executes (what ``fuyou_checkpoint.json`` records)."""
         return {**self.plan_choice.info, "seq_len": self._planned_seq_len, "executed": self.engine.plan.to_json()}
 
+    # ---- Trainer's optional attributes, set by the time these run --------------------------------
+    def _model(self) -> torch.nn.Module:
+        if self.model is None:
+            raise ConfigError("FuyouTrainer needs a model")
+        return self.model
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError("FuyouTrainer: the optimizer is created by Trainer before training starts")
+        return self.optimizer
+
+    def _scheduler(self) -> Any:
+        if self.lr_scheduler is None:
+            raise RuntimeError("FuyouTrainer: the LR scheduler is created by Trainer before training starts")
+        return self.lr_scheduler
+
     # ---- optimizer -----------------------------------------------------------------------------
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         """A ``FuyouOptimizer`` over the model's parameters (for schedulers and logging)."""
         if self.optimizer is None:
-            params = [p for p in (model or self.model).parameters()]
+            params = [p for p in (model or self._model()).parameters()]
             self.optimizer = FuyouOptimizer(params, self.args.learning_rate, self)
         return self.optimizer
 
@@ -175,7 +191,7 @@ class FuyouTrainer(Trainer):
         if len(self._pending) < self.current_gradient_accumulation_steps:
             return torch.tensor(0.0, device=self.args.device)
         batch, self._pending = self._pending, []
-        self.engine.set_lr(self.optimizer.param_groups[0]["lr"])
+        self.engine.set_lr(self._optimizer().param_groups[0]["lr"])
         n = None if num_items_in_batch is None else int(num_items_in_batch)
         self._last = self.engine.train_micro_batches([b["input_ids"] for b in batch], [b["labels"] for b in batch], n)
         return torch.tensor(self._last["loss"], device=self.args.device)
@@ -206,7 +222,7 @@ class FuyouTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the trained weights as a Hugging Face directory (streamed safetensors), plus the tokenizer."""
-        out = output_dir or self.args.output_dir
+        out = str(output_dir or self.args.output_dir)
         self.engine.export(out, dtype="bf16" if self.args.bf16 else "fp32")
         if self.processing_class is not None:
             self.processing_class.save_pretrained(out)
@@ -217,7 +233,7 @@ class FuyouTrainer(Trainer):
         self.engine.flush()
         trained = dict(self.engine.master_weights())
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
+            for name, p in self._model().named_parameters():
                 if name in trained:
                     p.copy_(trained[name])
         return out
@@ -259,7 +275,7 @@ class FuyouTrainer(Trainer):
              replace=True)
         with open(os.path.join(output_dir, FUYOU_CKPT), "w") as f:
             json.dump({"stripes": list(self.engine.store.dirs), "name": name, "plan": self.plan_record()}, f)
-        torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+        torch.save(self._scheduler().state_dict(), os.path.join(output_dir, "scheduler.pt"))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """``resume_from_checkpoint``: restore the SSD state (weights, master, m, v, step) and the scheduler."""
@@ -277,9 +293,10 @@ class FuyouTrainer(Trainer):
         self.engine.close()
         restore(ref["stripes"], ref["name"])
         self.engine = Engine.resume(cfg)
-        self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
+        sched = self._scheduler()
+        sched.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))
         # Trainer gets the current lr back from the optimizer's saved param_groups; ours come from the scheduler.
-        for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+        for group, lr in zip(self._optimizer().param_groups, sched.get_last_lr()):
             group["lr"] = lr
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
@@ -301,7 +318,7 @@ def plan_request(args: FuyouTrainingArguments, config: Any) -> tuple[PlanRequest
         device="cpu" if args.use_cpu else "auto", precision="bf16" if args.bf16 else "fp32",
         micro_batch_size=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
         seq_len=seq_len, clip=bool(args.max_grad_norm), mode=args.plan, prefetch_depth=args.prefetch_depth,
-        activations=args.activations, profile=args.profile, profile_out=os.path.join(args.output_dir, FUYOU_PROFILE))
+        activations=args.activations, profile=args.profile, profile_out=os.path.join(str(args.output_dir), FUYOU_PROFILE))
     return req, seq_from
 
 

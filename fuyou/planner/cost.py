@@ -122,7 +122,7 @@ def predict(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfil
     """Predict one steady-state step of ``plan`` (an engine ``Plan``) under ``cfg`` on ``prof``."""
     step_s, busy = simulate(shape, plan, cfg, prof)
     busy = {k: v for k, v in busy.items() if k != "sync"}
-    tokens = plan.micro_batches * cfg.micro_batch_size * cfg.seq_len
+    tokens = plan.grad_accum * cfg.micro_batch_size * cfg.seq_len
     flops = float(tokens * shape.train_flops_per_token(cfg.seq_len))
     rb = round(busy.get("ssd_read", 0.0) * prof.ssd_read_Bps)
     wb = round(busy.get("ssd_write", 0.0) * prof.ssd_write_Bps)

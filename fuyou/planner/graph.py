@@ -84,7 +84,7 @@ class StepGraph:
         tied = [i for i, b in enumerate(shape.blocks) for o in shape.blocks[H].borrows if b.name == o]
         self.order = rules.load_order(H + 1, tied)
         self.parked = set(rules.parked(H + 1, plan))
-        self.K = plan.micro_batches
+        self.K = plan.grad_accum
         self.mb_tokens = cfg.micro_batch_size * cfg.seq_len
         self.thread: int | None = None
         self.compute: int | None = None

@@ -58,6 +58,8 @@ class PlannerResult:
         """Rebuild a result written by ``to_json``."""
         plan = dict(d["plan"])
         plan["activation_policy"] = tuple(plan.get("activation_policy", ()))
+        if "micro_batches" in plan:  # results written before 0.2 named the accumulation count so
+            plan["grad_accum"] = plan.pop("micro_batches")
         step = dict(d["step"])
         for moved in ("state_chunk", "ram_weight_blocks", "ram_state_blocks"):  # results written before 0.2
             if moved in step:

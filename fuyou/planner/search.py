@@ -115,7 +115,7 @@ class _Search:
 
     # ------------------------------------------------------------------ candidates
     def plan(self, mb: int, pol: tuple[str, ...], depth: int, bufs: int, sched: str, chunk: int) -> Plan:
-        return Plan(micro_batches=self.seqs // mb, prefetch_depth=depth, activation_policy=pol, schedule=sched,
+        return Plan(grad_accum=self.seqs // mb, prefetch_depth=depth, activation_policy=pol, schedule=sched,
                     state_buffers=bufs, park_ram_blocks=self.park if sched == "overlap_next_forward" else None,
                     state_chunk=chunk)
 

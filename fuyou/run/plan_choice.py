@@ -187,7 +187,7 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
     """
     if req.mode == "rules":
         pol = _fixed_policies(req)
-        kw: dict[str, Any] = {"micro_batches": req.grad_accum}
+        kw: dict[str, Any] = {"grad_accum": req.grad_accum}
         if req.prefetch_depth:
             kw["prefetch_depth"] = req.prefetch_depth
         if pol:
@@ -224,7 +224,7 @@ def describe(plan: Plan) -> str:
     acts = ", ".join(f"{pols.count(k)}× {k}" for k in POLICIES if k in pols) or "default"
     ram = (f", RAM tier: {plan.ram_weight_blocks} blocks' weights, {plan.ram_state_blocks} blocks' state"
            if plan.ram_weight_blocks or plan.ram_state_blocks else "")
-    return (f"{plan.micro_batches} micro-batches, prefetch depth {plan.prefetch_depth}, layer activations {acts}, "
+    return (f"{plan.grad_accum} micro-batches, prefetch depth {plan.prefetch_depth}, layer activations {acts}, "
             f"schedule {plan.schedule}, state chunk {plan.state_chunk} × {plan.state_buffers} buffers{ram}")
 
 

@@ -27,8 +27,9 @@ class Plan:
     turnaround, so its entry is ignored.
     """
 
-    micro_batches: int = 1
-    """Micro-batches per step (K); they go through each block together (layer-grouped accumulation)."""
+    grad_accum: int = 1
+    """Micro-batches per step (K, ``--grad-accum``); they go through each block together (layer-grouped
+    accumulation)."""
     prefetch_depth: int = 2
     """Blocks of weights read ahead of the one being computed (≥ 1)."""
     activation_policy: tuple[str, ...] = ()
@@ -56,8 +57,8 @@ class Plan:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.micro_batches < 1:
-            problems.append(f"--grad-accum must be ≥ 1, got {self.micro_batches}")
+        if self.grad_accum < 1:
+            problems.append(f"--grad-accum must be ≥ 1, got {self.grad_accum}")
         if self.prefetch_depth < 1:
             problems.append(f"prefetch depth must be ≥ 1, got {self.prefetch_depth}")
         if self.schedule not in SCHEDULES + (AUTO,):

@@ -1,4 +1,4 @@
-"""SSD-resident tensors: layout, I/O engines, checksums, manifest and the versioned store."""
+"""SSD-resident tensors: layout, I/O backends, checksums, manifest and the versioned store."""
 
 from fuyou.storage.extents import ExtentSpec, Piece, TensorSpec
 from fuyou.storage.store import TensorStore

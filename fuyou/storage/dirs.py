@@ -133,7 +133,7 @@ def preallocate(path: str, nbytes: int) -> None:
 
 def fsync_path(path: str, flags: int = 0) -> None:
     """fsync the file (or, with ``os.O_DIRECTORY``, the directory) at ``path`` through a fresh descriptor
-    (engines whose handles are not descriptors sync this way). Raises OSError on failure."""
+    (backends whose handles are not descriptors sync this way). Raises OSError on failure."""
     fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)

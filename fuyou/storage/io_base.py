@@ -1,11 +1,11 @@
-"""The I/O engine interface: asynchronous, checksummed block I/O between files and host buffers.
+"""The I/O backend interface: asynchronous, checksummed block I/O between files and host buffers.
 
 A request (one extent piece) is cut into blocks of ``block_bytes`` (4 KiB multiples); each block is
-a task on the engine's thread pool, so many requests and many blocks are in flight at once (queue
+a task on the backend's thread pool, so many requests and many blocks are in flight at once (queue
 depth = threads). Each block's CRC32C is computed in the same task, overlapped with other blocks'
 I/O. Subclasses only say how a file is opened and closed and how one block is read or written.
 
-Open files: a ``FileHandle`` is a path, not an open file. The engine opens files when a task needs
+Open files: a ``FileHandle`` is a path, not an open file. The backend opens files when a task needs
 them and keeps at most ``max_open`` open (least recently used closed first, never one in use; see
 ``open_files.py``), so a store of any size runs under a small ``ulimit -n``.
 """
@@ -27,7 +27,7 @@ from fuyou.storage import checksum
 from fuyou.storage.extents import FILE_ALIGN
 from fuyou.storage.open_files import FileHandle, OpenFiles, default_capacity
 
-__all__ = ["FileHandle", "IOEngine", "gather", "os_error", "then"]
+__all__ = ["FileHandle", "IOBackend", "gather", "os_error", "then"]
 
 
 def gather(futures: list[Future]) -> Future:
@@ -87,12 +87,12 @@ def os_error(e: OSError, path: str, action: str) -> FuyouError:
     return StoreError(f"{action} {path} failed: {e.strerror or e}; check the disk and its permissions")
 
 
-class IOEngine(ABC):
+class IOBackend(ABC):
     """Thread-pooled block I/O with per-block CRC32C; see the module docstring."""
 
     name: str
     fds_per_file: int = 1
-    """Descriptors one open file of this engine holds (for the open-file cap)."""
+    """Descriptors one open file of this backend holds (for the open-file cap)."""
 
     def __init__(self, threads: int = 16, block_bytes: int = 1 << 20, max_open: int | None = None) -> None:
         """Start ``threads`` I/O threads moving blocks of ``block_bytes``; keep at most ``max_open``
@@ -123,7 +123,7 @@ class IOEngine(ABC):
 
     @abstractmethod
     def _open_raw(self, path: str, direct: bool) -> Any:
-        """Open ``path`` read-write (O_DIRECT when ``direct``); return this engine's raw handle.
+        """Open ``path`` read-write (O_DIRECT when ``direct``); return this backend's raw handle.
 
         Raises OSError on failure.
         """

@@ -1,11 +1,11 @@
-"""kvikio I/O engine (RAPIDS file I/O). Fuyou passes it host buffers, so data goes through host memory
+"""kvikio I/O backend (RAPIDS file I/O). Fuyou passes it host buffers, so data goes through host memory
 (kvikio's POSIX path), never GPUDirect Storage, which needs device buffers.
 
 kvikio cannot do any I/O without a CUDA driver (it loads ``libcuda.so.1`` even for host buffers),
 so it is only used when asked for (``io="kvikio"``) and usable — never on CPU, and not by
 ``io="auto"`` until it is measured faster than the POSIX pool. Blocks are fanned out on Fuyou's
 pool (which also computes checksums); each block is one kvikio ``pread``/``pwrite``. Handles are
-``CuFile`` objects, not descriptors (``io_pyfile.PyFileEngine`` stands in for them in CPU tests);
+``CuFile`` objects, not descriptors (``io_pyfile.PyFileIO`` stands in for them in CPU tests);
 each may hold two descriptors (compat mode opens the file with and without O_DIRECT).
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 
 from fuyou.errors import StoreError, error_number
 from fuyou.storage.dirs import fsync_path
-from fuyou.storage.io_base import FileHandle, IOEngine
+from fuyou.storage.io_base import FileHandle, IOBackend
 
 
 def kvikio_usable() -> bool:
@@ -32,7 +32,7 @@ def kvikio_usable() -> bool:
     return True
 
 
-class KvikioEngine(IOEngine):
+class KvikioIO(IOBackend):
     """kvikio-backed block I/O; see the module docstring."""
 
     name = "kvikio"

@@ -1,4 +1,4 @@
-"""POSIX I/O engine: ``os.preadv``/``os.pwritev`` (GIL released) on a thread pool, O_DIRECT or not.
+"""POSIX I/O backend: ``os.preadv``/``os.pwritev`` (GIL released) on a thread pool, O_DIRECT or not.
 
 With O_DIRECT the page cache is bypassed (it would eat the RAM budget and make timings lie). Buffer
 addresses and file offsets must then be 4 KiB aligned: pool buffers are; a misaligned buffer or a
@@ -19,7 +19,7 @@ import numpy as np
 from fuyou.device.base import host_aligned_empty
 from fuyou.errors import StoreError
 from fuyou.storage.extents import FILE_ALIGN
-from fuyou.storage.io_base import FileHandle, IOEngine
+from fuyou.storage.io_base import FileHandle, IOBackend
 
 
 def _full(op, fd: int, mv: memoryview, offset: int, path: str) -> None:
@@ -32,7 +32,7 @@ def _full(op, fd: int, mv: memoryview, offset: int, path: str) -> None:
         done += n
 
 
-class PosixEngine(IOEngine):
+class PosixIO(IOBackend):
     """Thread-pool POSIX I/O; see the module docstring."""
 
     name = "posix"

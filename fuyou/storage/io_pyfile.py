@@ -1,10 +1,10 @@
-"""Python-file I/O engine: the POSIX pool's block I/O behind Python file objects instead of descriptors.
+"""Python-file I/O backend: the POSIX pool's block I/O behind Python file objects instead of descriptors.
 
 Raw handles are unbuffered ``io.FileIO`` objects (O_DIRECT when asked) and ``fsync`` goes through
 the file's path, as with kvikio's ``CuFile`` handles. Its purpose is coverage: everything above the
-engine (the store's commits and retirement of files, checkpoints, resume) must work whatever an
-engine's handles are, and this engine checks that on any CPU machine, where kvikio cannot run.
-Speed is the POSIX engine's (the same ``preadv``/``pwritev`` calls on the object's descriptor).
+backend (the store's commits and retirement of files, checkpoints, resume) must work whatever a
+backend's handles are, and this backend checks that on any CPU machine, where kvikio cannot run.
+Speed is the POSIX backend's (the same ``preadv``/``pwritev`` calls on the object's descriptor).
 Select it with ``io="pyfile"`` (or ``FUYOU_IO=pyfile`` for ``io="auto"``).
 """
 
@@ -16,10 +16,10 @@ from typing import Any
 
 from fuyou.storage.dirs import fsync_path
 from fuyou.storage.io_base import FileHandle
-from fuyou.storage.io_posix import PosixEngine
+from fuyou.storage.io_posix import PosixIO
 
 
-class PyFileEngine(PosixEngine):
+class PyFileIO(PosixIO):
     """Block I/O through Python file objects; see the module docstring."""
 
     name = "pyfile"
@@ -36,5 +36,5 @@ class PyFileEngine(PosixEngine):
         return raw.fileno()
 
     def _fsync(self, raw: Any, h: FileHandle) -> None:
-        """fsync through a fresh descriptor of ``h.path`` (as kvikio's engine does)."""
+        """fsync through a fresh descriptor of ``h.path`` (as the kvikio backend does)."""
         fsync_path(h.path)

@@ -1,11 +1,11 @@
 """A bounded cache of open files: the store's open descriptors stay few whatever the model size.
 
 A store keeps two versions of every extent piece as files (~1.7k files for a 7B model), more than
-many machines allow one process to hold open (``ulimit -n`` is often 1024). An engine therefore
+many machines allow one process to hold open (``ulimit -n`` is often 1024). A backend therefore
 opens a file when an I/O task needs it and keeps at most ``capacity`` of them open, closing the
 least recently used one beyond that. A file in use by an I/O task is *pinned*: it is never closed
 under the task; if every open file is pinned, the cache grows past ``capacity`` by at most the
-number of concurrent tasks (the engine's threads) and shrinks again as they finish.
+number of concurrent tasks (the backend's threads) and shrinks again as they finish.
 
 A handle names its file by path; whoever renames the file updates ``FileHandle.path`` while no I/O
 on it is in flight (the store renames only spare files). An open descriptor survives the rename.
@@ -22,13 +22,13 @@ from typing import Any
 from fuyou.errors import StoreError
 
 DEFAULT_MAX_FILES = 4096
-"""Most files one engine keeps open when the open-file limit allows it."""
+"""Most files one backend keeps open when the open-file limit allows it."""
 LIMIT_SHARE = 4
-"""An engine keeps open at most 1/LIMIT_SHARE of the process's soft open-file limit."""
+"""A backend keeps open at most 1/LIMIT_SHARE of the process's soft open-file limit."""
 
 
 class FileHandle:
-    """A file of the store: its path and whether it uses O_DIRECT; the engine opens it on demand."""
+    """A file of the store: its path and whether it uses O_DIRECT; the backend opens it on demand."""
 
     def __init__(self, path: str, direct: bool) -> None:
         self.path = path
@@ -48,7 +48,7 @@ class _Entry:
 
 
 def default_capacity(threads: int, fds_per_file: int = 1) -> int:
-    """Files an engine may keep open: 1/4 of the soft ``RLIMIT_NOFILE`` (in descriptors, each file
+    """Files a backend may keep open: 1/4 of the soft ``RLIMIT_NOFILE`` (in descriptors, each file
     taking ``fds_per_file``), at most 4096 files, at least ``threads + 4`` (every I/O thread can pin
     one file, plus a few spare)."""
     try:

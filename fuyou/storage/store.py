@@ -8,7 +8,7 @@ write, or unlinked if a checkpoint hard-linked them (their data lives on through
 
 Reads see the latest write ("read your writes"), committed or not, so the next step's forward can
 read weights Adam wrote before the step is committed. A read of an extent waits for that extent's
-write in flight; a write must not overlap a read of the same extent (the engine orders them).
+write in flight; a write must not overlap a read of the same extent (the I/O backend orders them).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 
 from fuyou.errors import ConfigError, ManifestError, StoreDirError, StoreError
 from fuyou.storage import checksum, dirs as fsdirs
-from fuyou.storage.engines import make_engine
 from fuyou.storage.extents import ExtentSpec, Piece, place
 from fuyou.storage.io_base import FileHandle, gather, then
+from fuyou.storage.io_select import make_io
 from fuyou.storage.manifest import MANIFEST, read_manifest, write_manifest
 
 ID_FILE = "fuyou-store.id"
@@ -86,7 +86,7 @@ class TensorStore:
         self.checksums = checksums
         self.fsync = fsync
         self.direct = [fsdirs.resolve_direct(direct, d) for d in dirs]
-        self.engine = make_engine(io, threads, self.block_bytes)
+        self.io = make_io(io, threads, self.block_bytes)
         self._ext = {e.name: _Extent(i, e, p) for i, (e, p) in enumerate(zip(extents, pieces))}
         self._lock = threading.RLock()
         self._closed = False
@@ -162,7 +162,7 @@ class TensorStore:
                 path = os.path.join(self.dirs[d], fname)
                 if not os.path.exists(path):
                     raise ManifestError(f"{path} named by the manifest is missing; restore the run from a checkpoint")
-                recs.append(_File(d, fname, self.engine.open(path, self.direct[d]), checksum.decode(crcs)))
+                recs.append(_File(d, fname, self.io.open(path, self.direct[d]), checksum.decode(crcs)))
                 named.add((d, fname))
             ext.committed = recs
         for k, d in enumerate(self.dirs):  # files of uncommitted writes (a crash mid-step) are garbage
@@ -205,7 +205,7 @@ class TensorStore:
             files = ext.pending
         if prev is not None:
             prev.exception()  # write-after-write on one extent: keep them in order
-        futs = [self.engine.write(f.handle, arr[p.start : p.start + p.length], self.checksums)
+        futs = [self.io.write(f.handle, arr[p.start : p.start + p.length], self.checksums)
                 for f, p in zip(files, ext.pieces)]
 
         def record(crcs: list[list[int]]) -> None:
@@ -232,7 +232,7 @@ class TensorStore:
             for p in ext.pieces:
                 path = os.path.join(self.dirs[p.dir_index], f"{ext.index:06d}.{p.dir_index}.{gen}.fy")
                 fsdirs.preallocate(path, p.file_bytes)
-                files.append(_File(p.dir_index, os.path.basename(path), self.engine.open(path, self.direct[p.dir_index])))
+                files.append(_File(p.dir_index, os.path.basename(path), self.io.open(path, self.direct[p.dir_index])))
         except BaseException:
             self._drop(files)
             raise
@@ -255,7 +255,7 @@ class TensorStore:
         if files is None:
             raise StoreError(f"extent {name!r} has never been written")
         futs = [
-            self.engine.read(f.handle, arr[p.start : p.start + p.length], f.crcs if self.checksums else None,
+            self.io.read(f.handle, arr[p.start : p.start + p.length], f.crcs if self.checksums else None,
                              f"extent {name!r}, piece {k}", compute=False)
             for k, (f, p) in enumerate(zip(files, ext.pieces))
         ]
@@ -278,7 +278,7 @@ class TensorStore:
             raise StoreError(f"commit of version {self.version + 1} failed, version {self.version} stays current: {errors[0]}")
         if self.fsync:
             written = [f for e in dirty if e.pending is not None for f in e.pending]
-            gather([self.engine.fsync(f.handle) for f in written]).result()
+            gather([self.io.fsync(f.handle) for f in written]).result()
             for d in {f.dir_index for f in written}:
                 fsdirs.fsync_dir(self.dirs[d])
         with self._lock:
@@ -325,13 +325,13 @@ class TensorStore:
 
     def _linked(self, f: _File) -> bool:
         """True if ``f``'s data has another name (a checkpoint's hard link), so it must never be
-        overwritten. Decided from the file itself (its link count), whatever the I/O engine's handles
+        overwritten. Decided from the file itself (its link count), whatever the I/O backend's handles
         are. Raises OSError if the file is gone."""
         return os.stat(os.path.join(self.dirs[f.dir_index], f.name)).st_nlink > 1
 
     def _drop(self, files: list[_File]) -> None:
         for f in files:
-            self.engine.close(f.handle)
+            self.io.close(f.handle)
             os.unlink(os.path.join(self.dirs[f.dir_index], f.name))
 
     def abort(self) -> None:
@@ -353,8 +353,8 @@ class TensorStore:
         for e in self._ext.values():
             for files in [e.committed or []] + e.spares:
                 for f in files:
-                    self.engine.close(f.handle)
-        self.engine.shutdown()
+                    self.io.close(f.handle)
+        self.io.shutdown()
         self._closed = True
 
     def __enter__(self) -> TensorStore:

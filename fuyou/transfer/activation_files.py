@@ -3,7 +3,7 @@
 Staging buffers are page-aligned (O_DIRECT) but not pinned: pinning per record would cost more than
 it saves. Forward: the saved-tensor pack hook copies each tensor to host memory; when the block is done,
 ``flush`` packs them into one page-aligned staging buffer and writes it (one large, checksummed
-I/O through the store's engine) to a scratch file reused across steps. Backward: ``prefetch``
+I/O through the store's I/O backend) to a scratch file reused across steps. Backward: ``prefetch``
 reads the file back (issued a block early), and the unpack hook serves views of it. Host bytes
 are charged to the host budget while they exist.
 """
@@ -20,7 +20,7 @@ import torch
 from fuyou.device.base import Backend, host_aligned_empty
 from fuyou.storage.dirs import preallocate
 from fuyou.storage.extents import TENSOR_ALIGN
-from fuyou.storage.io_base import FileHandle, IOEngine
+from fuyou.storage.io_base import FileHandle, IOBackend
 from fuyou.timeline import Timeline
 from fuyou.transfer.host_pool import HostBufferPool
 from fuyou.units import align_up
@@ -29,7 +29,7 @@ from fuyou.units import align_up
 class ActivationSpace:
     """Scratch files for swapped activations, striped over the store directories."""
 
-    def __init__(self, backend: Backend, pool: HostBufferPool, io: IOEngine, dirs: list[str], direct: list[bool],
+    def __init__(self, backend: Backend, pool: HostBufferPool, io: IOBackend, dirs: list[str], direct: list[bool],
                  timeline: Timeline) -> None:
         self.backend, self.pool, self.io, self.timeline = backend, pool, io, timeline
         self.dirs = [os.path.join(d, "activations") for d in dirs]

@@ -32,7 +32,7 @@ from fuyou.device.base import Event
 from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.schedule.sizing import GRADS, park_class
 from fuyou.storage.dirs import preallocate
-from fuyou.storage.io_base import FileHandle, IOEngine
+from fuyou.storage.io_base import FileHandle, IOBackend
 from fuyou.timeline import Timeline
 from fuyou.transfer.gradients import Offloads
 from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
@@ -73,7 +73,7 @@ class GradientParking:
     docstring. ``gradients`` copies them off the device (the Adam stage's ``offload``: its
     device-to-host stream); ``ssd_blocks``: the blocks whose gradients park on SSD."""
 
-    def __init__(self, gradients: Offloads, pool: HostBufferPool, layout: ModelLayout, io: IOEngine, dirs: list[str],
+    def __init__(self, gradients: Offloads, pool: HostBufferPool, layout: ModelLayout, io: IOBackend, dirs: list[str],
                  direct: list[bool], timeline: Timeline, ssd_blocks: list[int], checksums: bool = True) -> None:
         self.gradients, self.pool, self.layout, self.io, self.timeline = gradients, pool, layout, io, timeline
         self.checksums = checksums

@@ -50,7 +50,7 @@ def test_kvikio_store_round_trip(tmp_path):
     exts = [ExtentSpec(f"e{n}", (TensorSpec("b", (n,), torch.uint8),)) for n in (1, 4095, 4097, (1 << 20) + 3)]
     b = get_backend("cuda")
     with TensorStore.create([str(tmp_path)], exts, io="kvikio") as st:
-        assert st.engine.name == "kvikio"
+        assert st.io.name == "kvikio"
         for e in exts:
             n = e.nbytes
             src = b.host_empty(n)

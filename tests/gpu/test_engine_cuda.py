@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 
 def run(cfg, model, tmp_path, data, policy, K=1, clip=0.0, hidden_bound=False):
     n = cfg.num_hidden_layers + 2
-    plan = Plan(micro_batches=K, prefetch_depth=2, activation_policy=("keep",) + (policy,) * (n - 2) + ("keep",))
+    plan = Plan(grad_accum=K, prefetch_depth=2, activation_policy=("keep",) + (policy,) * (n - 2) + ("keep",))
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ec = EngineConfig(ssd_dirs=(str(tmp_path),), device="cuda", precision="fp32", lr=LR, weight_decay=WD,
                       cpu_memory="512MiB", max_grad_norm=clip, plan=plan)

@@ -151,7 +151,7 @@ def test_finetune_plans_with_the_cost_model_by_default(tmp_path, model_dir, monk
     assert json.loads((out / "profile.json").read_text())["device"] == "cpu"
     assert plan["predicted_step_s"] > 0 and plan["predicted_bottleneck"]
     ran = plan["executed"]
-    assert ran["micro_batches"] == 2 and ran["prefetch_depth"] == plan["plan"]["prefetch_depth"]
+    assert ran["grad_accum"] == 2 and ran["prefetch_depth"] == plan["plan"]["prefetch_depth"]
     assert ran["activation_policy"] == plan["plan"]["activation_policy"]
     assert plan["state_chunk_executed"] == plan["state_chunk"]
     assert ran["schedule"] == "overlap_next_forward"  # clipping is on by default

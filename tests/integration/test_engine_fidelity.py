@@ -17,7 +17,7 @@ def run_fuyou(cfg, model, tmp_path, data, *, policy="recompute", K=1, depth=2, n
         d.mkdir()
         dirs.append(str(d))
     nblocks = cfg.num_hidden_layers + 2
-    plan = Plan(micro_batches=K, prefetch_depth=depth, activation_policy=("keep",) + (policy,) * (nblocks - 2) + ("keep",))
+    plan = Plan(grad_accum=K, prefetch_depth=depth, activation_policy=("keep",) + (policy,) * (nblocks - 2) + ("keep",))
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ec = EngineConfig(ssd_dirs=tuple(dirs), precision=precision, lr=LR, weight_decay=WD, cpu_memory="256MiB",
                       max_grad_norm=clip, plan=plan)

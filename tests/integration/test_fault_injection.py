@@ -1,6 +1,6 @@
 """SIGKILL a real `fuyou finetune` at random moments; resuming each time ends bit-identical to a clean run.
 
-Runs once per I/O engine (``$FUYOU_IO``: posix, the non-descriptor pyfile engine, kvikio where usable);
+Runs once per I/O backend (``$FUYOU_IO``: posix, the non-descriptor pyfile engine, kvikio where usable);
 the clean run is shared (made with the default engine), so every engine must also match it bit for bit.
 """
 

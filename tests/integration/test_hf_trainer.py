@@ -141,8 +141,8 @@ def test_trainer_runs_the_plan_the_shared_chooser_picks(tmp_path, capsys):
     assert fy.plan_choice.info["source"] == "planner" and fy.plan_choice.info["profile"] == profile
     assert fy.plan_choice.plan == chosen.plan
     assert fy.engine.plan == chosen.plan
-    default = Plan(micro_batches=2, schedule="overlap_next_forward")
-    assert chosen.plan.micro_batches == 2 and chosen.plan != default
+    default = Plan(grad_accum=2, schedule="overlap_next_forward")
+    assert chosen.plan.grad_accum == 2 and chosen.plan != default
     assert (chosen.plan.state_chunk, chosen.plan.park_ram_blocks) != (default.state_chunk, default.park_ram_blocks)
     assert "planner: 2 micro-batches" in capsys.readouterr().err
     fy.train()
@@ -153,4 +153,4 @@ def test_trainer_runs_the_plan_the_shared_chooser_picks(tmp_path, capsys):
     args = FuyouTrainingArguments(output_dir=str(tmp_path / "rules"), optim="adamw_torch", ssd_dirs=[str(ssd2)],
                                   cpu_memory="64MiB", plan="rules", **kw)
     rules = FuyouTrainer(model=tiny("llama_tied", layers=2)[1], args=args, train_dataset=dataset())
-    assert rules.plan_choice.info == {"source": "rules"} and rules.engine.plan.micro_batches == 2
+    assert rules.plan_choice.info == {"source": "rules"} and rules.engine.plan.grad_accum == 2

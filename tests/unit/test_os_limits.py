@@ -57,7 +57,7 @@ def test_store_read_manifest_and_directory_check_under_emfile(tmp_path):
     with TensorStore.create([str(d)], exts) as st:
         st.write("e", torch.ones(1000)).result()
         st.commit()
-        st.engine.files.close_all()  # the next read must open the file
+        st.io.files.close_all()  # the next read must open the file
         buf = torch.empty(1000)
         with descriptor_table_full():
             read_err = st.read("e", buf).exception()

@@ -16,7 +16,7 @@ N = 200_000
 
 @pytest.fixture(autouse=True, params=engines_under_test())
 def io_engine(request, monkeypatch):
-    """Every test here runs once per I/O engine: each store it creates or opens uses that engine."""
+    """Every test here runs once per I/O backend: each store it creates or opens uses that engine."""
     return use_engine(monkeypatch, request.param)
 
 
@@ -41,7 +41,7 @@ def values(st):
 
 def test_checkpoint_is_links_and_survives_later_commits(tmp_path, io_engine):
     st, _ = make(tmp_path)
-    assert st.engine.name == io_engine
+    assert st.io.name == io_engine
     fill(st, 1)
     info = take(st, "a", {"step": 1})
     assert info["files"] == 6 and info["stall_s"] < 1.0

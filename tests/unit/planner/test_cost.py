@@ -61,7 +61,7 @@ def test_per_element_gradient_work_is_charged_per_block():
     p = predict(toy_shape(), Plan(), CFG, hw)
     assert p.step_s == pytest.approx(F + 3e-3 + 3 * F + N1 / 1e9 + (N0 + N1 + N2) / 2e9, rel=1e-7)
     # two micro-batches add twice; zeroing the buffer and the norm happen once
-    two = predict(toy_shape(), Plan(micro_batches=2), CFG, hw).step_s
+    two = predict(toy_shape(), Plan(grad_accum=2), CFG, hw).step_s
     assert two - p.step_s == pytest.approx(F + 3e-3 + 3 * F + N1 / 1e9, rel=1e-6)
 
 
@@ -98,7 +98,7 @@ def test_faster_hardware_never_predicts_a_slower_step(policy, schedule, ram):
                 pageable_Bps=5e9, host_mem_Bps=1e10, device_mem_Bps=5e11, device_peak_flops=5e12,
                 grad_add_elems_per_s=8e10, grad_norm_elems_per_s=2.5e11, flops_efficiency=0.7,
                 flops_half_tokens=256, commit_s=0.003)
-    plan = Plan(micro_batches=2, activation_policy=("keep",) + (policy,) * 8 + ("keep",), schedule=schedule,
+    plan = Plan(grad_accum=2, activation_policy=("keep",) + (policy,) * 8 + ("keep",), schedule=schedule,
                 state_chunk=1 << 22, ram_weight_blocks=ram, ram_state_blocks=ram)
     cfg = StepConfig(micro_batch_size=2, seq_len=128)
     t0 = predict(shape, plan, cfg, profile(**base)).step_s
@@ -111,7 +111,7 @@ def test_faster_hardware_never_predicts_a_slower_step(policy, schedule, ram):
 def test_memory_per_tier_counts_what_the_policies_hold():
     shape, hw = small_llama(), profile(device_peak_flops=1e12)
     cfg = StepConfig(micro_batch_size=2, seq_len=128)
-    mem = {pol: predict(shape, Plan(micro_batches=2, activation_policy=("keep",) + (pol,) * 8 + ("keep",)), cfg, hw).memory
+    mem = {pol: predict(shape, Plan(grad_accum=2, activation_policy=("keep",) + (pol,) * 8 + ("keep",)), cfg, hw).memory
            for pol in ("recompute", "keep", "swap_cpu", "swap_ssd")}
     act = 8 * shape.blocks[1].act_bytes_per_token * 2 * 2 * 128
     assert mem["keep"].device - mem["recompute"].device == pytest.approx(act)

@@ -20,7 +20,7 @@ def test_result_fits_budgets_and_is_executable():
     r = search(small_llama(), HW, Budgets(cpu_memory=2 * GiB, gpu_memory=1 * GiB), REQ)
     m = r.prediction.memory
     assert r.executable and m.device <= GiB and m.host <= 2 * GiB
-    assert r.plan.micro_batches * r.step.micro_batch_size * 256 == 2048
+    assert r.plan.grad_accum * r.step.micro_batch_size * 256 == 2048
     assert len(r.plan.activation_policy) == 10 and r.considered > 5
 
 

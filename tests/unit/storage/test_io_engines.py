@@ -1,4 +1,4 @@
-"""I/O engine selection, the non-descriptor ``pyfile`` engine, and the bounded open-file cache."""
+"""I/O backend selection, the non-descriptor ``pyfile`` engine, and the bounded open-file cache."""
 
 import os
 import threading
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from fuyou.errors import ConfigError, StoreError
-from fuyou.storage import ExtentSpec, TensorSpec, TensorStore, engines, io_base
-from fuyou.storage.engines import IO_ENV, make_engine
+from fuyou.storage import ExtentSpec, TensorSpec, TensorStore, io_base, io_select
+from fuyou.storage.io_select import IO_ENV, make_io
 from fuyou.storage.open_files import FileHandle, OpenFiles, default_capacity
 from tests.io_engines import engines_under_test
 
@@ -18,9 +18,9 @@ from tests.io_engines import engines_under_test
 def test_auto_is_posix_even_where_kvikio_is_usable(monkeypatch):
     """kvikio is not yet measured faster: it must be asked for by name."""
     monkeypatch.delenv(IO_ENV, raising=False)
-    monkeypatch.setattr(engines, "kvikio_usable", lambda: True, raising=False)  # wherever the choice looks
+    monkeypatch.setattr(io_select, "kvikio_usable", lambda: True, raising=False)  # wherever the choice looks
     monkeypatch.setattr("fuyou.storage.io_kvikio.kvikio_usable", lambda: True)
-    eng = make_engine("auto")
+    eng = make_io("auto")
     try:
         assert eng.name == "posix"
     finally:
@@ -29,22 +29,22 @@ def test_auto_is_posix_even_where_kvikio_is_usable(monkeypatch):
 
 def test_fuyou_io_names_the_engine_auto_stands_for(monkeypatch):
     monkeypatch.setenv(IO_ENV, "pyfile")
-    eng = make_engine("auto")
+    eng = make_io("auto")
     assert eng.name == "pyfile"
     eng.shutdown()
-    eng = make_engine("posix")  # an explicit kind wins over the variable
+    eng = make_io("posix")  # an explicit kind wins over the variable
     assert eng.name == "posix"
     eng.shutdown()
     monkeypatch.setenv(IO_ENV, "spdk")
     with pytest.raises(ConfigError, match="FUYOU_IO"):
-        make_engine("auto")
+        make_io("auto")
 
 
 # ---------------------------------------------------------------- the pyfile engine
 def test_pyfile_handles_are_not_descriptors(tmp_path):
     path = tmp_path / "f"
     path.write_bytes(bytes(8192))
-    eng = make_engine("pyfile", threads=2, block_bytes=4096)
+    eng = make_io("pyfile", threads=2, block_bytes=4096)
     h = eng.open(str(path), direct=False)
     src = np.arange(8192, dtype=np.uint8)
     eng.write(h, src).result()
@@ -61,7 +61,7 @@ def test_pyfile_handles_are_not_descriptors(tmp_path):
 
 
 def test_engine_open_refuses_a_missing_file(tmp_path):
-    eng = make_engine("posix", threads=1)
+    eng = make_io("posix", threads=1)
     with pytest.raises(StoreError, match="does not exist"):
         eng.open(str(tmp_path / "nope"), direct=False)
     eng.shutdown()
@@ -183,12 +183,12 @@ def test_store_with_a_tiny_open_file_cap_keeps_data_and_checkpoint_links(tmp_pat
                 os.makedirs(d / "ck")
                 for _, f in st.committed()[1]:  # what a checkpoint links: the committed version's files
                     os.link(d / f, d / "ck" / f)
-            assert len(st.engine.files) <= 3
+            assert len(st.io.files) <= 3
         buf = torch.empty(n)
         for e in exts:
             st.read(e.name, buf).result()
             assert (buf == 4 + int(e.name[1:])).all()
-        assert st.engine.files.opens > 3 * len(exts)  # it really did evict and reopen
+        assert st.io.files.opens > 3 * len(exts)  # it really did evict and reopen
     linked = os.listdir(d / "ck")
     assert len(linked) == len(exts)
     assert all(os.stat(d / "ck" / f).st_nlink == 1 for f in linked)  # the store unlinked, never reused, them

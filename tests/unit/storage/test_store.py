@@ -17,7 +17,7 @@ from fuyou.errors import (
     StoreSpaceError,
 )
 from fuyou.storage import ExtentSpec, TensorSpec, TensorStore
-from fuyou.storage.engines import make_engine
+from fuyou.storage.io_select import make_io
 
 ODD = [1, 4095, 4096, 4097, (1 << 20) + 3]
 
@@ -127,7 +127,7 @@ def test_uncommitted_writes_are_discarded_on_reopen(tmp_path):
     st.write("x", pattern(50_000, 1))
     st.commit()
     st.write("x", pattern(50_000, 2)).result()
-    st.engine.shutdown()  # as if the process died: no commit, no close
+    st.io.shutdown()  # as if the process died: no commit, no close
     with TensorStore.open(st.dirs) as st2:
         out = torch.empty(50_000, dtype=torch.uint8)
         st2.read("x", out).result()
@@ -288,13 +288,13 @@ def test_writes_from_another_thread(tmp_path):
 
 
 def test_engine_selection_on_cpu():
-    assert make_engine("posix").name == "posix"
+    assert make_io("posix").name == "posix"
     with pytest.raises(ConfigError):
-        make_engine("spdk")
+        make_io("spdk")
     import ctypes
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
-        assert make_engine("auto").name == "posix"
+        assert make_io("auto").name == "posix"
         with pytest.raises(StoreError, match="kvikio"):
-            make_engine("kvikio")
+            make_io("kvikio")
