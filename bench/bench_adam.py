@@ -98,7 +98,8 @@ def numba_cases(n: int) -> tuple[dict[str, Case], dict[str, int]]:
         return call
 
     np_args = [t.numpy() for t in (p, m, v)] + [
-        g16.view(torch.int16).numpy().view(np.uint16), out.view(torch.int16).numpy().view(np.uint16)
+        g16.view(torch.int16).numpy().view(np.uint16),
+        out.view(torch.int16).numpy().view(np.uint16),
     ]
     cases = {
         "numba_fuyou": run(g16, out),

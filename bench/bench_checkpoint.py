@@ -47,8 +47,14 @@ def main() -> None:
 
 
 def run(a: argparse.Namespace, work: str) -> None:
-    cfg = LlamaConfig(num_hidden_layers=a.layers, hidden_size=a.hidden, intermediate_size=3 * a.hidden,
-                      num_attention_heads=8, num_key_value_heads=4, vocab_size=8000)
+    cfg = LlamaConfig(
+        num_hidden_layers=a.layers,
+        hidden_size=a.hidden,
+        intermediate_size=3 * a.hidden,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8000,
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     sd = LlamaForCausalLM(cfg).state_dict()
@@ -79,16 +85,30 @@ def run(a: argparse.Namespace, work: str) -> None:
             os.sync()
             copies.append(time.perf_counter() - t0)
             shutil.rmtree(dst)
-    emit({"bench": "checkpoint", "smoke": a.smoke, "params": nparams, "state_bytes": state, "precision": precision,
-          "files_per_checkpoint": info["files"], "store_bytes_before": base,
-          "disk_bytes_after_each": usage, "extra_bytes_per_checkpoint": [u - base for u in usage],
-          "step_s_median": statistics.median(steps), "stall_s": stalls, "stall_s_median": statistics.median(stalls),
-          "stall_over_step": statistics.median(stalls) / statistics.median(steps),
-          "link_s": links, "link_s_median": statistics.median(links),
-          "link_over_step": statistics.median(links) / statistics.median(steps),
-          "copy_checkpoint_s_median": statistics.median(copies),
-          "link_vs_copy_speedup": statistics.median(copies) / statistics.median(stalls),
-          "hardware": hardware_info([work])}, a.out)
+    emit(
+        {
+            "bench": "checkpoint",
+            "smoke": a.smoke,
+            "params": nparams,
+            "state_bytes": state,
+            "precision": precision,
+            "files_per_checkpoint": info["files"],
+            "store_bytes_before": base,
+            "disk_bytes_after_each": usage,
+            "extra_bytes_per_checkpoint": [u - base for u in usage],
+            "step_s_median": statistics.median(steps),
+            "stall_s": stalls,
+            "stall_s_median": statistics.median(stalls),
+            "stall_over_step": statistics.median(stalls) / statistics.median(steps),
+            "link_s": links,
+            "link_s_median": statistics.median(links),
+            "link_over_step": statistics.median(links) / statistics.median(steps),
+            "copy_checkpoint_s_median": statistics.median(copies),
+            "link_vs_copy_speedup": statistics.median(copies) / statistics.median(stalls),
+            "hardware": hardware_info([work]),
+        },
+        a.out,
+    )
 
 
 if __name__ == "__main__":

@@ -57,9 +57,16 @@ def llama_config(hidden: int, layers: int, inter: int, heads: int, kv_heads: int
     """A Llama config (untied embeddings, no dropout) of the given shape."""
     from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
-                      max_position_embeddings=max(seq, 128), tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        vocab_size=vocab,
+        max_position_embeddings=max(seq, 128),
+        tie_word_embeddings=False,
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     return cfg
 
@@ -133,26 +140,53 @@ class Reference:
 
 
 # ---------------------------------------------------------------------------------- Fuyou
-def fuyou_engine(cfg: Any, state_dict: Any, store_dir: str, precision: str, policy: str, depth: int,
-                 adam_threads: int | None, state_buffers: int = 2, state_chunk: int | None = None,
-                 cpu_memory: str = "16GiB", micro_batches: int = 1) -> Engine:
+def fuyou_engine(
+    cfg: Any,
+    state_dict: Any,
+    store_dir: str,
+    precision: str,
+    policy: str,
+    depth: int,
+    adam_threads: int | None,
+    state_buffers: int = 2,
+    state_chunk: int | None = None,
+    cpu_memory: str = "16GiB",
+    micro_batches: int = 1,
+) -> Engine:
     """An engine with ``policy`` for every decoder layer (``keep`` for embed and head)."""
     nblocks = cfg.num_hidden_layers + 2
-    plan = Plan(grad_accum=micro_batches, prefetch_depth=depth, state_buffers=state_buffers,
-                activation_policy=("keep",) + (policy,) * (nblocks - 2) + ("keep",),
-                **({"state_chunk": state_chunk} if state_chunk else {}))
-    ec = EngineConfig(ssd_dirs=(store_dir,), precision=precision, lr=LR, weight_decay=WD, cpu_memory=cpu_memory,
-                      plan=plan, adam_threads=adam_threads)
+    plan = Plan(
+        grad_accum=micro_batches,
+        prefetch_depth=depth,
+        state_buffers=state_buffers,
+        activation_policy=("keep",) + (policy,) * (nblocks - 2) + ("keep",),
+        **({"state_chunk": state_chunk} if state_chunk else {}),
+    )
+    ec = EngineConfig(
+        ssd_dirs=(store_dir,),
+        precision=precision,
+        lr=LR,
+        weight_decay=WD,
+        cpu_memory=cpu_memory,
+        plan=plan,
+        adam_threads=adam_threads,
+    )
     return Engine.from_state_dict(cfg, state_dict, ec)
 
 
 def plan_desc(eng: Engine, policy: str, layers: int, threads: int | None) -> dict:
     """The plan the engine actually runs (the host-budget rules may have changed depth or chunk)."""
     p = eng.plan
-    return {"activation_policy": f"keep(embed), {policy} × {layers} layers, keep(head)",
-            "prefetch_depth": p.prefetch_depth, "grad_accum": p.grad_accum, "schedule": p.schedule,
-            "state_buffers": p.state_buffers, "state_chunk_elems": eng.layout.state_chunk,
-            "host_reserved_bytes": eng.pool.reserved, "adam_threads": threads or "default (all cores)"}
+    return {
+        "activation_policy": f"keep(embed), {policy} × {layers} layers, keep(head)",
+        "prefetch_depth": p.prefetch_depth,
+        "grad_accum": p.grad_accum,
+        "schedule": p.schedule,
+        "state_buffers": p.state_buffers,
+        "state_chunk_elems": eng.layout.state_chunk,
+        "host_reserved_bytes": eng.pool.reserved,
+        "adam_threads": threads or "default (all cores)",
+    }
 
 
 def disk_of(path: str) -> str | None:
@@ -192,8 +226,12 @@ def timed_fuyou_step(eng: Engine, ids: torch.Tensor) -> tuple[float, dict, list[
     st = eng.train_step(ids).to_json()
     t1 = time.perf_counter()
     d1, ld = disk_counters(disk), load.result()
-    st["bench_sys"] = {"disk": disk, "own_cpu_s": ld["own_cpu_s"], "foreign_cores": ld["foreign_cores"],
-                       **({f"disk_{k}": d1[k] - d0[k] for k in d0} if d0 and d1 else {})}
+    st["bench_sys"] = {
+        "disk": disk,
+        "own_cpu_s": ld["own_cpu_s"],
+        "foreign_cores": ld["foreign_cores"],
+        **({f"disk_{k}": d1[k] - d0[k] for k in d0} if d0 and d1 else {}),
+    }
     return t1 - t0, st, list(eng.timeline.spans), t0, t1
 
 
@@ -213,9 +251,14 @@ def code_version() -> dict:
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "fuyou"], cwd=root, capture_output=True,
-                                    text=True).stdout.strip())
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain", "fuyou"], cwd=root, capture_output=True, text=True
+            ).stdout.strip()
+        )
         return {"commit": rev or None, "fuyou_dirty": dirty}
     except OSError:
         return {"commit": None, "fuyou_dirty": None}
@@ -270,7 +313,9 @@ def _merge(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
 SSD_GBPS = (1.7, 2.6)  # store read, write on this machine's disk (bench/RESULTS.md, P3); --ssd-gbps
 
 
-def overlap(spans: list[Span], t0: float, t1: float, top_gaps: int = 5, ssd_gbps: tuple[float, float] = SSD_GBPS) -> dict:
+def overlap(
+    spans: list[Span], t0: float, t1: float, top_gaps: int = 5, ssd_gbps: tuple[float, float] = SSD_GBPS
+) -> dict:
     """P1 figures of one step over [t0, t1]: raw (six resources) and merged (cpu, ssd), with gaps.
 
     A span on ``ssd_read``/``ssd_write`` runs from the request's issue to its completion, so it
@@ -291,49 +336,88 @@ def overlap(spans: list[Span], t0: float, t1: float, top_gaps: int = 5, ssd_gbps
     described = []
     for a, b in gaps[:top_gaps]:
         during = sorted({f"{res}:{lab}" for res, lab, x, y, _ in sp if x < b and y > a and res not in GROUPS[merged_b]})
-        described.append({"at_ms": round((a - t0) * 1e3, 1), "len_ms": round((b - a) * 1e3, 1), "in_flight": during[:8]})
+        described.append(
+            {"at_ms": round((a - t0) * 1e3, 1), "len_ms": round((b - a) * 1e3, 1), "in_flight": during[:8]}
+        )
     rb = sum(n for res, *_, n in sp if res == "ssd_read")
     wb = sum(n for res, *_, n in sp if res == "ssd_write")
     floor = rb / (ssd_gbps[0] * 1e9) + wb / (ssd_gbps[1] * 1e9)
     return {
-        "wall_s": wall, "ssd_floor_s": floor, "p1_vs_floor": wall / max(merged["cpu"], floor),
-        "busy_s": raw, "bottleneck_raw": raw_b, "p1_raw": wall / raw[raw_b] if raw[raw_b] else float("inf"),
-        "busy_merged_s": merged, "bottleneck_merged": merged_b,
+        "wall_s": wall,
+        "ssd_floor_s": floor,
+        "p1_vs_floor": wall / max(merged["cpu"], floor),
+        "busy_s": raw,
+        "bottleneck_raw": raw_b,
+        "p1_raw": wall / raw[raw_b] if raw[raw_b] else float("inf"),
+        "busy_merged_s": merged,
+        "bottleneck_merged": merged_b,
         "p1_merged": wall / merged[merged_b] if merged[merged_b] else float("inf"),
         "idle_all_s": wall - any_busy,
         "bottleneck_idle_s": wall - merged[merged_b],
         "largest_gaps": described,
-        "ssd_read_bytes": rb, "ssd_write_bytes": wb,
+        "ssd_read_bytes": rb,
+        "ssd_write_bytes": wb,
     }
 
 
 def p1_summary(per_step: list[dict]) -> dict:
     """Medians over steps of the P1 figures, plus every repeat."""
-    keys = ["wall_s", "p1_raw", "p1_merged", "idle_all_s", "bottleneck_idle_s", "ssd_floor_s", "p1_vs_floor",
-            "cpu_cores_used", "sys_own_cpu_s", "sys_foreign_cores"]
-    keys += [k for k in ("p1_vs_disk_util", "sys_disk_busy_s", "sys_disk_read_bytes", "sys_disk_write_bytes")
-             if all(k in d for d in per_step)]
+    keys = [
+        "wall_s",
+        "p1_raw",
+        "p1_merged",
+        "idle_all_s",
+        "bottleneck_idle_s",
+        "ssd_floor_s",
+        "p1_vs_floor",
+        "cpu_cores_used",
+        "sys_own_cpu_s",
+        "sys_foreign_cores",
+    ]
+    keys += [
+        k
+        for k in ("p1_vs_disk_util", "sys_disk_busy_s", "sys_disk_read_bytes", "sys_disk_write_bytes")
+        if all(k in d for d in per_step)
+    ]
     med = {k: statistics.median(d[k] for d in per_step) for k in keys}
     busy = {r: statistics.median(d["busy_s"][r] for d in per_step) for r in RESOURCES}
     busy_m = {g: statistics.median(d["busy_merged_s"][g] for d in per_step) for g in GROUPS}
     ssd_bytes = statistics.median(d["ssd_read_bytes"] + d["ssd_write_bytes"] for d in per_step)
-    return {**{f"{k}_median": v for k, v in med.items()}, "busy_s_median": busy, "busy_merged_s_median": busy_m,
-            "p1_raw_all": [d["p1_raw"] for d in per_step], "p1_merged_all": [d["p1_merged"] for d in per_step],
-            "p1_vs_disk_util_all": [d.get("p1_vs_disk_util") for d in per_step],
-            "foreign_cores_all": [d["sys_foreign_cores"] for d in per_step],
-            "wall_s_all": [d["wall_s"] for d in per_step],
-            "bottleneck_raw": per_step[len(per_step) // 2]["bottleneck_raw"],
-            "bottleneck_merged": per_step[len(per_step) // 2]["bottleneck_merged"],
-            "ssd_gbps_assumed": SSD_GBPS, "ssd_GBps_while_busy": ssd_bytes / busy_m["ssd"] / 1e9 if busy_m["ssd"] else None,
-            "ssd_bytes_per_step": ssd_bytes,
-            "largest_gaps_median_step": sorted(per_step, key=lambda d: d["wall_s"])[len(per_step) // 2]["largest_gaps"],
-            "target": 1.10, "met_merged": med["p1_merged"] <= 1.10, "met_raw": med["p1_raw"] <= 1.10}
+    return {
+        **{f"{k}_median": v for k, v in med.items()},
+        "busy_s_median": busy,
+        "busy_merged_s_median": busy_m,
+        "p1_raw_all": [d["p1_raw"] for d in per_step],
+        "p1_merged_all": [d["p1_merged"] for d in per_step],
+        "p1_vs_disk_util_all": [d.get("p1_vs_disk_util") for d in per_step],
+        "foreign_cores_all": [d["sys_foreign_cores"] for d in per_step],
+        "wall_s_all": [d["wall_s"] for d in per_step],
+        "bottleneck_raw": per_step[len(per_step) // 2]["bottleneck_raw"],
+        "bottleneck_merged": per_step[len(per_step) // 2]["bottleneck_merged"],
+        "ssd_gbps_assumed": SSD_GBPS,
+        "ssd_GBps_while_busy": ssd_bytes / busy_m["ssd"] / 1e9 if busy_m["ssd"] else None,
+        "ssd_bytes_per_step": ssd_bytes,
+        "largest_gaps_median_step": sorted(per_step, key=lambda d: d["wall_s"])[len(per_step) // 2]["largest_gaps"],
+        "target": 1.10,
+        "met_merged": med["p1_merged"] <= 1.10,
+        "met_raw": med["p1_raw"] <= 1.10,
+    }
 
 
 # ---------------------------------------------------------------------------------- modes
 def model_desc(a: argparse.Namespace, params: int) -> dict:
-    return {"hidden": a.hidden, "layers": a.layers, "intermediate": a.inter, "heads": a.heads, "kv_heads": a.kv_heads,
-            "vocab": a.vocab, "params": params, "batch": a.batch, "seq": a.seq, "tokens": a.batch * a.seq}
+    return {
+        "hidden": a.hidden,
+        "layers": a.layers,
+        "intermediate": a.inter,
+        "heads": a.heads,
+        "kv_heads": a.kv_heads,
+        "vocab": a.vocab,
+        "params": params,
+        "batch": a.batch,
+        "seq": a.seq,
+        "tokens": a.batch * a.seq,
+    }
 
 
 def run_p2(a: argparse.Namespace, work: str, hw: dict) -> None:
@@ -348,8 +432,9 @@ def run_p2(a: argparse.Namespace, work: str, hw: dict) -> None:
         for threads in [int(x) for x in a.adam_threads.split(",")]:
             store = tempfile.mkdtemp(prefix="store-", dir=work)
             t_build = time.perf_counter()
-            eng = fuyou_engine(cfg, sd, store, a.precision, policy, a.depth, threads or None, a.state_buffers,
-                               a.state_chunk)
+            eng = fuyou_engine(
+                cfg, sd, store, a.precision, policy, a.depth, threads or None, a.state_buffers, a.state_chunk
+            )
             t_build = time.perf_counter() - t_build
             plan = plan_desc(eng, policy, a.layers, threads)
             ref_t, fy_t, ref_loss, fy_loss, p1, ref_ld, fy_ld, ref_cpu, fy_cpu = ([] for _ in range(9))
@@ -376,22 +461,48 @@ def run_p2(a: argparse.Namespace, work: str, hw: dict) -> None:
             rm, fm = statistics.median(ref_t), statistics.median(fy_t)
             pairs = [f / r for f, r in zip(fy_t, ref_t)]
             quiet = [i for i in range(len(pairs)) if ref_ld[i] < a.quiet_cores and fy_ld[i] < a.quiet_cores]
-            quiet_ratio = (statistics.median(fy_t[i] for i in quiet) / statistics.median(ref_t[i] for i in quiet)
-                           if quiet else None)
+            quiet_ratio = (
+                statistics.median(fy_t[i] for i in quiet) / statistics.median(ref_t[i] for i in quiet)
+                if quiet
+                else None
+            )
             common = {"precision": a.precision, "model": desc, "plan": plan, "smoke": a.smoke, "hardware": hw}
-            emit({"bench": "engine_p2", **common, "ratio": fm / rm, "target": 1.15, "met": fm / rm <= 1.15,
-                  "fuyou_step_s_median": fm, "ref_step_s_median": rm, "fuyou_step_s_all": fy_t, "ref_step_s_all": ref_t,
-                  "pair_ratios": pairs, "pair_ratio_median": statistics.median(pairs),
-                  "foreign_cores_ref": ref_ld, "foreign_cores_fuyou": fy_ld,
-                  "quiet_pairs": len(quiet), "quiet_cores_threshold": a.quiet_cores, "ratio_quiet_pairs": quiet_ratio,
-                  "own_cpu_s_ref": ref_cpu, "own_cpu_s_fuyou": fy_cpu,
-                  "cpu_time_ratio_median": statistics.median(fy_cpu) / max(1e-9, statistics.median(ref_cpu)),
-                  "fuyou_tokens_per_s": a.batch * a.seq / fm, "ref_tokens_per_s": a.batch * a.seq / rm,
-                  "ref_adamw": ref.adam_kind, "ref_recipe": "fp32" if a.precision == "fp32" else
-                  "bf16 weights fwd/bwd + fp32 master, grads cast to fp32, AdamW on master, copied back",
-                  "engine_build_s": t_build, "repeats": a.repeats, "warmup": a.warmup, "machine_load": load.result(),
-                  "loss_first_step": {"fuyou": fy_loss[0], "ref": ref_loss[0]},
-                  "loss_all": {"fuyou": fy_loss, "ref": ref_loss}}, a.out)
+            emit(
+                {
+                    "bench": "engine_p2",
+                    **common,
+                    "ratio": fm / rm,
+                    "target": 1.15,
+                    "met": fm / rm <= 1.15,
+                    "fuyou_step_s_median": fm,
+                    "ref_step_s_median": rm,
+                    "fuyou_step_s_all": fy_t,
+                    "ref_step_s_all": ref_t,
+                    "pair_ratios": pairs,
+                    "pair_ratio_median": statistics.median(pairs),
+                    "foreign_cores_ref": ref_ld,
+                    "foreign_cores_fuyou": fy_ld,
+                    "quiet_pairs": len(quiet),
+                    "quiet_cores_threshold": a.quiet_cores,
+                    "ratio_quiet_pairs": quiet_ratio,
+                    "own_cpu_s_ref": ref_cpu,
+                    "own_cpu_s_fuyou": fy_cpu,
+                    "cpu_time_ratio_median": statistics.median(fy_cpu) / max(1e-9, statistics.median(ref_cpu)),
+                    "fuyou_tokens_per_s": a.batch * a.seq / fm,
+                    "ref_tokens_per_s": a.batch * a.seq / rm,
+                    "ref_adamw": ref.adam_kind,
+                    "ref_recipe": "fp32"
+                    if a.precision == "fp32"
+                    else "bf16 weights fwd/bwd + fp32 master, grads cast to fp32, AdamW on master, copied back",
+                    "engine_build_s": t_build,
+                    "repeats": a.repeats,
+                    "warmup": a.warmup,
+                    "machine_load": load.result(),
+                    "loss_first_step": {"fuyou": fy_loss[0], "ref": ref_loss[0]},
+                    "loss_all": {"fuyou": fy_loss, "ref": ref_loss},
+                },
+                a.out,
+            )
             emit({"bench": "engine_p1", "setting": "compute-bound", **common, **p1_summary(p1)}, a.out)
 
 
@@ -405,8 +516,9 @@ def run_p1(a: argparse.Namespace, work: str, hw: dict) -> None:
     for policy in a.policies.split(","):
         for threads in [int(x) for x in a.adam_threads.split(",")]:
             store = tempfile.mkdtemp(prefix="store-", dir=work)
-            eng = fuyou_engine(cfg, sd, store, a.precision, policy, a.depth, threads or None, a.state_buffers,
-                               a.state_chunk)
+            eng = fuyou_engine(
+                cfg, sd, store, a.precision, policy, a.depth, threads or None, a.state_buffers, a.state_chunk
+            )
             plan = plan_desc(eng, policy, a.layers, threads)
             per, losses = [], []
             load = ForeignLoad()
@@ -419,10 +531,23 @@ def run_p1(a: argparse.Namespace, work: str, hw: dict) -> None:
             finally:
                 eng.close()
                 shutil.rmtree(store, ignore_errors=True)
-            emit({"bench": "engine_p1", "setting": a.setting, "precision": a.precision, "model": model_desc(a, params),
-                  "plan": plan, "smoke": a.smoke, "hardware": hw, **p1_summary(per), "losses": losses,
-                  "machine_load": load.result(),
-                  "repeats": a.repeats, "warmup": a.warmup}, a.out)
+            emit(
+                {
+                    "bench": "engine_p1",
+                    "setting": a.setting,
+                    "precision": a.precision,
+                    "model": model_desc(a, params),
+                    "plan": plan,
+                    "smoke": a.smoke,
+                    "hardware": hw,
+                    **p1_summary(per),
+                    "losses": losses,
+                    "machine_load": load.result(),
+                    "repeats": a.repeats,
+                    "warmup": a.warmup,
+                },
+                a.out,
+            )
 
 
 def run_trace(a: argparse.Namespace, work: str, hw: dict) -> None:
@@ -448,10 +573,25 @@ def run_trace(a: argparse.Namespace, work: str, hw: dict) -> None:
         shutil.rmtree(store, ignore_errors=True)
     ov = with_sys(overlap(spans, t0, t1, top_gaps=8), st)
     rows = {r: sum(1 for s in spans if s.resource == r) for r in RESOURCES}
-    emit({"bench": "engine_trace", "trace": a.trace, "trace_bytes": os.path.getsize(a.trace), "spans": len(spans),
-          "spans_per_resource": rows, "precision": a.precision, "model": model_desc(a, params),
-          "plan": plan,
-          "loss": st["loss"], "step_s": ft, **ov, "machine_load": load.result(), "smoke": a.smoke, "hardware": hw}, a.out)
+    emit(
+        {
+            "bench": "engine_trace",
+            "trace": a.trace,
+            "trace_bytes": os.path.getsize(a.trace),
+            "spans": len(spans),
+            "spans_per_resource": rows,
+            "precision": a.precision,
+            "model": model_desc(a, params),
+            "plan": plan,
+            "loss": st["loss"],
+            "step_s": ft,
+            **ov,
+            "machine_load": load.result(),
+            "smoke": a.smoke,
+            "hardware": hw,
+        },
+        a.out,
+    )
 
 
 PRESETS = {
@@ -469,17 +609,27 @@ def main() -> None:
     ap.add_argument("--mode", choices=("p2", "p1", "trace"), default="p2")
     ap.add_argument("--dir", default=None, help="store directory parent (default: a temp dir in /work or /tmp)")
     for k in ("hidden", "layers", "inter", "heads", "kv_heads", "vocab", "batch", "seq"):
-        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help="model/batch shape (default: per mode)")
+        ap.add_argument(
+            f"--{k.replace('_', '-')}", type=int, default=None, help="model/batch shape (default: per mode)"
+        )
     ap.add_argument("--precision", choices=("fp32", "bf16"), default=None, help="default: fp32 for p2, bf16 otherwise")
-    ap.add_argument("--policies", default=None, help="comma list of layer activation policies (keep,swap_cpu,recompute)")
+    ap.add_argument(
+        "--policies", default=None, help="comma list of layer activation policies (keep,swap_cpu,recompute)"
+    )
     ap.add_argument("--adam-threads", default="0", help="comma list of numba Adam thread counts; 0 = all cores")
     ap.add_argument("--depth", type=int, default=2, help="prefetch depth")
-    ap.add_argument("--state-buffers", type=int, default=2, help="Plan.state_buffers (optimizer-state chunks in flight)")
+    ap.add_argument(
+        "--state-buffers", type=int, default=2, help="Plan.state_buffers (optimizer-state chunks in flight)"
+    )
     ap.add_argument("--state-chunk", type=int, default=None, help="Plan.state_chunk (elements; default: the plan's)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--quiet-cores", type=float, default=0.05,
-                    help="a step counts as quiet if other processes used fewer cores than this meanwhile")
+    ap.add_argument(
+        "--quiet-cores",
+        type=float,
+        default=0.05,
+        help="a step counts as quiet if other processes used fewer cores than this meanwhile",
+    )
     ap.add_argument("--setting", default="ssd-bound", help="label of the p1 setting")
     ap.add_argument("--trace", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "trace_step.json"))
     ap.add_argument("--smoke", action="store_true", help="tiny model, 1 repeat, every mode; seconds")
@@ -497,7 +647,9 @@ def main() -> None:
                 b.mode = mode
                 _defaults(b, "smoke")
                 if mode == "trace":
-                    b.trace = os.path.join(work, "trace_smoke.json") if trace_dest == ap.get_default("trace") else trace_dest
+                    b.trace = (
+                        os.path.join(work, "trace_smoke.json") if trace_dest == ap.get_default("trace") else trace_dest
+                    )
                 {"p2": run_p2, "p1": run_p1, "trace": run_trace}[mode](b, work, hw)
         else:
             _defaults(a, a.mode)

@@ -89,9 +89,16 @@ def main() -> None:
 def run(a: argparse.Namespace, work: str) -> None:
     from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(num_hidden_layers=a.layers, hidden_size=a.hidden, intermediate_size=a.ffn, vocab_size=a.vocab,
-                      num_attention_heads=max(1, a.hidden // 128), num_key_value_heads=max(1, a.hidden // 128),
-                      max_position_embeddings=a.seq, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        num_hidden_layers=a.layers,
+        hidden_size=a.hidden,
+        intermediate_size=a.ffn,
+        vocab_size=a.vocab,
+        num_attention_heads=max(1, a.hidden // 128),
+        num_key_value_heads=max(1, a.hidden // 128),
+        max_position_embeddings=a.seq,
+        tie_word_embeddings=False,
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     with torch.device("meta"):
         shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(cfg).state_dict().items()}
@@ -100,8 +107,16 @@ def run(a: argparse.Namespace, work: str) -> None:
     peak = matmul_peak(device, 8192 if device == "cuda" else 1024)
     nb = a.layers + 2
     plan = Plan(grad_accum=a.grad_accum, activation_policy=("keep",) + (a.policy,) * a.layers + ("keep",))
-    ec = EngineConfig(ssd_dirs=(work,), device=device, cpu_memory=a.cpu_memory, gpu_memory=a.gpu_memory,
-                      precision="bf16", lr=1e-5, max_grad_norm=1.0, plan=plan)
+    ec = EngineConfig(
+        ssd_dirs=(work,),
+        device=device,
+        cpu_memory=a.cpu_memory,
+        gpu_memory=a.gpu_memory,
+        precision="bf16",
+        lr=1e-5,
+        max_grad_norm=1.0,
+        plan=plan,
+    )
     t0 = time.perf_counter()
     eng = Engine.from_state_dict(cfg, LazyInit(shapes), ec)
     import_s = time.perf_counter() - t0
@@ -118,11 +133,28 @@ def run(a: argparse.Namespace, work: str) -> None:
             eng.timeline.to_chrome_trace(a.trace)
     step = statistics.median(times)
     tflops = fpt * ids.numel() / step / 1e12
-    emit({"bench": "gpu_throughput", "smoke": a.smoke, "device": device, "params": params, "nblocks": nb,
-          "tokens_per_step": ids.numel(), "step_s_median": step, "step_s_all": times, "tflops": tflops,
-          "matmul_peak_tflops": peak, "mfu": tflops / peak, "flop_formula": FLOP_FORMULA, "import_s": import_s,
-          "bottleneck": stats["bottleneck"], "busy_frac": stats["busy_frac"], "cpu_memory": a.cpu_memory,
-          "hardware": hardware_info([work])}, a.out)
+    emit(
+        {
+            "bench": "gpu_throughput",
+            "smoke": a.smoke,
+            "device": device,
+            "params": params,
+            "nblocks": nb,
+            "tokens_per_step": ids.numel(),
+            "step_s_median": step,
+            "step_s_all": times,
+            "tflops": tflops,
+            "matmul_peak_tflops": peak,
+            "mfu": tflops / peak,
+            "flop_formula": FLOP_FORMULA,
+            "import_s": import_s,
+            "bottleneck": stats["bottleneck"],
+            "busy_frac": stats["busy_frac"],
+            "cpu_memory": a.cpu_memory,
+            "hardware": hardware_info([work]),
+        },
+        a.out,
+    )
 
 
 if __name__ == "__main__":

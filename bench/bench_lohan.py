@@ -28,8 +28,12 @@ PROFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles", "
 def cell(shape: object, prof: object, batch: int, **req: object) -> tuple[str, dict | None]:
     """One table cell: 'step s / TFLOPS / bottleneck (micro-batch; policies; RAM tiers)'."""
     try:
-        r = search(shape, prof, Budgets(cpu_memory=700 << 30, gpu_memory=22 << 30),
-                   Request(seq_len=1024, tokens_per_step=batch * 1024, **req))
+        r = search(
+            shape,
+            prof,
+            Budgets(cpu_memory=700 << 30, gpu_memory=22 << 30),
+            Request(seq_len=1024, tokens_per_step=batch * 1024, **req),
+        )
     except InfeasibleError as e:
         return "infeasible (" + str(e).split(":")[0] + ")", None
     p, plan = r.prediction, r.plan
@@ -37,18 +41,24 @@ def cell(shape: object, prof: object, batch: int, **req: object) -> tuple[str, d
     mix = ", ".join(f"{k} {pols.count(k)}" for k in ("keep", "swap_cpu", "swap_ssd", "recompute") if pols.count(k))
     ram = f"; RAM w {plan.ram_weight_blocks}/s {plan.ram_state_blocks}" if plan.ram_weight_blocks else ""
     mb = r.step.micro_batch_size
-    return (f"{p.step_s:.1f} s / **{p.tflops:.0f}** / {p.bottleneck} (mb {mb}×{batch // mb}; {mix}{ram}; "
-            f"{plan.schedule.split('_')[1]})"), r.to_json()
+    return (
+        f"{p.step_s:.1f} s / **{p.tflops:.0f}** / {p.bottleneck} (mb {mb}×{batch // mb}; {mix}{ram}; "
+        f"{plan.schedule.split('_')[1]})"
+    ), r.to_json()
 
 
 def main() -> None:
     shape, prof = load_shape("GPT-3-13B"), load_profile(PROFILE)
-    print("| batch | LoHan TFLOPS | SSD-resident (today's engine) | + block-input offload, async swaps | + RAM tiers (700 GiB) |")
+    print(
+        "| batch | LoHan TFLOPS | SSD-resident (today's engine) | + block-input offload, async swaps | + RAM tiers (700 GiB) |"
+    )
     print("|---|---|---|---|---|")
     for batch in (8, 16, 32, 48, 64, 128):
-        cols = [cell(shape, prof, batch, ram_tiers=False),
-                cell(shape, prof, batch, ram_tiers=False, allow_engine_changes=True),
-                cell(shape, prof, batch, ram_tiers=True)]
+        cols = [
+            cell(shape, prof, batch, ram_tiers=False),
+            cell(shape, prof, batch, ram_tiers=False, allow_engine_changes=True),
+            cell(shape, prof, batch, ram_tiers=True),
+        ]
         print(f"| {batch} | {LOHAN_TFLOPS.get(batch, '—')} | " + " | ".join(c for c, _ in cols) + " |", flush=True)
 
 

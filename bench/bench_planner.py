@@ -47,10 +47,12 @@ from fuyou.planner.shapes import shape_from_config  # noqa: E402
 from fuyou.units import parse_size  # noqa: E402
 
 # name: (model shape, batch, seq, policy, adam threads (0 = all), every block's weights and state in the RAM tier)
-MODELS = {"wide": dict(hidden=1536, layers=4, inter=4096, heads=12, kv_heads=4, vocab=32000),
-          "p2": dict(hidden=1024, layers=8, inter=2816, heads=16, kv_heads=4, vocab=32000),
-          "bigvocab": dict(hidden=2048, layers=2, inter=5632, heads=16, kv_heads=4, vocab=128000),
-          "smoke": dict(hidden=64, layers=2, inter=128, heads=4, kv_heads=2, vocab=96)}
+MODELS = {
+    "wide": dict(hidden=1536, layers=4, inter=4096, heads=12, kv_heads=4, vocab=32000),
+    "p2": dict(hidden=1024, layers=8, inter=2816, heads=16, kv_heads=4, vocab=32000),
+    "bigvocab": dict(hidden=2048, layers=2, inter=5632, heads=16, kv_heads=4, vocab=128000),
+    "smoke": dict(hidden=64, layers=2, inter=128, heads=4, kv_heads=2, vocab=96),
+}
 SETTINGS = {
     "ssd": ("wide", 1, 32, "recompute", 0, False),
     "keep": ("p2", 4, 256, "keep", 0, False),
@@ -75,18 +77,46 @@ def profile_for(cfg: object, store_dir: str, mb: int, seq: int, threads: int, a:
     hp, _ = measure.block_compute(cfg, backend, H, mb, seq, shape.blocks[H].fwd_flops_per_token(shape.hidden, seq), n)
     adam = measure.adam_throughput(8 << 20 if a.smoke else 32 << 20, n, threads=threads or os.cpu_count())
     add, norm = measure.device_elementwise(backend, 4 << 20 if a.smoke else 64 << 20, n)
-    return HardwareProfile(ssd_read_Bps=r, ssd_write_Bps=w, adam_params_per_s=adam, name="bench", device="cpu",
-                           compute=(pt,), head_compute=(hp,), h2d_Bps=mem, d2h_Bps=mem, host_mem_Bps=mem,
-                           device_mem_Bps=mem, grad_add_elems_per_s=add, grad_norm_elems_per_s=norm,
-                           io_cpu_s_per_byte=io_cpu, layer_act_bytes_per_token=act,
-                           model_signature=shape.signature)
+    return HardwareProfile(
+        ssd_read_Bps=r,
+        ssd_write_Bps=w,
+        adam_params_per_s=adam,
+        name="bench",
+        device="cpu",
+        compute=(pt,),
+        head_compute=(hp,),
+        h2d_Bps=mem,
+        d2h_Bps=mem,
+        host_mem_Bps=mem,
+        device_mem_Bps=mem,
+        grad_add_elems_per_s=add,
+        grad_norm_elems_per_s=norm,
+        io_cpu_s_per_byte=io_cpu,
+        layer_act_bytes_per_token=act,
+        model_signature=shape.signature,
+    )
 
 
-def run_engine(cfg: object, sd: dict, store: str, plan: Plan, chunk: int | None, threads: int, ids: torch.Tensor,
-               a: argparse.Namespace) -> tuple[float, list[float], Plan, int, dict]:
+def run_engine(
+    cfg: object,
+    sd: dict,
+    store: str,
+    plan: Plan,
+    chunk: int | None,
+    threads: int,
+    ids: torch.Tensor,
+    a: argparse.Namespace,
+) -> tuple[float, list[float], Plan, int, dict]:
     """Median step time of the real engine running ``plan``: (median s, all, plan run, chunk, busy)."""
-    ec = EngineConfig(ssd_dirs=(store,), precision="bf16", lr=1e-4, weight_decay=0.01, cpu_memory=a.cpu_memory,
-                      plan=replace(plan, state_chunk=chunk) if chunk else plan, adam_threads=threads or None)
+    ec = EngineConfig(
+        ssd_dirs=(store,),
+        precision="bf16",
+        lr=1e-4,
+        weight_decay=0.01,
+        cpu_memory=a.cpu_memory,
+        plan=replace(plan, state_chunk=chunk) if chunk else plan,
+        adam_threads=threads or None,
+    )
     eng = Engine.from_state_dict(cfg, sd, ec)
     try:
         times, busy = [], {}
@@ -100,8 +130,15 @@ def run_engine(cfg: object, sd: dict, store: str, plan: Plan, chunk: int | None,
         eng.close()
 
 
-def run_interleaved(cfg: object, sd: dict, work: str, specs: list[tuple[Plan, int | None]], threads: int,
-                    ids: torch.Tensor, a: argparse.Namespace) -> list[list[float]]:
+def run_interleaved(
+    cfg: object,
+    sd: dict,
+    work: str,
+    specs: list[tuple[Plan, int | None]],
+    threads: int,
+    ids: torch.Tensor,
+    a: argparse.Namespace,
+) -> list[list[float]]:
     """Step times of several plans run side by side: one engine per plan (own store directory), steps
     taken round-robin, the order rotating every round, so machine drift and position hit all alike;
     ``--warmup`` rounds dropped."""
@@ -110,8 +147,15 @@ def run_interleaved(cfg: object, sd: dict, work: str, specs: list[tuple[Plan, in
         for i, (plan, chunk) in enumerate(specs):
             d = os.path.join(work, f"cmp{i}")
             os.makedirs(d)
-            ec = EngineConfig(ssd_dirs=(d,), precision="bf16", lr=1e-4, weight_decay=0.01, cpu_memory=a.cpu_memory,
-                              plan=replace(plan, state_chunk=chunk) if chunk else plan, adam_threads=threads or None)
+            ec = EngineConfig(
+                ssd_dirs=(d,),
+                precision="bf16",
+                lr=1e-4,
+                weight_decay=0.01,
+                cpu_memory=a.cpu_memory,
+                plan=replace(plan, state_chunk=chunk) if chunk else plan,
+                adam_threads=threads or None,
+            )
             engines.append(Engine.from_state_dict(cfg, sd, ec))
         times: list[list[float]] = [[] for _ in specs]
         n = len(engines)
@@ -128,7 +172,9 @@ def run_interleaved(cfg: object, sd: dict, work: str, specs: list[tuple[Plan, in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="ssd,keep,recompute,swap_cpu,compute,compute_rc,adam", help="comma list of settings")
+    ap.add_argument(
+        "--only", default="ssd,keep,recompute,swap_cpu,compute,compute_rc,adam", help="comma list of settings"
+    )
     ap.add_argument("--dir", default=None, help="store parent directory (default: a temp dir in /work)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
@@ -152,8 +198,18 @@ def main() -> None:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def setting(name: str, model: str, batch: int, seq: int, policy: str, threads: int, ram: bool, work: str,
-            a: argparse.Namespace, hw: dict) -> None:
+def setting(
+    name: str,
+    model: str,
+    batch: int,
+    seq: int,
+    policy: str,
+    threads: int,
+    ram: bool,
+    work: str,
+    a: argparse.Namespace,
+    hw: dict,
+) -> None:
     m = MODELS[model]
     cfg = llama_config(m["hidden"], m["layers"], m["inter"], m["heads"], m["kv_heads"], m["vocab"], seq)
     sd = {k: v.detach().clone() for k, v in build_model(cfg).state_dict().items()}
@@ -161,35 +217,79 @@ def setting(name: str, model: str, batch: int, seq: int, policy: str, threads: i
     prof = profile_for(cfg, work, batch, seq, threads, a)
     shape = shape_from_config(cfg.to_dict())
     nb = len(shape.blocks)
-    plan = Plan(grad_accum=1, prefetch_depth=2, activation_policy=("keep",) + (policy,) * (nb - 2) + ("keep",),
-                ram_weight_blocks=nb if ram else 0, ram_state_blocks=nb if ram else 0)
+    plan = Plan(
+        grad_accum=1,
+        prefetch_depth=2,
+        activation_policy=("keep",) + (policy,) * (nb - 2) + ("keep",),
+        ram_weight_blocks=nb if ram else 0,
+        ram_state_blocks=nb if ram else 0,
+    )
     meas, all_t, ran, chunk, busy = run_engine(cfg, sd, work, plan, None, threads, ids, a)
     pred = predict(shape, ran, StepConfig(batch, seq), prof)
-    emit({"bench": "planner_p7", "setting": name, "model": {**m, "params": shape.params, "batch": batch, "seq": seq},
-          "plan": ran.to_json(), "state_chunk": chunk, "adam_threads": threads or "all",
-          "predicted_s": pred.step_s, "measured_s": meas, "ratio": pred.step_s / meas,
-          "met": abs(pred.step_s / meas - 1) <= 0.15, "measured_all_s": all_t, "predicted_bottleneck": pred.bottleneck,
-          "predicted_busy_s": pred.busy_s, "measured_busy_s": busy, "profile": prof.to_json(), "smoke": a.smoke,
-          "hardware": hw}, a.out)
+    emit(
+        {
+            "bench": "planner_p7",
+            "setting": name,
+            "model": {**m, "params": shape.params, "batch": batch, "seq": seq},
+            "plan": ran.to_json(),
+            "state_chunk": chunk,
+            "adam_threads": threads or "all",
+            "predicted_s": pred.step_s,
+            "measured_s": meas,
+            "ratio": pred.step_s / meas,
+            "met": abs(pred.step_s / meas - 1) <= 0.15,
+            "measured_all_s": all_t,
+            "predicted_bottleneck": pred.bottleneck,
+            "predicted_busy_s": pred.busy_s,
+            "measured_busy_s": busy,
+            "profile": prof.to_json(),
+            "smoke": a.smoke,
+            "hardware": hw,
+        },
+        a.out,
+    )
     if a.no_compare or name not in ("ssd", "recompute", "smoke"):  # settings whose plan is the default rules
         return
     prof = replace(prof, device_memory_bytes=4 << 30)
     budgets = Budgets(cpu_memory=parse_size(a.cpu_memory), gpu_memory=prof.device_memory_bytes)
-    res = {tiers: search(shape, prof, budgets, Request(seq_len=seq, tokens_per_step=batch * seq,
-                                                       micro_batch_size=batch, ram_tiers=tiers))
-           for tiers in (False, True)}  # the planner with state on SSD only, then allowed RAM tiers
+    res = {
+        tiers: search(
+            shape,
+            prof,
+            budgets,
+            Request(seq_len=seq, tokens_per_step=batch * seq, micro_batch_size=batch, ram_tiers=tiers),
+        )
+        for tiers in (False, True)
+    }  # the planner with state on SSD only, then allowed RAM tiers
     specs = [(ran, chunk)] + [(r.plan, r.plan.state_chunk) for r in res.values()]
     rules_t, *planner_t = run_interleaved(cfg, sd, work, specs, threads, ids, a)
     for (tiers, r), p_t in zip(res.items(), planner_t):
         pairs = [x / y for x, y in zip(rules_t, p_t)]
-        emit({"bench": "planner_vs_rules", "setting": name, "ram_tiers": tiers, "rules_plan": ran.to_json(),
-              "rules_chunk": chunk, "planner_plan": r.plan.to_json(), "planner_chunk": r.plan.state_chunk,
-              "rules_measured_s": statistics.median(rules_t), "planner_measured_s": statistics.median(p_t),
-              "speedup": statistics.median(rules_t) / statistics.median(p_t),
-              "speedup_pair_median": statistics.median(pairs), "planner_predicted_s": r.prediction.step_s,
-              "rules_predicted_s": pred.step_s, "rules_measured_all_s": rules_t, "planner_measured_all_s": p_t,
-              "cpu_memory": a.cpu_memory, "method": "interleaved: rules, planner (SSD only), planner (RAM tiers) round-robin, order rotating each round",
-              "smoke": a.smoke, "hardware": hw}, a.out)
+        emit(
+            {
+                "bench": "planner_vs_rules",
+                "setting": name,
+                "ram_tiers": tiers,
+                "rules_plan": ran.to_json(),
+                "rules_chunk": chunk,
+                "planner_plan": r.plan.to_json(),
+                "planner_chunk": r.plan.state_chunk,
+                "rules_measured_s": statistics.median(rules_t),
+                "planner_measured_s": statistics.median(p_t),
+                "speedup": statistics.median(rules_t) / statistics.median(p_t),
+                "speedup_pair_median": statistics.median(pairs),
+                "planner_predicted_s": r.prediction.step_s,
+                "rules_predicted_s": pred.step_s,
+                "rules_measured_all_s": rules_t,
+                "planner_measured_all_s": p_t,
+                "cpu_memory": a.cpu_memory,
+                "method": "interleaved: rules, planner (SSD only), planner (RAM tiers) round-robin, order rotating each round",
+                "smoke": a.smoke,
+                "hardware": hw,
+            },
+            a.out,
+        )
+
 
 if __name__ == "__main__":
     main()

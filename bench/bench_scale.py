@@ -136,11 +136,19 @@ def main() -> None:
     ap.add_argument("--budget-frac", type=float, default=0.1, help="host budget ÷ fp32 state (≤ 0.1 for P5)")
     ap.add_argument("--gpu-memory", default=None, help="fake device capacity (CPU backend); default 1GiB (smoke 64MiB)")
     ap.add_argument("--depth", type=int, default=1, help="prefetch depth")
-    ap.add_argument("--max-grad-norm", type=float, default=1.0,
-                    help="global-norm clipping as `fuyou finetune` defaults to (0 = off); with it every block's "
-                         "gradient is parked until backward ends, on SSD where the budget is short")
-    ap.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
-                    help="compute dtype; auto: as `fuyou finetune` picks on this machine")
+    ap.add_argument(
+        "--max-grad-norm",
+        type=float,
+        default=1.0,
+        help="global-norm clipping as `fuyou finetune` defaults to (0 = off); with it every block's "
+        "gradient is parked until backward ends, on SSD where the budget is short",
+    )
+    ap.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="compute dtype; auto: as `fuyou finetune` picks on this machine",
+    )
     ap.add_argument("--keep-store", action="store_true", help="leave the store on disk")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default=None, help="also append JSON lines to this file")
@@ -182,8 +190,16 @@ def run(a: argparse.Namespace, rss: RssSampler, baseline: int, cfg: Any, shapes:
     hw = {**hardware_info([work]), "code": code_version()}
     nblocks = a.layers + 2
     plan = Plan(prefetch_depth=a.depth, activation_policy=("keep",) + ("recompute",) * a.layers + ("keep",))
-    ec = EngineConfig(ssd_dirs=(work,), precision=precision, cpu_memory=budget, gpu_memory=a.gpu_memory, lr=1e-4,
-                      weight_decay=0.01, plan=plan, max_grad_norm=a.max_grad_norm)
+    ec = EngineConfig(
+        ssd_dirs=(work,),
+        precision=precision,
+        cpu_memory=budget,
+        gpu_memory=a.gpu_memory,
+        lr=1e-4,
+        weight_decay=0.01,
+        plan=plan,
+        max_grad_norm=a.max_grad_norm,
+    )
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, a.vocab, (a.batch, a.seq), generator=g)
     steps: list[dict] = []
@@ -196,17 +212,31 @@ def run(a: argparse.Namespace, rss: RssSampler, baseline: int, cfg: Any, shapes:
         eng = Engine.from_state_dict(cfg, lazy, ec)
         build_s = time.perf_counter() - t
         pool_reserved = eng.pool.reserved
-        effective = {"prefetch_depth": eng.plan.prefetch_depth, "state_buffers": eng.plan.state_buffers,
-                     "state_chunk_elems": eng.layout.state_chunk, "schedule": eng.plan.schedule,
-                     "park_ram_blocks": eng.plan.park_ram_blocks}
+        effective = {
+            "prefetch_depth": eng.plan.prefetch_depth,
+            "state_buffers": eng.plan.state_buffers,
+            "state_chunk_elems": eng.layout.state_chunk,
+            "schedule": eng.plan.schedule,
+            "park_ram_blocks": eng.plan.park_ram_blocks,
+        }
         for i in range(a.steps):
             rss.set_phase(f"step{i + 1}")
             st = eng.train_step(ids)
-            steps.append({"step": i + 1, "loss": st["loss"], "grad_norm": st["grad_norm"], "applied": st["applied"],
-                          "step_time_s": st["step_time_s"], "tokens_per_s": st["tokens_per_s"],
-                          "busy_s": st["busy_s"], "bottleneck": st["bottleneck"],
-                          "ssd_read_bytes": st["ssd_read_bytes"], "ssd_write_bytes": st["ssd_write_bytes"],
-                          "vmrss_peak_bytes": None})
+            steps.append(
+                {
+                    "step": i + 1,
+                    "loss": st["loss"],
+                    "grad_norm": st["grad_norm"],
+                    "applied": st["applied"],
+                    "step_time_s": st["step_time_s"],
+                    "tokens_per_s": st["tokens_per_s"],
+                    "busy_s": st["busy_s"],
+                    "bottleneck": st["bottleneck"],
+                    "ssd_read_bytes": st["ssd_read_bytes"],
+                    "ssd_write_bytes": st["ssd_write_bytes"],
+                    "vmrss_peak_bytes": None,
+                }
+            )
         rss.set_phase("close")
         dev = eng.backend.memory()
         eng.close()
@@ -222,24 +252,57 @@ def run(a: argparse.Namespace, rss: RssSampler, baseline: int, cfg: Any, shapes:
     peak_sampled = max(rss.peaks.values())
     train_peak = max(rss.peaks.get(f"step{i + 1}", 0) for i in range(a.steps))
     gpu_bytes = ec.gpu_bytes or 0
-    emit({"bench": "scale_p5", "smoke": a.smoke,
-          "model": {"arch": "LlamaForCausalLM (untied)", "hidden": a.hidden, "intermediate": a.inter, "heads": a.heads,
-                    "kv_heads": a.kv_heads, "layers": a.layers, "vocab": a.vocab, "params": params, "blocks": nblocks},
-          "batch": a.batch, "seq": a.seq, "precision": f"{precision} compute, fp32 master/m/v",
-          "max_grad_norm": a.max_grad_norm,
-          "plan": {"activation_policy": f"keep(embed), recompute × {a.layers}, keep(head)", "prefetch_depth": a.depth,
-                   "schedule": effective["schedule"], "state_buffers": plan.state_buffers, "effective": effective},
-          "fp32_state_bytes": state, "host_budget_bytes": budget, "state_over_budget": state / budget,
-          "target_state_over_budget": 10.0, "met_ratio": state / budget >= 10.0,
-          "host_pool_reserved_bytes": pool_reserved,
-          "device_capacity_bytes": gpu_bytes, "device_peak_bytes": dev.peak,
-          "rss_baseline_after_imports_bytes": baseline,
-          "rss_peak_ru_maxrss_bytes": ru_maxrss(), "rss_peak_sampled_bytes": peak_sampled,
-          "rss_peak_training_bytes": train_peak, "rss_peak_by_phase_bytes": rss.peaks,
-          "rss_training_minus_baseline_bytes": train_peak - baseline,
-          "rss_training_within_budget_plus_device": train_peak - baseline <= budget + dev.peak,
-          "build_and_import_s": build_s, "steps": steps, "losses": [s["loss"] for s in steps],
-          "step_times_s": [s["step_time_s"] for s in steps], "store_dir": work, "machine_load": load.result(), "hardware": hw}, a.out)
+    emit(
+        {
+            "bench": "scale_p5",
+            "smoke": a.smoke,
+            "model": {
+                "arch": "LlamaForCausalLM (untied)",
+                "hidden": a.hidden,
+                "intermediate": a.inter,
+                "heads": a.heads,
+                "kv_heads": a.kv_heads,
+                "layers": a.layers,
+                "vocab": a.vocab,
+                "params": params,
+                "blocks": nblocks,
+            },
+            "batch": a.batch,
+            "seq": a.seq,
+            "precision": f"{precision} compute, fp32 master/m/v",
+            "max_grad_norm": a.max_grad_norm,
+            "plan": {
+                "activation_policy": f"keep(embed), recompute × {a.layers}, keep(head)",
+                "prefetch_depth": a.depth,
+                "schedule": effective["schedule"],
+                "state_buffers": plan.state_buffers,
+                "effective": effective,
+            },
+            "fp32_state_bytes": state,
+            "host_budget_bytes": budget,
+            "state_over_budget": state / budget,
+            "target_state_over_budget": 10.0,
+            "met_ratio": state / budget >= 10.0,
+            "host_pool_reserved_bytes": pool_reserved,
+            "device_capacity_bytes": gpu_bytes,
+            "device_peak_bytes": dev.peak,
+            "rss_baseline_after_imports_bytes": baseline,
+            "rss_peak_ru_maxrss_bytes": ru_maxrss(),
+            "rss_peak_sampled_bytes": peak_sampled,
+            "rss_peak_training_bytes": train_peak,
+            "rss_peak_by_phase_bytes": rss.peaks,
+            "rss_training_minus_baseline_bytes": train_peak - baseline,
+            "rss_training_within_budget_plus_device": train_peak - baseline <= budget + dev.peak,
+            "build_and_import_s": build_s,
+            "steps": steps,
+            "losses": [s["loss"] for s in steps],
+            "step_times_s": [s["step_time_s"] for s in steps],
+            "store_dir": work,
+            "machine_load": load.result(),
+            "hardware": hw,
+        },
+        a.out,
+    )
 
 
 if __name__ == "__main__":

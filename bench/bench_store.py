@@ -35,10 +35,21 @@ from fuyou.transfer.host_pool import HostBufferPool  # noqa: E402
 
 def fio(directory: str, rw: str, size_mib: int, iodepth: int = 8) -> float:
     """Run fio once (O_DIRECT, 1 MiB blocks, libaio at ``iodepth``) and return bytes/s."""
-    cmd = ["fio", "--name=fuyou-bench", f"--directory={directory}", f"--rw={rw}", "--bs=1M", f"--iodepth={iodepth}",
-           "--direct=1", "--ioengine=libaio", f"--size={size_mib}M", "--numjobs=1", "--output-format=json"]
+    cmd = [
+        "fio",
+        "--name=fuyou-bench",
+        f"--directory={directory}",
+        f"--rw={rw}",
+        "--bs=1M",
+        f"--iodepth={iodepth}",
+        "--direct=1",
+        "--ioengine=libaio",
+        f"--size={size_mib}M",
+        "--numjobs=1",
+        "--output-format=json",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    job = json.loads(out[out.index("{"):])["jobs"][0]
+    job = json.loads(out[out.index("{") :])["jobs"][0]
     return float(job["write" if rw == "write" else "read"]["bw_bytes"])
 
 
@@ -55,7 +66,9 @@ def store_run(store: TensorStore, names: list[str], bufs: list[torch.Tensor], op
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir in /work or /tmp)")
+    ap.add_argument(
+        "--dir", default=None, help="directory on the disk to measure (default: a temp dir in /work or /tmp)"
+    )
     ap.add_argument("--size-mib", type=int, default=1024, help="bytes moved per repeat (MiB)")
     ap.add_argument("--extent-mib", type=int, default=64, help="size of one extent (MiB)")
     ap.add_argument("--repeats", type=int, default=5)
@@ -88,10 +101,19 @@ def run(a: argparse.Namespace, work: str) -> None:
     have_fio = shutil.which("fio") is not None
     if not have_fio and not a.smoke:
         sys.exit("fio is not installed (apt-get install fio); it is the reference this benchmark compares against")
-    store = TensorStore.create([sdir], extents, io="posix", direct="on", threads=a.threads, block_bytes=a.block_kib << 10)
+    store = TensorStore.create(
+        [sdir], extents, io="posix", direct="on", threads=a.threads, block_bytes=a.block_kib << 10
+    )
     names = [e.name for e in extents]
-    res: dict[str, list[float]] = {"store_write": [], "store_read": [], "fio_write": [], "fio_read": [], "commit_s": [],
-                                   "fioqd_write": [], "fioqd_read": []}
+    res: dict[str, list[float]] = {
+        "store_write": [],
+        "store_read": [],
+        "fio_write": [],
+        "fio_read": [],
+        "commit_s": [],
+        "fioqd_write": [],
+        "fioqd_read": [],
+    }
     with store:
         for rep in range(a.repeats + 2):  # repeats 0 and 1 are warm-up: after them writes recycle files, as in training
             w = store_run(store, names, bufs, "write")
@@ -107,15 +129,32 @@ def run(a: argparse.Namespace, work: str) -> None:
                 for k, v in zip(res, (w, r, fw, fr, c, qw, qr)):
                     res[k].append(v)
     med = {k: statistics.median(v) for k, v in res.items()}
-    common = {"bench": "store_vs_fio", "smoke": a.smoke, "size_mib": a.size_mib, "extent_mib": a.extent_mib,
-              "threads": a.threads, "block_kib": a.block_kib, "repeats": a.repeats,
-              "hardware": hardware_info([work])}
+    common = {
+        "bench": "store_vs_fio",
+        "smoke": a.smoke,
+        "size_mib": a.size_mib,
+        "extent_mib": a.extent_mib,
+        "threads": a.threads,
+        "block_kib": a.block_kib,
+        "repeats": a.repeats,
+        "hardware": hardware_info([work]),
+    }
     for op in ("write", "read"):
-        emit({**common, "op": op, "store_GBps": med[f"store_{op}"] / 1e9, "fio_GBps": med[f"fio_{op}"] / 1e9,
-              "ratio": med[f"store_{op}"] / med[f"fio_{op}"], "store_all_GBps": [x / 1e9 for x in res[f"store_{op}"]],
-              "fio_all_GBps": [x / 1e9 for x in res[f"fio_{op}"]],
-              "fio_store_qd": a.threads, "fio_store_qd_GBps": med[f"fioqd_{op}"] / 1e9,
-              "ratio_store_qd": med[f"store_{op}"] / med[f"fioqd_{op}"]}, a.out)
+        emit(
+            {
+                **common,
+                "op": op,
+                "store_GBps": med[f"store_{op}"] / 1e9,
+                "fio_GBps": med[f"fio_{op}"] / 1e9,
+                "ratio": med[f"store_{op}"] / med[f"fio_{op}"],
+                "store_all_GBps": [x / 1e9 for x in res[f"store_{op}"]],
+                "fio_all_GBps": [x / 1e9 for x in res[f"fio_{op}"]],
+                "fio_store_qd": a.threads,
+                "fio_store_qd_GBps": med[f"fioqd_{op}"] / 1e9,
+                "ratio_store_qd": med[f"store_{op}"] / med[f"fioqd_{op}"],
+            },
+            a.out,
+        )
     emit({**common, "op": "commit", "commit_s_median": med["commit_s"]}, a.out)
 
 

@@ -38,7 +38,9 @@ def main(ctx: click.Context, debug: bool) -> None:
 
 
 @main.command()
-@click.option("--ssd", "ssd_dirs", multiple=True, required=True, type=click.Path(), help="Store directory (repeat per SSD).")
+@click.option(
+    "--ssd", "ssd_dirs", multiple=True, required=True, type=click.Path(), help="Store directory (repeat per SSD)."
+)
 def doctor(ssd_dirs: tuple[str, ...]) -> None:
     """Check the machine: SSD directories (writable, O_DIRECT, space), memlock, GPU, kvikio."""
     from rich.console import Console
@@ -56,8 +58,14 @@ def doctor(ssd_dirs: tuple[str, ...]) -> None:
         sys.exit(1)
 
 
-DEMO_DEFAULTS = {"lr": 1e-4, "micro_batch_size": 1, "grad_accum": 2, "warmup_steps": 2, "steps": 8,
-                 "eval_fraction": 0.01}
+DEMO_DEFAULTS = {
+    "lr": 1e-4,
+    "micro_batch_size": 1,
+    "grad_accum": 2,
+    "warmup_steps": 2,
+    "steps": 8,
+    "eval_fraction": 0.01,
+}
 """The demo's settings: 8 steps of 2 × 256 tokens and ~1,300 held-out tokens, sized so the demo ends in
 under 5 minutes on 2 CPU cores without fast bf16 (fp32 compute; measured in bench/RESULTS.md)."""
 
@@ -92,8 +100,11 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 @click.option("--lr-schedule", type=click.Choice(["constant", "linear", "cosine"]))
 @click.option("--warmup-steps", type=int)
 @click.option("--max-grad-norm", type=float, help="Global-norm clipping (0 = off).")
-@click.option("--precision", type=click.Choice(["auto", "bf16", "fp32"]),
-              help="Compute dtype; auto (default): bf16 where the device computes it fast, else fp32.")
+@click.option(
+    "--precision",
+    type=click.Choice(["auto", "bf16", "fp32"]),
+    help="Compute dtype; auto (default): bf16 where the device computes it fast, else fp32.",
+)
 @click.option("--seed", type=int)
 @click.option("--metrics", type=click.Path(), help="Per-step metrics JSONL (default OUTPUT/metrics.jsonl).")
 @click.option("--trace", type=click.Path(), help="Write a Perfetto trace of the last step here.")
@@ -102,16 +113,35 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 @click.option("--save-every", type=int, help="Checkpoint every N steps (copy-free hard links); 0 = never.")
 @click.option("--keep-checkpoints", type=int, help="Checkpoints to keep (default 2).")
 @click.option("--resume", help="auto (newest intact checkpoint, else start fresh) or a checkpoint directory.")
-@click.option("--overwrite", is_flag=True, help="Let a fresh start replace an earlier run in OUTPUT/--ssd (else it refuses).")
-@click.option("--plan", type=click.Choice(["auto", "rules"]), help="auto: the cost-model planner picks the engine plan (default); rules: simple budget rules.")
-@click.option("--profile", type=click.Path(), help="Hardware profile for the planner (default ~/.cache/fuyou/hw.json, else measured now).")
+@click.option(
+    "--overwrite", is_flag=True, help="Let a fresh start replace an earlier run in OUTPUT/--ssd (else it refuses)."
+)
+@click.option(
+    "--plan",
+    type=click.Choice(["auto", "rules"]),
+    help="auto: the cost-model planner picks the engine plan (default); rules: simple budget rules.",
+)
+@click.option(
+    "--profile",
+    type=click.Path(),
+    help="Hardware profile for the planner (default ~/.cache/fuyou/hw.json, else measured now).",
+)
 @click.option("--prefetch-depth", type=int, help="Fix the weight prefetch depth instead of planning it.")
-@click.option("--activations", type=click.Choice(["keep", "swap_cpu", "swap_ssd", "recompute"]),
-              help="Fix every layer's activation policy instead of planning it.")
+@click.option(
+    "--activations",
+    type=click.Choice(["keep", "swap_cpu", "swap_ssd", "recompute"]),
+    help="Fix every layer's activation policy instead of planning it.",
+)
 @click.option("--config", "config_file", type=click.Path(), help="YAML file whose keys mirror these flags.")
 @click.option("--no-progress", is_flag=True, help="No live progress bar or final table.")
-def finetune(model_dir: str | None, config_file: str | None, no_progress: bool, overwrite: bool, betas: str | None,
-             **flags: object) -> None:
+def finetune(
+    model_dir: str | None,
+    config_file: str | None,
+    no_progress: bool,
+    overwrite: bool,
+    betas: str | None,
+    **flags: object,
+) -> None:
     """Fine-tune MODEL_DIR (a Hugging Face directory) out of core; without one, run the built-in demo."""
     from fuyou.run.config import load_yaml, merge
     from fuyou.run.loop import finetune as run
@@ -130,13 +160,18 @@ def finetune(model_dir: str | None, config_file: str | None, no_progress: bool, 
     file_values = load_yaml(config_file) if config_file else {}
     if "model" not in given and "model" not in file_values:  # the built-in demo: settings that show learning
         given = {**{k: v for k, v in DEMO_DEFAULTS.items() if k not in file_values}, **given}
-        click.echo("demo: fine-tuning SmolLM2-135M-Instruct out of core on Python's documentation "
-                   "(pass MODEL_DIR and --data for your own run)", err=True)
+        click.echo(
+            "demo: fine-tuning SmolLM2-135M-Instruct out of core on Python's documentation "
+            "(pass MODEL_DIR and --data for your own run)",
+            err=True,
+        )
     cfg = merge(file_values, given)
     summary = run(cfg)
     if not cfg.progress:
-        click.echo(f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} → {summary['last_loss']:.4f}, "
-                   f"model in {summary['output']}")
+        click.echo(
+            f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} → {summary['last_loss']:.4f}, "
+            f"model in {summary['output']}"
+        )
 
 
 @main.command()

@@ -26,34 +26,68 @@ def _profile_path(path: str | None) -> str:
 
     path = path or os.environ.get("FUYOU_PROFILE") or _default_profile()
     if not os.path.isfile(path):
-        raise ConfigError(f"no hardware profile at {path}; run `fuyou profile --ssd DIR` first, or pass --profile "
-                          "(hand-written examples: bench/profiles/)")
+        raise ConfigError(
+            f"no hardware profile at {path}; run `fuyou profile --ssd DIR` first, or pass --profile "
+            "(hand-written examples: bench/profiles/)"
+        )
     return path
 
 
 @click.command("plan")
 @click.argument("model")
-@click.option("--profile", "profile_path", type=click.Path(), help=f"Hardware profile JSON (default {DEFAULT_PROFILE}).")
-@click.option("--cpu-memory", help="Host budget for buffers and swapped activations (default 3/4 of the profile's RAM).")
+@click.option(
+    "--profile", "profile_path", type=click.Path(), help=f"Hardware profile JSON (default {DEFAULT_PROFILE})."
+)
+@click.option(
+    "--cpu-memory", help="Host budget for buffers and swapped activations (default 3/4 of the profile's RAM)."
+)
 @click.option("--gpu-memory", help="Device-memory budget (default: the profile's device memory).")
 @click.option("--ssd-space", help="Free SSD space for the store (default: not checked).")
 @click.option("--seq-len", type=int, default=1024, show_default=True)
 @click.option("--tokens-per-step", type=int, help="Tokens per optimizer step (default 8 sequences).")
-@click.option("--max-grad-norm", type=float, default=0.0, help="Clipping (> 0 forces the overlap_next_forward schedule).")
+@click.option(
+    "--max-grad-norm", type=float, default=0.0, help="Clipping (> 0 forces the overlap_next_forward schedule)."
+)
 @click.option("--state-precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
-@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
-              help="Compute dtype of the run (`fuyou finetune --precision auto` picks fp32 where bf16 is slow).")
+@click.option(
+    "--precision",
+    type=click.Choice(["bf16", "fp32"]),
+    default="bf16",
+    show_default=True,
+    help="Compute dtype of the run (`fuyou finetune --precision auto` picks fp32 where bf16 is slow).",
+)
 @click.option("--micro-batch-size", type=int, help="Fix the micro-batch size instead of searching it.")
 @click.option("--schedule", type=click.Choice(["overlap_backward", "overlap_next_forward"]), help="Fix the schedule.")
 @click.option("--prefetch-depth", type=int, help="Fix the prefetch depth.")
-@click.option("--activations", type=click.Choice(["keep", "swap_cpu", "swap_ssd", "recompute"]),
-              help="One activation policy for every layer instead of searching.")
-@click.option("--allow-engine-changes", is_flag=True, help="Choose a plan that needs a not-yet-implemented engine feature if nothing else fits.")
+@click.option(
+    "--activations",
+    type=click.Choice(["keep", "swap_cpu", "swap_ssd", "recompute"]),
+    help="One activation policy for every layer instead of searching.",
+)
+@click.option(
+    "--allow-engine-changes",
+    is_flag=True,
+    help="Choose a plan that needs a not-yet-implemented engine feature if nothing else fits.",
+)
 @click.option("--json", "json_out", type=click.Path(), help="Also write the result as JSON here ('-' for stdout only).")
-def plan_cmd(model: str, profile_path: str | None, cpu_memory: str | None, gpu_memory: str | None,
-             ssd_space: str | None, seq_len: int, tokens_per_step: int | None, max_grad_norm: float,
-             state_precision: str, precision: str, micro_batch_size: int | None, schedule: str | None, prefetch_depth: int | None,
-             activations: str | None, allow_engine_changes: bool, json_out: str | None) -> None:
+def plan_cmd(
+    model: str,
+    profile_path: str | None,
+    cpu_memory: str | None,
+    gpu_memory: str | None,
+    ssd_space: str | None,
+    seq_len: int,
+    tokens_per_step: int | None,
+    max_grad_norm: float,
+    state_precision: str,
+    precision: str,
+    micro_batch_size: int | None,
+    schedule: str | None,
+    prefetch_depth: int | None,
+    activations: str | None,
+    allow_engine_changes: bool,
+    json_out: str | None,
+) -> None:
     """Plan a run of MODEL (a model directory, a config.json, or a named shape such as GPT-3-13B)."""
     from fuyou.planner.profile import load_profile
     from fuyou.planner.result import Budgets
@@ -63,13 +97,23 @@ def plan_cmd(model: str, profile_path: str | None, cpu_memory: str | None, gpu_m
 
     shape = load_shape(model)
     prof = load_profile(_profile_path(profile_path))
-    bud = Budgets(cpu_memory=parse_size(cpu_memory, "--cpu-memory") if cpu_memory else prof.host_memory_bytes * 3 // 4,
-                  gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory else prof.device_memory_bytes,
-                  ssd_bytes=parse_size(ssd_space, "--ssd-space") if ssd_space else 0)
-    req = Request(seq_len=seq_len, tokens_per_step=tokens_per_step or 8 * seq_len, clip=max_grad_norm > 0,
-                  state_precision=state_precision, micro_batch_size=micro_batch_size, schedule=schedule,
-                  prefetch_depth=prefetch_depth, activations=activations, allow_engine_changes=allow_engine_changes,
-                  precision=precision)
+    bud = Budgets(
+        cpu_memory=parse_size(cpu_memory, "--cpu-memory") if cpu_memory else prof.host_memory_bytes * 3 // 4,
+        gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory else prof.device_memory_bytes,
+        ssd_bytes=parse_size(ssd_space, "--ssd-space") if ssd_space else 0,
+    )
+    req = Request(
+        seq_len=seq_len,
+        tokens_per_step=tokens_per_step or 8 * seq_len,
+        clip=max_grad_norm > 0,
+        state_precision=state_precision,
+        micro_batch_size=micro_batch_size,
+        schedule=schedule,
+        prefetch_depth=prefetch_depth,
+        activations=activations,
+        allow_engine_changes=allow_engine_changes,
+        precision=precision,
+    )
     res = search(shape, prof, bud, req)
     if json_out == "-":
         click.echo(json.dumps(res.to_json(), indent=2))
@@ -107,28 +151,52 @@ def print_result(res: object, params: int) -> None:
         t.add_column(style="bold")
         t.add_column()
         t.add_row("executable", "yes" if r.executable else "[red]NO — needs: " + "; ".join(r.needs) + "[/]")
-        t.add_row("batch", f"micro-batch {s.micro_batch_size} × accumulation {p.grad_accum} × seq {s.seq_len} "
-                           f"= {pr.tokens} tokens/step")
-        t.add_row("schedule", f"{p.schedule}, prefetch depth {p.prefetch_depth}, state buffers {p.state_buffers}, "
-                              f"state chunk {p.state_chunk} elements")
+        t.add_row(
+            "batch",
+            f"micro-batch {s.micro_batch_size} × accumulation {p.grad_accum} × seq {s.seq_len} "
+            f"= {pr.tokens} tokens/step",
+        )
+        t.add_row(
+            "schedule",
+            f"{p.schedule}, prefetch depth {p.prefetch_depth}, state buffers {p.state_buffers}, "
+            f"state chunk {p.state_chunk} elements",
+        )
         t.add_row("activations", _policies(p.activation_policy))
         if not s.executable:
-            t.add_row("tiers", f"weights of {p.ram_weight_blocks} blocks and state of {p.ram_state_blocks} blocks in RAM; "
-                               f"block inputs offloaded: {s.boundary_offload}; async swaps: {s.async_swap}")
-        t.add_row("memory", f"device {fs(m.device)}, host {fs(m.host)} (buffers {fs(m.host_buffers)}, activations "
-                            f"{fs(m.host_activations)}, RAM tiers {fs(m.host_ram_tiers)}), SSD {fs(m.ssd)}")
-        t.add_row("SSD per step", f"read {pr.ssd_read_bytes / 1e9:.1f} GB, write {pr.ssd_write_bytes / 1e9:.1f} GB; "
-                                  f"{pr.dwpd:.2f} drive-writes/day")
-        t.add_row("step", f"[bold]{pr.step_s:.3f} s[/], {pr.tokens_per_s:.1f} tokens/s, {pr.tflops:.2f} TFLOPS"
-                          + (f" (MFU {pr.mfu:.0%})" if pr.mfu else ""))
-        t.add_row("bottleneck", pr.bottleneck + " — busy s: " + ", ".join(
-            f"{k} {v:.3f}" for k, v in sorted(pr.extra["resource_busy_s"].items(), key=lambda kv: -kv[1])))
+            t.add_row(
+                "tiers",
+                f"weights of {p.ram_weight_blocks} blocks and state of {p.ram_state_blocks} blocks in RAM; "
+                f"block inputs offloaded: {s.boundary_offload}; async swaps: {s.async_swap}",
+            )
+        t.add_row(
+            "memory",
+            f"device {fs(m.device)}, host {fs(m.host)} (buffers {fs(m.host_buffers)}, activations "
+            f"{fs(m.host_activations)}, RAM tiers {fs(m.host_ram_tiers)}), SSD {fs(m.ssd)}",
+        )
+        t.add_row(
+            "SSD per step",
+            f"read {pr.ssd_read_bytes / 1e9:.1f} GB, write {pr.ssd_write_bytes / 1e9:.1f} GB; "
+            f"{pr.dwpd:.2f} drive-writes/day",
+        )
+        t.add_row(
+            "step",
+            f"[bold]{pr.step_s:.3f} s[/], {pr.tokens_per_s:.1f} tokens/s, {pr.tflops:.2f} TFLOPS"
+            + (f" (MFU {pr.mfu:.0%})" if pr.mfu else ""),
+        )
+        t.add_row(
+            "bottleneck",
+            pr.bottleneck
+            + " — busy s: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in sorted(pr.extra["resource_busy_s"].items(), key=lambda kv: -kv[1])),
+        )
         t.add_row("FLOPs", pr.flop_formula)
         con.print(t)
 
 
 @click.command("profile")
-@click.option("--ssd", "ssd_dirs", multiple=True, required=True, type=click.Path(), help="Store directory (repeat per SSD).")
+@click.option(
+    "--ssd", "ssd_dirs", multiple=True, required=True, type=click.Path(), help="Store directory (repeat per SSD)."
+)
 @click.option("--model", help="Model directory (or its config.json's directory) for per-layer compute times.")
 @click.option("--seq-len", type=int, default=256, show_default=True)
 @click.option("--micro-batches", default="1,2,4", show_default=True, help="Micro-batch sizes to time the layer at.")
@@ -136,10 +204,24 @@ def print_result(res: object, params: int) -> None:
 @click.option("--ssd-bytes", default="512MiB", show_default=True, help="Bytes written and read per SSD measurement.")
 @click.option("--name", default="", help="Profile name (default: the host name).")
 @click.option("--out", type=click.Path(), help=f"Where to write the JSON (default {DEFAULT_PROFILE}).")
-@click.option("--precision", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True,
-              help="Compute dtype to time the matmul peak and the layers in.")
-def profile_cmd(ssd_dirs: tuple[str, ...], model: str | None, seq_len: int, micro_batches: str, device: str,
-                ssd_bytes: str, name: str, out: str | None, precision: str) -> None:
+@click.option(
+    "--precision",
+    type=click.Choice(["bf16", "fp32"]),
+    default="bf16",
+    show_default=True,
+    help="Compute dtype to time the matmul peak and the layers in.",
+)
+def profile_cmd(
+    ssd_dirs: tuple[str, ...],
+    model: str | None,
+    seq_len: int,
+    micro_batches: str,
+    device: str,
+    ssd_bytes: str,
+    name: str,
+    out: str | None,
+    precision: str,
+) -> None:
     """Measure this machine (SSD, Adam, memory, copies, per-layer compute) and save a hardware profile."""
     from fuyou.planner.measure import measure_profile
     from fuyou.planner.profile import save_profile
@@ -155,14 +237,27 @@ def profile_cmd(ssd_dirs: tuple[str, ...], model: str | None, seq_len: int, micr
     try:
         mbs = tuple(int(x) for x in micro_batches.split(","))
     except ValueError:
-        raise click.BadParameter(f"expected sizes like 1,2,4, got {micro_batches!r}", param_hint="--micro-batches") from None
-    prof = measure_profile(dirs, config, mbs, seq_len, device, parse_size(ssd_bytes, "--ssd-bytes"), name=name,
-                           log=lambda s: click.echo(s, err=True), precision=precision)
+        raise click.BadParameter(
+            f"expected sizes like 1,2,4, got {micro_batches!r}", param_hint="--micro-batches"
+        ) from None
+    prof = measure_profile(
+        dirs,
+        config,
+        mbs,
+        seq_len,
+        device,
+        parse_size(ssd_bytes, "--ssd-bytes"),
+        name=name,
+        log=lambda s: click.echo(s, err=True),
+        precision=precision,
+    )
     out = out or _default_profile()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     save_profile(prof, out)
-    click.echo(f"SSD read {prof.ssd_read_Bps / 1e9:.2f} GB/s, write {prof.ssd_write_Bps / 1e9:.2f} GB/s; Adam "
-               f"{prof.adam_params_per_s / 1e9:.2f} G params/s; memcpy {prof.host_mem_Bps / 1e9:.1f} GB/s; "
-               f"H2D {prof.h2d_Bps / 1e9:.1f} GB/s; layer fwd " + ", ".join(
-                   f"{p.fwd_flops_per_s / 1e9:.0f} GFLOP/s @ {p.tokens} tok" for p in prof.compute))
+    click.echo(
+        f"SSD read {prof.ssd_read_Bps / 1e9:.2f} GB/s, write {prof.ssd_write_Bps / 1e9:.2f} GB/s; Adam "
+        f"{prof.adam_params_per_s / 1e9:.2f} G params/s; memcpy {prof.host_mem_Bps / 1e9:.1f} GB/s; "
+        f"H2D {prof.h2d_Bps / 1e9:.1f} GB/s; layer fwd "
+        + ", ".join(f"{p.fwd_flops_per_s / 1e9:.0f} GFLOP/s @ {p.tokens} tok" for p in prof.compute)
+    )
     click.echo(f"profile written to {out}")

@@ -107,8 +107,10 @@ def _open_file_limit() -> tuple[str, str]:
     if hard == resource.RLIM_INFINITY or hard > soft:
         target = 65536 if hard == resource.RLIM_INFINITY else min(hard, 1 << 20)
         return f"its open-file limit ({soft})", f"ulimit -n {target}"
-    return (f"its open-file limit ({soft}, also the hard limit)",
-            "ulimit -n 65536, as root or after raising the hard limit (nofile in /etc/security/limits.conf)")
+    return (
+        f"its open-file limit ({soft}, also the hard limit)",
+        "ulimit -n 65536, as root or after raising the hard limit (nofile in /etc/security/limits.conf)",
+    )
 
 
 def _probe_open(path: str) -> int | None:
@@ -139,14 +141,18 @@ def os_limit_error(e: BaseException, action: str, probe: str | None = None) -> S
         code = _probe_open(probe) or code
     if code == errno.EMFILE:
         limit, fix = _open_file_limit()
-        return SystemLimitError(f"{action} failed: the process reached {limit}, not a problem with the file; "
-                                f"raise the open-file limit: {fix}")
+        return SystemLimitError(
+            f"{action} failed: the process reached {limit}, not a problem with the file; "
+            f"raise the open-file limit: {fix}"
+        )
     if code == errno.ENFILE:
         return SystemLimitError(
             f"{action} failed: the system-wide open-file table is full (ENFILE), not a problem with the file; "
-            "close other programs or raise the limit: sysctl -w fs.file-max=1048576")
+            "close other programs or raise the limit: sysctl -w fs.file-max=1048576"
+        )
     if code == errno.ENOMEM:
         return SystemLimitError(
             f"{action} failed: the operating system is out of memory (ENOMEM), not a problem with the file; "
-            "free host memory, lower --cpu-memory, or raise the memory-map limit: sysctl -w vm.max_map_count=1048576")
+            "free host memory, lower --cpu-memory, or raise the memory-map limit: sysctl -w vm.max_map_count=1048576"
+        )
     return None

@@ -76,8 +76,14 @@ class Timeline:
         moved = {r: sum(s.nbytes for s in spans if s.resource == r) for r in ("ssd_read", "ssd_write")}
         wall = t1 - t0
         bottleneck = max(busy, key=busy.__getitem__)
-        return {"wall_s": wall, "busy_s": busy, "busy_frac": {r: b / wall for r, b in busy.items()},
-                "bottleneck": bottleneck, "ssd_read_bytes": moved["ssd_read"], "ssd_write_bytes": moved["ssd_write"]}
+        return {
+            "wall_s": wall,
+            "busy_s": busy,
+            "busy_frac": {r: b / wall for r, b in busy.items()},
+            "bottleneck": bottleneck,
+            "ssd_read_bytes": moved["ssd_read"],
+            "ssd_write_bytes": moved["ssd_write"],
+        }
 
     def to_chrome_trace(self, path: str) -> None:
         """Write all spans as Chrome-trace JSON (open in ui.perfetto.dev or chrome://tracing), one row per resource."""
@@ -85,9 +91,19 @@ class Timeline:
             spans = list(self.spans)
         tid = {r: i for i, r in enumerate(RESOURCES)}
         events = [{"name": "thread_name", "ph": "M", "pid": 1, "tid": i, "args": {"name": r}} for r, i in tid.items()]
-        events += [{"name": s.label, "cat": s.resource, "ph": "X", "pid": 1, "tid": tid.get(s.resource, len(tid)),
-                    "ts": (s.t0 - self.origin) * 1e6, "dur": (s.t1 - s.t0) * 1e6, "args": {"bytes": s.nbytes}}
-                   for s in spans]
+        events += [
+            {
+                "name": s.label,
+                "cat": s.resource,
+                "ph": "X",
+                "pid": 1,
+                "tid": tid.get(s.resource, len(tid)),
+                "ts": (s.t0 - self.origin) * 1e6,
+                "dur": (s.t1 - s.t0) * 1e6,
+                "args": {"bytes": s.nbytes},
+            }
+            for s in spans
+        ]
         with open(path, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 

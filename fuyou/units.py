@@ -10,10 +10,20 @@ HOST_ALIGN = 4096
 """Alignment of host buffers (a page; O_DIRECT's): the pool counts every buffer rounded up to it."""
 
 _UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-    "t": 1000**4, "tb": 1000**4,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
 }
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
@@ -31,9 +41,7 @@ def parse_size(text: str | int, what: str = "size") -> int:
     m = _SIZE_RE.match(str(text))
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
-        raise ConfigError(
-            f"{what}: cannot read {text!r} as a size; write e.g. 512MiB, 64GiB or 1.5GB"
-        )
+        raise ConfigError(f"{what}: cannot read {text!r} as a size; write e.g. 512MiB, 64GiB or 1.5GB")
     return int(float(m.group(1)) * _UNITS[unit])
 
 

@@ -56,8 +56,10 @@ def resume_point(stripes: list[str], resume: str) -> tuple[str, dict] | None:
     name = os.path.basename(path.rstrip("/"))
     expected = os.path.join(stripes[0], CKPT, name)
     if os.path.abspath(expected) != path:
-        raise ConfigError(f"--resume {resume}: not a checkpoint of this run's store (expected under "
-                          f"{os.path.join(stripes[0], CKPT)}); pass one of {list_checkpoints(stripes) or 'none'}")
+        raise ConfigError(
+            f"--resume {resume}: not a checkpoint of this run's store (expected under "
+            f"{os.path.join(stripes[0], CKPT)}); pass one of {list_checkpoints(stripes) or 'none'}"
+        )
     try:
         return name, validate(stripes, name)
     except (StoreError, OSError) as e:
@@ -81,6 +83,10 @@ def set_aside_newer(stripes: list[str], name: str | None) -> list[str]:
     if moved:
         where = os.path.join(stripes[0], CKPT, SET_ASIDE)
         reason = f"newer than {name}, which this run resumes from" if name else "none of them is intact"
-        warnings.warn(f"set aside {len(moved)} checkpoint(s) ({reason}) into {where}, kept, not deleted: "
-                      f"{', '.join(os.path.basename(m) for m in moved)}", FuyouWarning, stacklevel=2)
+        warnings.warn(
+            f"set aside {len(moved)} checkpoint(s) ({reason}) into {where}, kept, not deleted: "
+            f"{', '.join(os.path.basename(m) for m in moved)}",
+            FuyouWarning,
+            stacklevel=2,
+        )
     return moved

@@ -36,8 +36,17 @@ TRAINER = "trainer.json"
 PARTIAL = ".partial"
 REPLACED = ".replaced"
 SET_ASIDE = "set-aside"
-DAMAGE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EIO, errno.EBADMSG, errno.ENODATA,
-                           getattr(errno, "EUCLEAN", errno.EIO)})
+DAMAGE_ERRNOS = frozenset(
+    {
+        errno.ENOENT,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EIO,
+        errno.EBADMSG,
+        errno.ENODATA,
+        getattr(errno, "EUCLEAN", errno.EIO),
+    }
+)
 """OS errors that mean a checkpoint's files are missing or corrupt; any other (EMFILE, ENOMEM, EACCES…)
 says nothing about the checkpoint and is reported as itself (CheckpointAccessError)."""
 
@@ -50,8 +59,9 @@ class CheckpointAccessError(FuyouError):
 
 def _os_cause(e: BaseException) -> OSError | None:
     """The first OSError with an errno in ``e``'s chain (``e`` itself, then its causes/contexts)."""
-    return next((c for c in exception_chain(e, suppressed=False) if isinstance(c, OSError) and c.errno is not None),
-                None)
+    return next(
+        (c for c in exception_chain(e, suppressed=False) if isinstance(c, OSError) and c.errno is not None), None
+    )
 
 
 def access_error(e: BaseException, what: str) -> CheckpointAccessError | None:
@@ -67,7 +77,8 @@ def access_error(e: BaseException, what: str) -> CheckpointAccessError | None:
     return CheckpointAccessError(
         f"cannot check {what}: the operating system refused ({code}: {cause.strerror or cause}) — this is not "
         f"damage, the checkpoint may be intact; fix the cause (e.g. raise the open-file limit with ulimit -n, "
-        f"free memory, fix permissions) and run again")
+        f"free memory, fix permissions) and run again"
+    )
 
 
 def _dirs(stripes: list[str], name: str, suffix: str = "") -> list[str]:
@@ -89,8 +100,10 @@ def take(store: TensorStore, name: str, trainer_state: dict, replace: bool = Fal
         raise StoreError(f"checkpoint {final[0]} exists already")
     body, files = store.committed()
     if body["meta"].get(STALE):
-        raise StoreError(f"cannot checkpoint version {body['version']} of the store in {store.dirs[0]}: its host-RAM-tier "
-                         "extents were not written back; call Engine.flush() first")
+        raise StoreError(
+            f"cannot checkpoint version {body['version']} of the store in {store.dirs[0]}: its host-RAM-tier "
+            "extents were not written back; call Engine.flush() first"
+        )
     _fresh_dirs(partial)
     for k, fname in files:
         os.link(os.path.join(store.dirs[k], fname), os.path.join(partial[k], fname))
@@ -220,8 +233,11 @@ def unlisted(stripes: list[str]) -> list[str]:
     if not os.path.isdir(root):
         return []
     listed = set(list_checkpoints(stripes))
-    return sorted(n for n in os.listdir(root) if n not in listed and n != SET_ASIDE and not n.endswith(PARTIAL)
-                  and os.path.isdir(os.path.join(root, n)))
+    return sorted(
+        n
+        for n in os.listdir(root)
+        if n not in listed and n != SET_ASIDE and not n.endswith(PARTIAL) and os.path.isdir(os.path.join(root, n))
+    )
 
 
 def set_aside(stripes: list[str], names: list[str]) -> list[str]:

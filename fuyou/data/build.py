@@ -28,9 +28,15 @@ def check_seq_len(seq_len: int, max_positions: int | None = None) -> int:
 
 
 def build_datasets(
-    path: str | os.PathLike[str], tokenizer: Any, seq_len: int, *,
-    data_format: str = "auto", seed: int = 0, max_positions: int | None = None,
-    eval_fraction: float = 0.0, eval_path: str | os.PathLike[str] | None = None,
+    path: str | os.PathLike[str],
+    tokenizer: Any,
+    seq_len: int,
+    *,
+    data_format: str = "auto",
+    seed: int = 0,
+    max_positions: int | None = None,
+    eval_fraction: float = 0.0,
+    eval_path: str | os.PathLike[str] | None = None,
     split_seed: int = 0,
 ) -> tuple[PackedDataset, PackedDataset | None]:
     """Index, validate and split the data; return ``(train, held_out or None)``.
@@ -61,11 +67,10 @@ def build_datasets(
     train = PackedDataset(index, encoder, seq_len, train_ids, shuffle=True, seed=seed, name=name)
     held_out: PackedDataset | None = None
     if len(eval_ids):
-        held_out = PackedDataset(index, encoder, seq_len, eval_ids, shuffle=False,
-                                 name=f"{index.path} (held-out {eval_fraction:g} split)")
+        held_out = PackedDataset(
+            index, encoder, seq_len, eval_ids, shuffle=False, name=f"{index.path} (held-out {eval_fraction:g} split)"
+        )
     elif eval_path is not None:
         eval_index = build_index(eval_path, encoder, data_format)
-        held_out = PackedDataset(eval_index, encoder, seq_len, shuffle=False,
-                                 name=f"{eval_index.path} (held-out file)")
+        held_out = PackedDataset(eval_index, encoder, seq_len, shuffle=False, name=f"{eval_index.path} (held-out file)")
     return train, held_out
-

@@ -53,8 +53,7 @@ def _write_jsonl(path: str, texts: list[str]) -> None:
     os.replace(tmp, path)
 
 
-def write_demo_dataset(out_dir: str | os.PathLike[str],
-                       eval_fraction: float = 0.05) -> tuple[str, str]:
+def write_demo_dataset(out_dir: str | os.PathLike[str], eval_fraction: float = 0.05) -> tuple[str, str]:
     """Write ``train.jsonl`` and ``eval.jsonl`` (one text record per help topic) into ``out_dir``.
 
     The held-out file gets about ``eval_fraction`` of the characters (see :func:`split_topics`).

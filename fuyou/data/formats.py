@@ -38,9 +38,7 @@ def check_format_name(data_format: str) -> str:
     Raises ConfigError (naming ``--data-format``) for any other value.
     """
     if data_format != "auto" and data_format not in FORMATS:
-        raise ConfigError(
-            f"--data-format must be auto, {', '.join(FORMATS)}; got {data_format!r}"
-        )
+        raise ConfigError(f"--data-format must be auto, {', '.join(FORMATS)}; got {data_format!r}")
     return data_format
 
 
@@ -68,13 +66,11 @@ def parse_line(raw: bytes, path: str, line_no: int) -> dict[str, Any] | None:
     Raises DataError (``path:line_no``) for invalid UTF-8, invalid JSON or a non-object value.
     """
     if line_no == 1 and raw.startswith(_BOM):
-        raw = raw[len(_BOM):]
+        raw = raw[len(_BOM) :]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise DataError(
-            f"{path}:{line_no}: not valid UTF-8 (byte {e.start}); save the file as UTF-8"
-        ) from None
+        raise DataError(f"{path}:{line_no}: not valid UTF-8 (byte {e.start}); save the file as UTF-8") from None
     text = text.rstrip("\r\n")
     if not text.strip():
         return None
@@ -82,13 +78,11 @@ def parse_line(raw: bytes, path: str, line_no: int) -> dict[str, Any] | None:
         record = json.loads(text)
     except json.JSONDecodeError as e:
         raise DataError(
-            f"{path}:{line_no}: malformed JSON ({e.msg} at column {e.colno}); "
-            "each line must be one JSON object"
+            f"{path}:{line_no}: malformed JSON ({e.msg} at column {e.colno}); each line must be one JSON object"
         ) from None
     if not isinstance(record, dict):
         raise DataError(
-            f"{path}:{line_no}: expected a JSON object, got {type(record).__name__}; "
-            'write e.g. {"text": "..."}'
+            f'{path}:{line_no}: expected a JSON object, got {type(record).__name__}; write e.g. {{"text": "..."}}'
         )
     return record
 
@@ -118,8 +112,7 @@ def read_record_at(f: BinaryIO, offset: int, path: str, line_no: int) -> dict[st
     f.seek(offset)
     record = parse_line(f.readline(), path, line_no)
     if record is None:
-        raise DataError(
-            f"{path}:{line_no}: line is blank now; the data file changed during the run")
+        raise DataError(f"{path}:{line_no}: line is blank now; the data file changed during the run")
     return record
 
 
@@ -135,32 +128,24 @@ def detect_format(record: dict[str, Any], path: str, line_no: int) -> str:
     if TEXT in record:
         return TEXT
     raise DataError(
-        f"{path}:{line_no}: record has keys {sorted(record)}; expected 'text', "
-        "'prompt' + 'completion', or 'messages'"
+        f"{path}:{line_no}: record has keys {sorted(record)}; expected 'text', 'prompt' + 'completion', or 'messages'"
     )
 
 
 def _need_str(record: dict[str, Any], key: str, fmt: str, path: str, line_no: int) -> None:
     """Raise DataError unless ``record[key]`` exists and is a string."""
     if key not in record:
-        raise DataError(
-            f"{path}:{line_no}: the {fmt!r} format needs key {key!r}; "
-            f"record has keys {sorted(record)}"
-        )
+        raise DataError(f"{path}:{line_no}: the {fmt!r} format needs key {key!r}; record has keys {sorted(record)}")
     if not isinstance(record[key], str):
-        raise DataError(
-            f"{path}:{line_no}: {key!r} must be a string, got {type(record[key]).__name__}"
-        )
+        raise DataError(f"{path}:{line_no}: {key!r} must be a string, got {type(record[key]).__name__}")
 
 
 def _check_messages(messages: Any, path: str, line_no: int) -> None:
     """Raise DataError unless ``messages`` is a non-empty list of {role: str, content: str}."""
     if not isinstance(messages, list) or not messages:
-        raise DataError(
-            f"{path}:{line_no}: 'messages' must be a non-empty list of {{role, content}} objects")
+        raise DataError(f"{path}:{line_no}: 'messages' must be a non-empty list of {{role, content}} objects")
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) \
-                or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(
                 f"{path}:{line_no}: messages[{i}] must be an object with string 'role' and "
                 f"string 'content', got {json.dumps(m)[:80]}"
@@ -180,14 +165,12 @@ def validate_record(record: dict[str, Any], fmt: str, path: str, line_no: int) -
     else:
         if MESSAGES not in record:
             raise DataError(
-                f"{path}:{line_no}: the 'messages' format needs key 'messages'; "
-                f"record has keys {sorted(record)}"
+                f"{path}:{line_no}: the 'messages' format needs key 'messages'; record has keys {sorted(record)}"
             )
         _check_messages(record[MESSAGES], path, line_no)
 
 
-def resolve_format(record: dict[str, Any], expected: str | None, auto: bool,
-                   path: str, line_no: int) -> str:
+def resolve_format(record: dict[str, Any], expected: str | None, auto: bool, path: str, line_no: int) -> str:
     """Return the format of ``record`` given the format ``expected`` so far (None before the first).
 
     With ``auto`` the record's format is detected and must equal ``expected`` once that is set;

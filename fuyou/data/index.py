@@ -51,8 +51,7 @@ class RecordIndex:
         return int(self.lengths.sum(dtype=np.int64))
 
 
-def build_index(path: str | os.PathLike[str], encoder: Encoder,
-                data_format: str = "auto") -> RecordIndex:
+def build_index(path: str | os.PathLike[str], encoder: Encoder, data_format: str = "auto") -> RecordIndex:
     """Stream ``path`` once: check every record, tokenize it, and record offset/line/length.
 
     ``data_format`` is ``auto`` (detect from the first record, all must match) or a format name.
@@ -83,15 +82,20 @@ def build_index(path: str | os.PathLike[str], encoder: Encoder,
             f"{len(offsets):,} records); nothing to train on"
         )
     return RecordIndex(
-        path=p, fmt=fmt, offsets=np.frombuffer(offsets, dtype=np.int64).copy(),
+        path=p,
+        fmt=fmt,
+        offsets=np.frombuffer(offsets, dtype=np.int64).copy(),
         lines=np.frombuffer(lines, dtype=np.int64).copy(),
         lengths=np.frombuffer(lengths, dtype=np.int32).copy(),
-        n_loss_tokens=n_loss, file_size=os.path.getsize(p), mtime_ns=os.stat(p).st_mtime_ns,
+        n_loss_tokens=n_loss,
+        file_size=os.path.getsize(p),
+        mtime_ns=os.stat(p).st_mtime_ns,
     )
 
 
-def split_records(n_records: int, eval_fraction: float, split_seed: int = 0,
-                  path: str = "<data>") -> tuple[np.ndarray, np.ndarray]:
+def split_records(
+    n_records: int, eval_fraction: float, split_seed: int = 0, path: str = "<data>"
+) -> tuple[np.ndarray, np.ndarray]:
     """Deterministically split record numbers ``0..n_records-1`` into train and held-out sets.
 
     ``round(n_records * eval_fraction)`` records (at least one when the fraction is positive) are

@@ -36,12 +36,20 @@ class PackedDataset:
     Raises DataError at construction when the subset holds fewer tokens than one sequence.
     """
 
-    def __init__(self, index: RecordIndex, encoder: Encoder, seq_len: int,
-                 records: np.ndarray | None = None, shuffle: bool = True, seed: int = 0,
-                 name: str | None = None) -> None:
+    def __init__(
+        self,
+        index: RecordIndex,
+        encoder: Encoder,
+        seq_len: int,
+        records: np.ndarray | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        name: str | None = None,
+    ) -> None:
         self.index, self.encoder, self.seq_len = index, encoder, seq_len
-        self.records = np.arange(index.n_records, dtype=np.int64) if records is None \
-            else np.asarray(records, dtype=np.int64)
+        self.records = (
+            np.arange(index.n_records, dtype=np.int64) if records is None else np.asarray(records, dtype=np.int64)
+        )
         self.shuffle, self.seed = shuffle, seed
         self.name = name or index.path
         self.n_tokens = int(index.lengths[self.records].sum(dtype=np.int64))
@@ -56,8 +64,10 @@ class PackedDataset:
     @property
     def fingerprint(self) -> str:
         """Identifies the data and packing a resume state belongs to."""
-        return (f"{os.path.basename(self.index.path)}:{self.index.file_size}:"
-                f"{len(self.records)}:{self.n_tokens}:{self.seq_len}:{int(self.shuffle)}")
+        return (
+            f"{os.path.basename(self.index.path)}:{self.index.file_size}:"
+            f"{len(self.records)}:{self.n_tokens}:{self.seq_len}:{int(self.shuffle)}"
+        )
 
     def order(self, epoch: int) -> np.ndarray:
         """Record numbers in the order epoch ``epoch`` visits them (int64)."""
@@ -151,15 +161,15 @@ class BatchLoader:
 
     def __init__(self, dataset: PackedDataset, batch_size: int) -> None:
         if batch_size < 1:
-            raise ConfigError(
-                f"batch size (--micro-batch-size x --grad-accum) must be >= 1, got {batch_size}")
+            raise ConfigError(f"batch size (--micro-batch-size x --grad-accum) must be >= 1, got {batch_size}")
         self.dataset, self.batch_size = dataset, batch_size
         self.epoch = self.index = self.step = 0
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch yielded, as a JSON-serialisable dict."""
-        return LoaderState(self.epoch, self.index, self.step, self.dataset.seed, self.batch_size,
-                           self.dataset.fingerprint).to_dict()
+        return LoaderState(
+            self.epoch, self.index, self.step, self.dataset.seed, self.batch_size, self.dataset.fingerprint
+        ).to_dict()
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Continue from a state saved by :meth:`state_dict`.
@@ -174,8 +184,7 @@ class BatchLoader:
                 f"{s.batch_size}, {s.fingerprint} but this run has {mine[0]}, {mine[1]}, {mine[2]}"
             )
         if not 0 <= s.index < self.dataset.sequences_per_epoch or s.epoch < 0 or s.step < 0:
-            raise DataError(
-                f"cannot resume: position epoch {s.epoch} index {s.index} is out of range")
+            raise DataError(f"cannot resume: position epoch {s.epoch} index {s.index} is out of range")
         self.epoch, self.index, self.step = s.epoch, s.index, s.step
 
     def total_steps(self, steps: int | None = None, epochs: float | None = None) -> int:

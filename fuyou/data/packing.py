@@ -36,8 +36,9 @@ def locate(lengths: np.ndarray, token_pos: int) -> tuple[int, int]:
     return doc, token_pos - start
 
 
-def pack(docs: Iterable[tuple[Sequence[int], Sequence[int]]], seq_len: int,
-         skip: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+def pack(
+    docs: Iterable[tuple[Sequence[int], Sequence[int]]], seq_len: int, skip: int = 0
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Yield ``(input_ids, labels)`` int64 arrays of exactly ``seq_len`` tokens from ``docs``.
 
     ``docs`` yields ``(ids, labels)`` pairs of equal length, consumed lazily; the first ``skip``
@@ -62,6 +63,6 @@ def pack(docs: Iterable[tuple[Sequence[int], Sequence[int]]], seq_len: int,
         n_full = len(buf_ids) // seq_len
         for i in range(n_full):
             lo = i * seq_len
-            yield buf_ids[lo:lo + seq_len], buf_labels[lo:lo + seq_len]
-        buf_ids = buf_ids[n_full * seq_len:]
-        buf_labels = buf_labels[n_full * seq_len:]
+            yield buf_ids[lo : lo + seq_len], buf_labels[lo : lo + seq_len]
+        buf_ids = buf_ids[n_full * seq_len :]
+        buf_labels = buf_labels[n_full * seq_len :]

@@ -42,8 +42,7 @@ class Encoder:
         self.tokenizer = tokenizer
         eos = getattr(tokenizer, "eos_token_id", None)
         if eos is None:
-            raise DataError(
-                "the tokenizer has no EOS token; set tokenizer.eos_token before training")
+            raise DataError("the tokenizer has no EOS token; set tokenizer.eos_token before training")
         self.eos_id: int = int(eos)
         bos = getattr(tokenizer, "bos_token_id", None)
         first = _ids(tokenizer("a"))[:1]
@@ -62,8 +61,9 @@ class Encoder:
                 "'prompt'/'completion' records"
             )
 
-    def encode(self, record: dict[str, Any], fmt: str, path: str = "<data>",
-               line_no: int = 0) -> tuple[list[int], list[int]]:
+    def encode(
+        self, record: dict[str, Any], fmt: str, path: str = "<data>", line_no: int = 0
+    ) -> tuple[list[int], list[int]]:
         """Return ``(input_ids, labels)`` of one validated record in format ``fmt``.
 
         Raises DataError (``path:line_no``) when a chat template cannot be rendered or its
@@ -83,16 +83,16 @@ class Encoder:
     def _render(self, messages: list[dict[str, Any]], gen: bool, path: str, line_no: int) -> str:
         """The chat template's text for ``messages``; DataError if the template fails."""
         try:
-            out = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=gen)
+            out = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
         except Exception as e:  # jinja errors, template-raised exceptions
             raise DataError(
-                f"{path}:{line_no}: the chat template failed on this record: "
-                f"{' '.join(str(e).split())}") from None
+                f"{path}:{line_no}: the chat template failed on this record: {' '.join(str(e).split())}"
+            ) from None
         return str(out)
 
-    def _assistant_spans(self, messages: list[dict[str, Any]], full: str, path: str,
-                         line_no: int) -> list[tuple[int, int]]:
+    def _assistant_spans(
+        self, messages: list[dict[str, Any]], full: str, path: str, line_no: int
+    ) -> list[tuple[int, int]]:
         """Character spans ``[start, end)`` of the assistant turns in the rendered ``full`` text."""
         spans = []
         for k, m in enumerate(messages):
@@ -109,13 +109,11 @@ class Encoder:
             spans.append((len(start), len(end)))
         return spans
 
-    def _encode_messages(self, messages: list[dict[str, Any]], path: str,
-                         line_no: int) -> tuple[list[int], list[int]]:
+    def _encode_messages(self, messages: list[dict[str, Any]], path: str, line_no: int) -> tuple[list[int], list[int]]:
         """Ids and labels of a conversation, loss on assistant turns (see the module docstring)."""
         full = self._render(messages, False, path, line_no)
         fast = bool(getattr(self.tokenizer, "is_fast", False))
-        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=fast,
-                             verbose=False)
+        enc = self.tokenizer(full, add_special_tokens=False, return_offsets_mapping=fast, verbose=False)
         ids = list(enc["input_ids"])
         offsets = list(enc["offset_mapping"]) if fast else None
         mask = [False] * len(ids)
@@ -130,9 +128,16 @@ class Encoder:
         labels = [t if keep else IGNORE_INDEX for t, keep in zip(ids, mask)]
         return ids, labels
 
-    def _token_boundary(self, full: str, char: int, ids: list[int],
-                        offsets: list[tuple[int, int]] | None, cache: dict[int, int | None],
-                        path: str, line_no: int) -> int:
+    def _token_boundary(
+        self,
+        full: str,
+        char: int,
+        ids: list[int],
+        offsets: list[tuple[int, int]] | None,
+        cache: dict[int, int | None],
+        path: str,
+        line_no: int,
+    ) -> int:
         """Index of the first token of ``full`` at or after character ``char``.
 
         Exact when ``full[:char]`` tokenizes to a prefix of ``ids`` (the length of that prefix);

@@ -6,8 +6,16 @@ from fuyou.device.base import HOST_ALIGN, Backend, Event, MemoryStats, host_alig
 from fuyou.device.cpu import CPUBackend
 from fuyou.errors import ConfigError
 
-__all__ = ["HOST_ALIGN", "Backend", "CPUBackend", "Event", "MemoryStats", "device_kind", "get_backend",
-           "host_aligned_empty"]
+__all__ = [
+    "HOST_ALIGN",
+    "Backend",
+    "CPUBackend",
+    "Event",
+    "MemoryStats",
+    "device_kind",
+    "get_backend",
+    "host_aligned_empty",
+]
 
 
 def device_kind(kind: str = "auto") -> str:

@@ -59,8 +59,12 @@ def grad_pack(grad: torch.Tensor, out: torch.Tensor, scale: float = 1.0) -> torc
     # Run on torch's current stream of the tensors' device, so it is ordered with the backward that
     # produced ``grad`` and the copy that reads ``out`` (the caller is inside ``backend.on(stream)``).
     stream = cupy.cuda.ExternalStream(_current_stream_ptr(grad.device))
-    kernel((blocks,), (BLOCK,), (grad.data_ptr(), out.data_ptr(), cupy.float32(scale), sumsq.data_ptr(),
-                                 cupy.int64(n)), stream=stream)
+    kernel(
+        (blocks,),
+        (BLOCK,),
+        (grad.data_ptr(), out.data_ptr(), cupy.float32(scale), sumsq.data_ptr(), cupy.int64(n)),
+        stream=stream,
+    )
     return sumsq
 
 

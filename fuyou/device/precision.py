@@ -43,8 +43,12 @@ class PrecisionChoice:
 
     def to_json(self) -> dict:
         """For run.json."""
-        return {"precision": self.precision, "requested": self.requested, "bf16_slowdown": self.bf16_slowdown,
-                "reason": self.reason}
+        return {
+            "precision": self.precision,
+            "requested": self.requested,
+            "bf16_slowdown": self.bf16_slowdown,
+            "reason": self.reason,
+        }
 
 
 def _time_matmul(backend: Backend, dtype: torch.dtype, repeats: int = 3) -> float:
@@ -91,7 +95,10 @@ def choose_precision(requested: str, backend: Backend) -> PrecisionChoice:
     slow = factor > SLOW_FACTOR
     where = f"bf16 matmul measured {factor:.1f}× the time of fp32 on this {backend.name.upper()}"
     if requested == "bf16":
-        reason = f"bf16 asked for; {where}: --precision fp32 (or auto) would compute faster" if slow else "bf16 asked for"
+        reason = (
+            f"bf16 asked for; {where}: --precision fp32 (or auto) would compute faster" if slow else "bf16 asked for"
+        )
         return PrecisionChoice("bf16", requested, factor, reason)
-    return PrecisionChoice("fp32" if slow else "bf16", requested, factor,
-                           f"auto: {where}, so {'fp32' if slow else 'bf16'}")
+    return PrecisionChoice(
+        "fp32" if slow else "bf16", requested, factor, f"auto: {where}, so {'fp32' if slow else 'bf16'}"
+    )

@@ -77,9 +77,17 @@ def _input(x: torch.Tensor) -> torch.Tensor:
     return x.requires_grad_() if x.is_floating_point() else x
 
 
-def forward(adapter: Adapter, b: int, x: torch.Tensor, ctx: MicroBatchContext | None, policy: str,
-            backend: Backend, weights: list[torch.Tensor], space: ActivationSpace, k: int = 0,
-            ) -> tuple[torch.Tensor, MicroBatchContext | None, Saved]:
+def forward(
+    adapter: Adapter,
+    b: int,
+    x: torch.Tensor,
+    ctx: MicroBatchContext | None,
+    policy: str,
+    backend: Backend,
+    weights: list[torch.Tensor],
+    space: ActivationSpace,
+    k: int = 0,
+) -> tuple[torch.Tensor, MicroBatchContext | None, Saved]:
     """Run block ``b`` forward (micro-batch ``k``) under ``policy``; return (output, context, what backward needs)."""
     if policy == "recompute":
         rng = backend.rng_state()

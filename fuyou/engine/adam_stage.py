@@ -35,9 +35,18 @@ class AdamStage:
     """Offload (through ``gradients``), update and write back one block at a time; see the module
     docstring."""
 
-    def __init__(self, store: RamTier, backend: Backend, pool: HostBufferPool, layout: ModelLayout,
-                 hyper: AdamWHyper, timeline: Timeline, d2h_stream: object, num_threads: int | None = None,
-                 no_decay: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        store: RamTier,
+        backend: Backend,
+        pool: HostBufferPool,
+        layout: ModelLayout,
+        hyper: AdamWHyper,
+        timeline: Timeline,
+        d2h_stream: object,
+        num_threads: int | None = None,
+        no_decay: frozenset[str] = frozenset(),
+    ) -> None:
         self.store, self.backend, self.pool, self.layout = store, backend, pool, layout
         self.no_decay = no_decay
         self.timeline = timeline
@@ -57,7 +66,9 @@ class AdamStage:
         traffic (the tier records their memcpys itself)."""
         return fut if self.store.holds(name) else self.timeline.track(fut, resource, name, nbytes)
 
-    def _timed_step(self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, **kw: object) -> None:
+    def _timed_step(
+        self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, **kw: object
+    ) -> None:
         t0 = time.perf_counter()
         adamw_step(master, m, v, grad, **kw)  # type: ignore[arg-type]
         self.timeline.add("adam", f"adam {master.numel()}", t0, time.perf_counter(), master.numel())
@@ -67,8 +78,15 @@ class AdamStage:
         (``GradientOffload.offload``, on this stage's device-to-host stream)."""
         return self.gradients.offload(b, grad, cls)
 
-    def update(self, b: int, grad: HostBuffer | Callable[[], tuple[HostBuffer, Event]], ready: Event | None,
-               lr: float, step: int, scale: float) -> Future:
+    def update(
+        self,
+        b: int,
+        grad: HostBuffer | Callable[[], tuple[HostBuffer, Event]],
+        ready: Event | None,
+        lr: float,
+        step: int,
+        scale: float,
+    ) -> Future:
         """Queue AdamW for block ``b``; returns at once with a future for the written block.
 
         ``grad`` is the host gradient (complete once ``ready``), or a callable the feeder runs first
@@ -112,7 +130,9 @@ class AdamStage:
         """
         w_ext = self.layout.w(b)
         wbuf = self.pool.acquire(NEW_WEIGHTS)
-        chunk_writes = [self._chunk(b, c, grad, ready, wbuf, lr, step, scale) for c in range(len(self.layout.chunks(b)))]
+        chunk_writes = [
+            self._chunk(b, c, grad, ready, wbuf, lr, step, scale) for c in range(len(self.layout.chunks(b)))
+        ]
         jobs = gather([j for j, _ in chunk_writes])
         jobs.add_done_callback(lambda _: self.pool.release(grad))
 
@@ -123,8 +143,9 @@ class AdamStage:
         ww.add_done_callback(lambda _: self.pool.release(wbuf))
         return gather([ww] + [w for _, w in chunk_writes])
 
-    def _chunk(self, b: int, c: int, grad: HostBuffer, ready: Event, wbuf: HostBuffer, lr: float, step: int,
-               scale: float) -> tuple[Future, Future]:
+    def _chunk(
+        self, b: int, c: int, grad: HostBuffer, ready: Event, wbuf: HostBuffer, lr: float, step: int, scale: float
+    ) -> tuple[Future, Future]:
         """Read, update and write state chunk ``c`` of block ``b``: (job future, write future)."""
         s_ext = self.layout.s(b, c)
         lo, hi = self.layout.chunks(b)[c]
@@ -145,10 +166,18 @@ class AdamStage:
             jobs = []
             for a, z, decay in self._runs(b, lo, hi):  # one job per run of equal weight decay
                 out = wbuf.view(dt, z)[a:z]
-                job = AdamJob(key=f"{s_ext.name}[{a}:{z}]", master=views["master"][a - lo : z - lo],
-                              m=views["m"][a - lo : z - lo], v=views["v"][a - lo : z - lo],
-                              grad=grad.view(dt, z)[a:z], lr=lr, step=step, grad_scale=scale,
-                              out=out if dt == torch.bfloat16 else None, weight_decay=None if decay else 0.0)
+                job = AdamJob(
+                    key=f"{s_ext.name}[{a}:{z}]",
+                    master=views["master"][a - lo : z - lo],
+                    m=views["m"][a - lo : z - lo],
+                    v=views["v"][a - lo : z - lo],
+                    grad=grad.view(dt, z)[a:z],
+                    lr=lr,
+                    step=step,
+                    grad_scale=scale,
+                    out=out if dt == torch.bfloat16 else None,
+                    weight_decay=None if decay else 0.0,
+                )
                 on_done = None if dt == torch.bfloat16 else (lambda j, out=out: out.copy_(j.master))
                 jobs.append(self.worker.submit(job, on_done))
             return gather(jobs)

@@ -46,8 +46,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 class Engine:
     """Out-of-core trainer for one causal LM; see the module docstring."""
 
-    def __init__(self, config: Any, cfg: EngineConfig, tensors: Callable[[list[str]], dict[str, torch.Tensor]] | None,
-                 source_dir: str | None = None, store: TensorStore | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        cfg: EngineConfig,
+        tensors: Callable[[list[str]], dict[str, torch.Tensor]] | None,
+        source_dir: str | None = None,
+        store: TensorStore | None = None,
+    ) -> None:
         """Build the engine; with ``store`` (an opened store of an earlier run) resume from it, else
         create a new store in ``cfg.ssd_dirs`` and import ``tensors`` block by block."""
         self.cfg, self.source_dir = cfg, source_dir
@@ -72,11 +78,23 @@ class Engine:
         for c in sizing.buffer_classes(self.layout.footprint(), self.plan):
             self.pool.reserve(c.name, c.nbytes, c.count)
         self.timeline = Timeline()
-        self.store = store or TensorStore.create(list(cfg.ssd_dirs), self.layout.extents(), io=cfg.io,
-                                                 direct=cfg.direct, checksums=cfg.checksums, overwrite=True)
+        self.store = store or TensorStore.create(
+            list(cfg.ssd_dirs),
+            self.layout.extents(),
+            io=cfg.io,
+            direct=cfg.direct,
+            checksums=cfg.checksums,
+            overwrite=True,
+        )
         try:
-            self.tier = RamTier(self.store, self.pool, self.layout, self.timeline, self.plan.ram_weight_blocks,
-                                self.plan.ram_state_blocks)
+            self.tier = RamTier(
+                self.store,
+                self.pool,
+                self.layout,
+                self.timeline,
+                self.plan.ram_weight_blocks,
+                self.plan.ram_state_blocks,
+            )
             if store is not None:
                 self.tier.load()
         except BaseException:
@@ -84,19 +102,59 @@ class Engine:
                 self.store.close()
             raise
         self.compute_stream = self.backend.current_stream()  # forward/backward run on torch's current stream
-        self.loader = WeightLoader(self.tier, self.backend, self.pool, self.layout, self.timeline,
-                                   self.plan.prefetch_depth, self.backend.new_stream())
+        self.loader = WeightLoader(
+            self.tier,
+            self.backend,
+            self.pool,
+            self.layout,
+            self.timeline,
+            self.plan.prefetch_depth,
+            self.backend.new_stream(),
+        )
         hyper = AdamWHyper(cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
-        self.stage = AdamStage(self.tier, self.backend, self.pool, self.layout, hyper, self.timeline,
-                               self.backend.new_stream(), cfg.adam_threads, cfg.no_decay)
-        self.parking = GradientParking(self.stage, self.pool, self.layout, self.store.io, self.store.dirs,
-                                       self.store.direct, self.timeline,
-                                       rules.parked_on_ssd(len(self.layout.blocks), self.plan), cfg.checksums)
-        self.act_space = ActivationSpace(self.backend, self.pool, self.store.io, self.store.dirs,
-                                         self.store.direct, self.timeline)
-        self.runner = StepRunner(StepContext(
-            self.layout, self.plan, self.adapter, self.backend, self.loader, self.stage, self.parking, self.tier,
-            self.act_space, self.timeline, self.compute_stream, self.max_grad_norm, self.progress, self.commit_meta))
+        self.stage = AdamStage(
+            self.tier,
+            self.backend,
+            self.pool,
+            self.layout,
+            hyper,
+            self.timeline,
+            self.backend.new_stream(),
+            cfg.adam_threads,
+            cfg.no_decay,
+        )
+        self.parking = GradientParking(
+            self.stage,
+            self.pool,
+            self.layout,
+            self.store.io,
+            self.store.dirs,
+            self.store.direct,
+            self.timeline,
+            rules.parked_on_ssd(len(self.layout.blocks), self.plan),
+            cfg.checksums,
+        )
+        self.act_space = ActivationSpace(
+            self.backend, self.pool, self.store.io, self.store.dirs, self.store.direct, self.timeline
+        )
+        self.runner = StepRunner(
+            StepContext(
+                self.layout,
+                self.plan,
+                self.adapter,
+                self.backend,
+                self.loader,
+                self.stage,
+                self.parking,
+                self.tier,
+                self.act_space,
+                self.timeline,
+                self.compute_stream,
+                self.max_grad_norm,
+                self.progress,
+                self.commit_meta,
+            )
+        )
         if store is None:
             assert tensors is not None  # a new store is filled from the model's tensors
             self._save_model_files()
@@ -118,6 +176,7 @@ class Engine:
         """Stream a Hugging Face model directory (config.json + safetensors) into a new store."""
         config = load_config(model_dir)
         reader = CheckpointReader(model_dir)
+
         def block_tensors(keys: list[str]) -> dict[str, torch.Tensor]:
             out = {k: reader.get(k).clone() for k in keys}
             reader.close()  # one block at a time: never keep the checkpoint mapped
@@ -182,8 +241,13 @@ class Engine:
     def commit_meta(self) -> dict:
         """What each committed store version records: progress, and the layout facts export needs."""
         lay = self.layout
-        return {"step": self.step, "lr": self.lr, "compute_dtype": str(lay.compute_dtype).removeprefix("torch."),
-                "state_dtype": str(lay.state_dtype).removeprefix("torch."), "state_chunk": lay.state_chunk}
+        return {
+            "step": self.step,
+            "lr": self.lr,
+            "compute_dtype": str(lay.compute_dtype).removeprefix("torch."),
+            "state_dtype": str(lay.state_dtype).removeprefix("torch."),
+            "state_chunk": lay.state_chunk,
+        }
 
     def _save_model_files(self) -> None:
         """Keep the HF config (and tokenizer files) with the store, so ``fuyou export`` needs nothing else."""
@@ -216,8 +280,9 @@ class Engine:
         labels = input_ids if labels is None else labels
         return self.train_micro_batches(list(input_ids.chunk(K)), list(labels.chunk(K)))
 
-    def train_micro_batches(self, input_ids: list[torch.Tensor], labels: list[torch.Tensor],
-                            num_items: int | None = None) -> StepResult:
+    def train_micro_batches(
+        self, input_ids: list[torch.Tensor], labels: list[torch.Tensor], num_items: int | None = None
+    ) -> StepResult:
         """One optimizer step over micro-batches of ``[b, t]`` token ids (shapes may differ).
 
         All micro-batches pass each block together (layer-grouped accumulation). ``num_items`` is the
@@ -228,13 +293,25 @@ class Engine:
         dev = self.backend.device
         if num_items is None:
             num_items = int(sum((lab[:, 1:] != -100).sum() for lab in labels))
-        st = StepState(xs=[x.to(dev) for x in input_ids], ctxs=[None] * len(input_ids),
-                       labels=[lab.to(dev) for lab in labels], num_items=num_items)
+        st = StepState(
+            xs=[x.to(dev) for x in input_ids],
+            ctxs=[None] * len(input_ids),
+            labels=[lab.to(dev) for lab in labels],
+            num_items=num_items,
+        )
         applied, t0, t1 = self.runner.run(st)
         tokens = sum(x.numel() for x in input_ids)
-        return StepResult(step=self.step, loss=st.loss, grad_norm=math.sqrt(st.norm_sq), applied=applied, lr=self.lr,
-                          tokens=tokens, step_time_s=t1 - t0, tokens_per_s=tokens / (t1 - t0),
-                          **self.timeline.summary(t0, t1))
+        return StepResult(
+            step=self.step,
+            loss=st.loss,
+            grad_norm=math.sqrt(st.norm_sq),
+            applied=applied,
+            lr=self.lr,
+            tokens=tokens,
+            step_time_s=t1 - t0,
+            tokens_per_s=tokens / (t1 - t0),
+            **self.timeline.summary(t0, t1),
+        )
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
@@ -325,7 +402,8 @@ def admit(layout: ModelLayout, plan: Plan, host_bytes: int, device_bytes: int, f
     if need > device_bytes:
         raise DeviceMemoryError(
             f"the largest block needs {format_size(need)} of device memory for its weights and gradients, "
-            f"the device budget is {format_size(device_bytes)}; raise --gpu-memory (or use a GPU with more memory)")
+            f"the device budget is {format_size(device_bytes)}; raise --gpu-memory (or use a GPU with more memory)"
+        )
     return sizing.fit_host(fp, dataclasses.replace(plan, state_chunk=layout.state_chunk), host_bytes, fixed_chunk)
 
 
@@ -336,6 +414,8 @@ def _stored_layout(blocks: tuple, store: TensorStore, cfg: EngineConfig) -> Mode
     meta = store.meta
     compute = dtype_from_name(meta["compute_dtype"])
     if compute != DTYPES[cfg.precision]:
-        raise ConfigError(f"the store in {store.dirs[0]} was trained with --precision "
-                          f"{'bf16' if compute == torch.bfloat16 else 'fp32'}; resume with the same precision")
+        raise ConfigError(
+            f"the store in {store.dirs[0]} was trained with --precision "
+            f"{'bf16' if compute == torch.bfloat16 else 'fp32'}; resume with the same precision"
+        )
     return ModelLayout(blocks, compute, dtype_from_name(meta["state_dtype"]), meta["state_chunk"])

@@ -38,8 +38,9 @@ def iter_master(store: TensorStore | RamTier, layout: ModelLayout) -> Iterator[t
             yield t.name, master[off // size : off // size + t.nbytes // size].view(t.shape)
 
 
-def export_layout(store: TensorStore | RamTier, layout: ModelLayout, config: Any, out_dir: str, dtype: str,
-                  copy_from: str | None) -> None:
+def export_layout(
+    store: TensorStore | RamTier, layout: ModelLayout, config: Any, out_dir: str, dtype: str, copy_from: str | None
+) -> None:
     """Write the store's current weights as a Hugging Face model directory in ``dtype``."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be bf16 or fp32, got {dtype!r}")
@@ -69,10 +70,16 @@ def export_store(paths: list[str], out_dir: str, dtype: str = "bf16") -> None:
     with TensorStore.open(dirs) as store:
         meta = store.meta
         if not os.path.isdir(files) or "compute_dtype" not in meta:
-            raise ManifestError(f"{dirs[0]} is not a Fuyou training store (no model files or layout); pass a run "
-                                "directory or the --ssd directories of a run")
+            raise ManifestError(
+                f"{dirs[0]} is not a Fuyou training store (no model files or layout); pass a run "
+                "directory or the --ssd directories of a run"
+            )
         refuse_stale(meta, dirs[0])
         config = load_config(files)
-        layout = ModelLayout(tuple(make_adapter(config).blocks), dtype_from_name(meta["compute_dtype"]),
-                             dtype_from_name(meta["state_dtype"]), meta["state_chunk"])
+        layout = ModelLayout(
+            tuple(make_adapter(config).blocks),
+            dtype_from_name(meta["compute_dtype"]),
+            dtype_from_name(meta["state_dtype"]),
+            meta["state_chunk"],
+        )
         export_layout(store, layout, config, out_dir, dtype, files)

@@ -164,7 +164,9 @@ class StepRunner:
         return applied, t0, time.perf_counter()
 
     # ---------------------------------------------------------------- helpers
-    def _bind(self, st: StepState, b: int, borrowed: dict[int, torch.Tensor] | None = None) -> dict[str, torch.nn.Parameter]:
+    def _bind(
+        self, st: StepState, b: int, borrowed: dict[int, torch.Tensor] | None = None
+    ) -> dict[str, torch.nn.Parameter]:
         c = self.c
         dt = c.layout.compute_dtype
         tensors = c.layout.unflatten(b, st.weights[b].view(dt))
@@ -178,8 +180,9 @@ class StepRunner:
         owners = [b] + [c.layout.index(o) for o in c.layout.blocks[b].borrows]
         for o in owners:
             if o not in st.grads:
-                st.grads[o] = c.backend.device_empty((c.layout.numel(o),), c.layout.compute_dtype,
-                                                     f"gradients of {c.layout.blocks[o].name}").zero_()
+                st.grads[o] = c.backend.device_empty(
+                    (c.layout.numel(o),), c.layout.compute_dtype, f"gradients of {c.layout.blocks[o].name}"
+                ).zero_()
         views = {}
         for o in owners:
             views.update(c.layout.unflatten(o, st.grads[o]))
@@ -213,8 +216,12 @@ class StepRunner:
             st.weights[b] = self._load(st, b)
             st.params[b] = self._bind(st, b)
             with c.timeline.span("compute", f"fwd {c.layout.blocks[b].name}"):
-                out = [activations.forward(c.adapter, b, st.xs[k], st.ctxs[k], policy, c.backend,
-                                           [st.weights[b]], c.act_space, k) for k in range(len(st.xs))]
+                out = [
+                    activations.forward(
+                        c.adapter, b, st.xs[k], st.ctxs[k], policy, c.backend, [st.weights[b]], c.act_space, k
+                    )
+                    for k in range(len(st.xs))
+                ]
             st.xs = [o[0] for o in out]
             st.ctxs = [o[1] for o in out]
             st.saved[b] = [o[2] for o in out]
@@ -240,8 +247,10 @@ class StepRunner:
                 with torch.enable_grad():
                     logits, _ = c.adapter.forward(H, x_in, st.ctxs[k])
                     # transformers annotates num_items_in_batch as a Tensor; it divides by it, an int works
-                    loss = ForCausalLMLoss(logits, st.labels[k], c.adapter.config.vocab_size,
-                                           num_items_in_batch=st.num_items)  # type: ignore[arg-type]
+                    n_items: Any = st.num_items
+                    loss = ForCausalLMLoss(
+                        logits, st.labels[k], c.adapter.config.vocab_size, num_items_in_batch=n_items
+                    )
                 loss.backward()
                 st.loss += loss.item()
                 dys.append(x_in.grad)

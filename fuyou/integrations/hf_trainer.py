@@ -60,17 +60,34 @@ class FuyouTrainingArguments(TrainingArguments):
     ssd_dirs: list[str] = dataclasses.field(default_factory=list, metadata={"help": "Store directories, one per SSD."})
     cpu_memory: str = dataclasses.field(default="8GiB", metadata={"help": "Host-memory budget, e.g. 64GiB."})
     gpu_memory: str | None = dataclasses.field(default=None, metadata={"help": "Device-memory budget, e.g. 20GiB."})
-    seq_len: int | None = dataclasses.field(default=None, metadata={
-        "help": "Longest sequence of a batch, what the plan is sized for (default: the model's maximum positions, "
-                f"at most {SEQ_LEN_CAP})."})
-    plan: str = dataclasses.field(default="auto", metadata={
-        "help": "auto: the cost-model planner picks the engine plan; rules: the engine's simple budget rules."})
-    profile: str | None = dataclasses.field(default=None, metadata={
-        "help": "Hardware profile JSON for the planner (default $FUYOU_PROFILE, ~/.cache/fuyou/hw.json, else measured)."})
-    prefetch_depth: int | None = dataclasses.field(default=None, metadata={
-        "help": "Fix the weight prefetch depth instead of planning it."})
-    activations: str | None = dataclasses.field(default=None, metadata={
-        "help": "Fix every layer's activation policy (keep|swap_cpu|swap_ssd|recompute) instead of planning it."})
+    seq_len: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Longest sequence of a batch, what the plan is sized for (default: the model's maximum positions, "
+            f"at most {SEQ_LEN_CAP})."
+        },
+    )
+    plan: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "auto: the cost-model planner picks the engine plan; rules: the engine's simple budget rules."
+        },
+    )
+    profile: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Hardware profile JSON for the planner (default $FUYOU_PROFILE, ~/.cache/fuyou/hw.json, else measured)."
+        },
+    )
+    prefetch_depth: int | None = dataclasses.field(
+        default=None, metadata={"help": "Fix the weight prefetch depth instead of planning it."}
+    )
+    activations: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Fix every layer's activation policy (keep|swap_cpu|swap_ssd|recompute) instead of planning it."
+        },
+    )
 
     @property
     def place_model_on_device(self) -> bool:
@@ -121,8 +138,11 @@ def _warn_if_bf16_is_slow(backend: Any) -> None:
 
     choice = choose_precision("bf16", backend)
     if (choice.bf16_slowdown or 0) > SLOW_FACTOR:
-        warnings.warn(f"FuyouTrainer: {choice.reason.replace('--precision fp32 (or auto)', 'bf16=False')}",
-                      FuyouWarning, stacklevel=3)
+        warnings.warn(
+            f"FuyouTrainer: {choice.reason.replace('--precision fp32 (or auto)', 'bf16=False')}",
+            FuyouWarning,
+            stacklevel=3,
+        )
 
 
 class FuyouTrainer(Trainer):
@@ -139,12 +159,21 @@ class FuyouTrainer(Trainer):
         # the engine plan this trainer runs and how it was chosen (info: source, profile, prediction)
         self.plan_choice = _choose(req, seq_from, _stderr if args.should_log else lambda s: None)
         cfg = EngineConfig(
-            ssd_dirs=req.store_dirs, cpu_memory=req.cpu_memory, gpu_memory=req.gpu_memory, device=req.device,
-            precision=req.precision, state_precision=req.state_precision,
-            lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-            weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or 0.0,
-            no_decay=frozenset(n for n, _ in model.named_parameters()) - frozenset(self.get_decay_parameter_names(model)),
-            plan=self.plan_choice.plan)
+            ssd_dirs=req.store_dirs,
+            cpu_memory=req.cpu_memory,
+            gpu_memory=req.gpu_memory,
+            device=req.device,
+            precision=req.precision,
+            state_precision=req.state_precision,
+            lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            weight_decay=args.weight_decay,
+            max_grad_norm=args.max_grad_norm or 0.0,
+            no_decay=frozenset(n for n, _ in model.named_parameters())
+            - frozenset(self.get_decay_parameter_names(model)),
+            plan=self.plan_choice.plan,
+        )
         self.engine = Engine.from_state_dict(model.config, model.state_dict(), cfg)
         if args.bf16:
             _warn_if_bf16_is_slow(self.engine.backend)
@@ -205,17 +234,22 @@ class FuyouTrainer(Trainer):
         if self._warned_longer:
             return
         self._warned_longer = True
-        warnings.warn(f"FuyouTrainer: a batch of {seq_len} tokens per sequence is longer than the {self._planned_seq_len} "
-                      "the engine plan was sized for, so activations may exceed the memory budgets; set "
-                      "FuyouTrainingArguments.seq_len to the longest batch", FuyouWarning, stacklevel=3)
+        warnings.warn(
+            f"FuyouTrainer: a batch of {seq_len} tokens per sequence is longer than the {self._planned_seq_len} "
+            "the engine plan was sized for, so activations may exceed the memory budgets; set "
+            "FuyouTrainingArguments.seq_len to the longest batch",
+            FuyouWarning,
+            stacklevel=3,
+        )
 
     def _clip_grad_norm(self, model: Any) -> torch.Tensor:
         """Clipping already happened, exactly, in the engine; report its gradient norm."""
         return torch.tensor(self._last["grad_norm"] if self._last else 0.0)
 
     # ---- evaluation and saving -----------------------------------------------------------------
-    def prediction_step(self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool,
-                        ignore_keys: Any = None) -> tuple[torch.Tensor, None, None]:
+    def prediction_step(
+        self, model: Any, inputs: dict[str, Any], prediction_loss_only: bool, ignore_keys: Any = None
+    ) -> tuple[torch.Tensor, None, None]:
         """Evaluation loss through the engine (the model object's weights are not the trained ones)."""
         mb = _micro_batch(inputs)
         return torch.tensor(self.engine.evaluate(mb["input_ids"], mb["labels"])), None, None
@@ -271,8 +305,12 @@ class FuyouTrainer(Trainer):
 
         self.engine.flush()
         name = f"hf-{os.path.basename(os.path.normpath(output_dir))}-{self.engine.store.version}"
-        take(self.engine.store, name, {"hf_checkpoint": os.path.abspath(output_dir), "step": self.state.global_step},
-             replace=True)
+        take(
+            self.engine.store,
+            name,
+            {"hf_checkpoint": os.path.abspath(output_dir), "step": self.state.global_step},
+            replace=True,
+        )
         with open(os.path.join(output_dir, FUYOU_CKPT), "w") as f:
             json.dump({"stripes": list(self.engine.store.dirs), "name": name, "plan": self.plan_record()}, f)
         torch.save(self._scheduler().state_dict(), os.path.join(output_dir, "scheduler.pt"))
@@ -311,14 +349,25 @@ def plan_request(args: FuyouTrainingArguments, config: Any) -> tuple[PlanRequest
     else:
         max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
         seq_len = min(int(max_pos or SEQ_LEN_CAP), SEQ_LEN_CAP)
-        seq_from = (f"the model's {max_pos} positions, at most {SEQ_LEN_CAP}" if max_pos else "no seq_len given")
+        seq_from = f"the model's {max_pos} positions, at most {SEQ_LEN_CAP}" if max_pos else "no seq_len given"
         seq_from += "; set FuyouTrainingArguments.seq_len to the longest batch"
     req = PlanRequest(
-        model_config=config, store_dirs=tuple(args.ssd_dirs), cpu_memory=args.cpu_memory, gpu_memory=args.gpu_memory,
-        device="cpu" if args.use_cpu else "auto", precision="bf16" if args.bf16 else "fp32",
-        micro_batch_size=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
-        seq_len=seq_len, clip=bool(args.max_grad_norm), mode=args.plan, prefetch_depth=args.prefetch_depth,
-        activations=args.activations, profile=args.profile, profile_out=os.path.join(str(args.output_dir), FUYOU_PROFILE))
+        model_config=config,
+        store_dirs=tuple(args.ssd_dirs),
+        cpu_memory=args.cpu_memory,
+        gpu_memory=args.gpu_memory,
+        device="cpu" if args.use_cpu else "auto",
+        precision="bf16" if args.bf16 else "fp32",
+        micro_batch_size=args.per_device_train_batch_size,
+        grad_accum=args.gradient_accumulation_steps,
+        seq_len=seq_len,
+        clip=bool(args.max_grad_norm),
+        mode=args.plan,
+        prefetch_depth=args.prefetch_depth,
+        activations=args.activations,
+        profile=args.profile,
+        profile_out=os.path.join(str(args.output_dir), FUYOU_PROFILE),
+    )
     return req, seq_from
 
 
@@ -327,8 +376,10 @@ def _choose(req: PlanRequest, seq_from: str, log: Callable[[str], None]) -> Chos
     from fuyou.planner.search import InfeasibleError
 
     if req.mode == "auto":
-        log(f"FuyouTrainer: planning for {req.micro_batch_size} × {req.grad_accum} sequences of {req.seq_len} tokens "
-            f"per step (length from {seq_from})")
+        log(
+            f"FuyouTrainer: planning for {req.micro_batch_size} × {req.grad_accum} sequences of {req.seq_len} tokens "
+            f"per step (length from {seq_from})"
+        )
     try:
         return choose_plan(req, log)
     except InfeasibleError as e:

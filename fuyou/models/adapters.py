@@ -36,9 +36,17 @@ class MicroBatchContext:
 def architecture_of(config: Any) -> str:
     """The config's architecture name; raises ConfigError listing the supported ones if unknown."""
     archs = getattr(config, "architectures", None) or []
-    name = archs[0] if archs else {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                                   "gpt2": "GPT2LMHeadModel"}.get(getattr(config, "model_type", ""), "")
+    name = (
+        archs[0]
+        if archs
+        else {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+            "gpt2": "GPT2LMHeadModel",
+        }.get(getattr(config, "model_type", ""), "")
+    )
     if name not in SUPPORTED:
         raise ConfigError(
             f"unsupported architecture {name or getattr(config, 'model_type', '?')!r}; Fuyou supports "
@@ -62,10 +70,12 @@ class Adapter:
         self.modules = self._block_modules()
         for _, mod in self.modules[0][1]:
             if isinstance(mod, nn.Embedding):  # backward scatters the tokens' rows into the preset gradient
-                mod.sparse = True              # instead of a dense vocab × hidden zero tensor added whole
+                mod.sparse = True  # instead of a dense vocab × hidden zero tensor added whole
         self.blocks = [self._spec(name, mods) for name, mods in self.modules]
-        self._meta = [[(_owner(mod, pname), p) for _, mod in mods for pname, p in mod.named_parameters(remove_duplicate=False)]
-                      for _, mods in self.modules]
+        self._meta = [
+            [(_owner(mod, pname), p) for _, mod in mods for pname, p in mod.named_parameters(remove_duplicate=False)]
+            for _, mods in self.modules
+        ]
 
     # -- description -------------------------------------------------------------------------
     def _block_modules(self) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
@@ -81,8 +91,11 @@ class Adapter:
                     borrows = ("embed",)
                     continue
                 params.append(ParamSpec(key, tuple(p.shape)))
-        flops = 2 * sum(p.numel for p in params if len(p.shape) == 2 and "embed" not in p.key and "wte" not in p.key
-                        and "wpe" not in p.key)
+        flops = 2 * sum(
+            p.numel
+            for p in params
+            if len(p.shape) == 2 and "embed" not in p.key and "wte" not in p.key and "wpe" not in p.key
+        )
         if borrows:
             flops += 2 * self.config.vocab_size * self.hidden
         return BlockSpec(name, tuple(params), borrows, flops)
@@ -180,8 +193,9 @@ def _owner(mod: nn.Module, dotted: str) -> tuple[nn.Module, str]:
 def _causal_mask(config: Any, embeds: torch.Tensor, position_ids: torch.Tensor) -> Any:
     from transformers.masking_utils import create_causal_mask
 
-    return create_causal_mask(config=config, inputs_embeds=embeds, attention_mask=None,
-                              past_key_values=None, position_ids=position_ids)
+    return create_causal_mask(
+        config=config, inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=position_ids
+    )
 
 
 class LlamaLike(Adapter):
@@ -210,8 +224,9 @@ class LlamaLike(Adapter):
             return self.lm_head(m.norm(x)), ctx
         layer = m.layers[block - 1]
         assert ctx is not None  # block 0 made it
-        return layer(x, attention_mask=ctx.mask, position_embeddings=ctx.position_embeddings,
-                     position_ids=ctx.position_ids), ctx
+        return layer(
+            x, attention_mask=ctx.mask, position_embeddings=ctx.position_embeddings, position_ids=ctx.position_ids
+        ), ctx
 
 
 class GPT2Adapter(Adapter):

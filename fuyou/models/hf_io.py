@@ -18,9 +18,17 @@ import torch
 
 from fuyou.errors import FuyouError, os_limit_error
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
-                   "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
 class ModelFileError(FuyouError):
@@ -36,7 +44,9 @@ def load_config(model_dir: str) -> Any:
 
     path = os.path.join(model_dir, "config.json")
     if not os.path.isfile(path):
-        raise ModelFileError(f"{model_dir} is not a model directory (no config.json); pass a Hugging Face model directory")
+        raise ModelFileError(
+            f"{model_dir} is not a model directory (no config.json); pass a Hugging Face model directory"
+        )
     try:
         return AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (ValueError, OSError, KeyError) as e:
@@ -71,8 +81,10 @@ class CheckpointReader:
             try:
                 self._open[fname] = safe_open(path, framework="pt")
             except Exception as e:  # safetensors raises its own error types
-                raise (os_limit_error(e, f"reading {path}", probe=path)
-                       or ModelFileError(f"cannot read {path}: {e}; the file is missing or corrupt")) from e
+                raise (
+                    os_limit_error(e, f"reading {path}", probe=path)
+                    or ModelFileError(f"cannot read {path}: {e}; the file is missing or corrupt")
+                ) from e
         return self._open[fname]
 
     def _keys(self, fname: str) -> list[str]:
@@ -96,12 +108,20 @@ class CheckpointReader:
             raise
         except Exception as e:
             where = os.path.join(self.model_dir, self.where[key])
-            raise (os_limit_error(e, f"reading {key!r} from {where}")
-                   or ModelFileError(f"cannot read {key!r} from {self.where[key]} in {self.model_dir}: {e}")) from e
+            raise (
+                os_limit_error(e, f"reading {key!r} from {where}")
+                or ModelFileError(f"cannot read {key!r} from {self.where[key]} in {self.model_dir}: {e}")
+            ) from e
 
 
-def save_streamed(out_dir: str, tensors: Iterator[tuple[str, torch.Tensor]], config: Any, dtype: torch.dtype,
-                  max_shard_bytes: int = 2 << 30, copy_from: str | None = None) -> None:
+def save_streamed(
+    out_dir: str,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    config: Any,
+    dtype: torch.dtype,
+    max_shard_bytes: int = 2 << 30,
+    copy_from: str | None = None,
+) -> None:
     """Write ``(key, tensor)`` pairs as sharded safetensors + index, the config, and tokenizer files.
 
     ``dtype`` is recorded in the saved config. Holds at most one shard in memory. Writes into ``out_dir + '.partial'`` and renames at the end,
@@ -136,7 +156,9 @@ def save_streamed(out_dir: str, tensors: Iterator[tuple[str, torch.Tensor]], con
         os.rename(os.path.join(tmp, a), os.path.join(tmp, b))
     total = sum(os.path.getsize(os.path.join(tmp, b)) for b in final)
     with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": {k: final[i] for k, i in weight_map.items()}}, f, indent=1)
+        json.dump(
+            {"metadata": {"total_size": total}, "weight_map": {k: final[i] for k, i in weight_map.items()}}, f, indent=1
+        )
     config = copy.deepcopy(config)
     config.dtype = dtype  # from_pretrained then loads the weights in the dtype they were saved in
     config.save_pretrained(tmp)
@@ -148,4 +170,3 @@ def save_streamed(out_dir: str, tensors: Iterator[tuple[str, torch.Tensor]], con
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.rename(tmp, out_dir)
-

@@ -55,11 +55,14 @@ class ModelLayout:
         """Chunk ``c`` of block ``b``'s optimizer state: master, m, v."""
         lo, hi = self.chunks(b)[c]
         n = hi - lo
-        return ExtentSpec(f"s/{self.blocks[b].name}/{c}", (
-            TensorSpec("master", (n,), torch.float32),
-            TensorSpec("m", (n,), self.state_dtype),
-            TensorSpec("v", (n,), self.state_dtype),
-        ))
+        return ExtentSpec(
+            f"s/{self.blocks[b].name}/{c}",
+            (
+                TensorSpec("master", (n,), torch.float32),
+                TensorSpec("m", (n,), self.state_dtype),
+                TensorSpec("v", (n,), self.state_dtype),
+            ),
+        )
 
     def state_bytes(self) -> int:
         """Largest state chunk in bytes (the size of one host state buffer)."""
@@ -69,9 +72,13 @@ class ModelLayout:
         """What host-memory sizing (``fuyou.schedule.sizing``) needs of this layout."""
         nb = range(len(self.blocks))
         head = self.blocks[-1]
-        return Footprint(tuple(self.w(b).nbytes for b in nb), tuple(self.numel(b) for b in nb),
-                         elem_size(self.compute_dtype), 4 + 2 * elem_size(self.state_dtype),
-                         tuple(self.index(o) for o in head.borrows))
+        return Footprint(
+            tuple(self.w(b).nbytes for b in nb),
+            tuple(self.numel(b) for b in nb),
+            elem_size(self.compute_dtype),
+            4 + 2 * elem_size(self.state_dtype),
+            tuple(self.index(o) for o in head.borrows),
+        )
 
     def extents(self) -> list[ExtentSpec]:
         """Every extent, block by block."""
@@ -126,5 +133,7 @@ class ModelLayout:
         """Views of each parameter in a flat vector laid out like block ``b``'s ``w`` extent."""
         ext = self.w(b)
         size = elem_size(self.compute_dtype)
-        return {t.name: flat[off // size : off // size + t.nbytes // size].view(t.shape)
-                for t, off in zip(ext.tensors, ext.offsets)}
+        return {
+            t.name: flat[off // size : off // size + t.nbytes // size].view(t.shape)
+            for t, off in zip(ext.tensors, ext.offsets)
+        }

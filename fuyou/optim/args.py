@@ -91,9 +91,7 @@ class StepCoefficients:
     """-lr / (1 - beta1**step): multiplies m in the update."""
 
 
-def step_coefficients(
-    hyper: AdamWHyper, lr: float, step: int, grad_scale: float = 1.0
-) -> StepCoefficients:
+def step_coefficients(hyper: AdamWHyper, lr: float, step: int, grad_scale: float = 1.0) -> StepCoefficients:
     """Derive one step's float32 coefficients exactly as torch's single-tensor AdamW does.
 
     Raises:

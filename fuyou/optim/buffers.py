@@ -44,15 +44,11 @@ def _check_flat(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], num
 def _check_disjoint(named: dict[str, torch.Tensor]) -> None:
     """Raise OptimBufferError if any two buffers share bytes (an in-place update would corrupt)."""
     spans = sorted(
-        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name)
-        for name, t in named.items()
-        if t.numel() > 0
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name) for name, t in named.items() if t.numel() > 0
     )
     for (_, end_a, name_a), (start_b, _, name_b) in zip(spans, spans[1:]):
         if start_b < end_a:
-            raise OptimBufferError(
-                f"{name_a} and {name_b} overlap in memory; each needs its own buffer"
-            )
+            raise OptimBufferError(f"{name_a} and {name_b} overlap in memory; each needs its own buffer")
 
 
 def check_buffers(

@@ -144,9 +144,7 @@ def store_fence(typingctx):
 
     def codegen(context, builder, signature, args):
         if _X86:
-            fn = builder.module.declare_intrinsic(
-                "llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), [])
-            )
+            fn = builder.module.declare_intrinsic("llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), []))
             builder.call(fn, [])
         else:
             builder.fence("seq_cst")
@@ -221,9 +219,7 @@ PREFETCH_AHEAD: int = 1024
 
 
 @njit(nogil=True, error_model="numpy", inline="always", cache=True)
-def _update_span(
-    p, m, v, g, out, has_out, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step
-):
+def _update_span(p, m, v, g, out, has_out, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step):
     """Update one span in place (0-based views, so LLVM vectorises without index-wrap checks)."""
     for i in range(p.size):
         gi = load_f32(g, i) * gscale
@@ -258,9 +254,7 @@ def _write_out(out, lo, hi, scratch):
 
 
 @njit(nogil=True, error_model="numpy", inline="always", cache=True)
-def _update_chunk(
-    p, m, v, g, out, has_out, lo, hi, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step
-):
+def _update_chunk(p, m, v, g, out, has_out, lo, hi, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step):
     """Update ``[lo, hi)`` block by block, prefetching ahead and writing the copy out."""
     scratch = np.empty(BLOCK if has_out else 0, dtype=np.uint16)
     for b in range(lo, hi, BLOCK):
@@ -280,9 +274,7 @@ def _update_chunk(
 
 
 @njit(parallel=True, nogil=True, error_model="numpy", cache=True)
-def adamw_kernel(
-    p, m, v, g, out, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step, chunk
-):
+def adamw_kernel(p, m, v, g, out, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step, chunk):
     """Fused AdamW over flat arrays, in place; ``out`` (uint16 bf16 bits) is written if non-empty.
 
     p: float32[n]; m, v: float32[n] or uint16[n] (bf16 bits); g: float32[n] or uint16[n];

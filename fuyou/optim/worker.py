@@ -134,9 +134,7 @@ class AdamWorker:
             AdamWorkerError: if a job failed, or jobs are still pending after ``timeout``.
         """
         with self._cond:
-            done = self._cond.wait_for(
-                lambda: self._pending == 0 or self._error is not None, timeout
-            )
+            done = self._cond.wait_for(lambda: self._pending == 0 or self._error is not None, timeout)
             self._raise_if_failed()
             if not done:
                 raise AdamWorkerError(f"{self._pending} Adam jobs still pending after {timeout} s")

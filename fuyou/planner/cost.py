@@ -25,7 +25,9 @@ from fuyou.schedule import sizing
 from fuyou.schedule.plan import Plan
 
 DAY_S = 86400.0
-FLOP_FORMULA = "model FLOPs = tokens × (6·N_matmul + 12·L·d·T); recompute not counted (ModelShape.train_flops_per_token)"
+FLOP_FORMULA = (
+    "model FLOPs = tokens × (6·N_matmul + 12·L·d·T); recompute not counted (ModelShape.train_flops_per_token)"
+)
 
 
 @dataclass(frozen=True)
@@ -114,8 +116,13 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     if cfg.boundary_offload:
         swap_cpu += H * T * shape.hidden * cb
     store = sum(cb * b.numel + cfg.state_bytes_per_param * b.numel for b in shape.blocks)
-    return Memory(device=device, host_buffers=host_buffers(shape, plan, cfg), host_activations=int(swap_cpu + staging),
-                  host_ram_tiers=ram_tier_bytes(shape, plan, cfg), ssd=int(2 * store + sum(g.act_bytes(b) for b in ssd_blocks)))
+    return Memory(
+        device=device,
+        host_buffers=host_buffers(shape, plan, cfg),
+        host_activations=int(swap_cpu + staging),
+        host_ram_tiers=ram_tier_bytes(shape, plan, cfg),
+        ssd=int(2 * store + sum(g.act_bytes(b) for b in ssd_blocks)),
+    )
 
 
 def predict(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile) -> Prediction:
@@ -128,15 +135,27 @@ def predict(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfil
     wb = round(busy.get("ssd_write", 0.0) * prof.ssd_write_Bps)
     view = dict(busy)
     if prof.device == "cpu":  # compute, copies and Adam share the cores: one resource
-        view = {"ssd": busy.get("ssd_read", 0.0) + busy.get("ssd_write", 0.0),
-                "cpu": sum(v for k, v in busy.items() if k not in ("ssd_read", "ssd_write"))}
+        view = {
+            "ssd": busy.get("ssd_read", 0.0) + busy.get("ssd_write", 0.0),
+            "cpu": sum(v for k, v in busy.items() if k not in ("ssd_read", "ssd_write")),
+        }
     else:
         view["ssd"] = view.pop("ssd_read", 0.0) + view.pop("ssd_write", 0.0)
     bottleneck = max(view, key=view.__getitem__)
     tflops = flops / step_s / 1e12
     dwpd = wb * (DAY_S / step_s) / prof.ssd_capacity_bytes
-    return Prediction(step_s=step_s, busy_s=busy, bottleneck=bottleneck, tokens=tokens, tokens_per_s=tokens / step_s,
-                      model_flops=flops, tflops=tflops,
-                      mfu=tflops * 1e12 / prof.device_peak_flops if prof.device_peak_flops else 0.0,
-                      memory=memory(shape, plan, cfg, prof), ssd_read_bytes=rb, ssd_write_bytes=wb, dwpd=dwpd,
-                      extra={"resource_busy_s": view})
+    return Prediction(
+        step_s=step_s,
+        busy_s=busy,
+        bottleneck=bottleneck,
+        tokens=tokens,
+        tokens_per_s=tokens / step_s,
+        model_flops=flops,
+        tflops=tflops,
+        mfu=tflops * 1e12 / prof.device_peak_flops if prof.device_peak_flops else 0.0,
+        memory=memory(shape, plan, cfg, prof),
+        ssd_read_bytes=rb,
+        ssd_write_bytes=wb,
+        dwpd=dwpd,
+        extra={"resource_busy_s": view},
+    )

@@ -62,7 +62,9 @@ class StepConfig:
     @property
     def needs(self) -> tuple[str, ...]:
         """The engine changes this configuration needs (empty: executable today)."""
-        return tuple(n for n, on in (("boundary_offload", self.boundary_offload), ("async_swap", self.async_swap)) if on)
+        return tuple(
+            n for n, on in (("boundary_offload", self.boundary_offload), ("async_swap", self.async_swap)) if on
+        )
 
     @property
     def executable(self) -> bool:
@@ -232,8 +234,11 @@ class StepGraph:
             boundary = self.c.boundary_offload * self.K * self.mb_tokens * self.m.hidden * self.c.compute_bytes
             dur = self._bwd_s(b) + (self._fwd_s(b) if pol == "recompute" else 0.0)
             if self.c.async_swap:  # back in on the copy stream, issued a block ahead
-                back = self.sim.op("h2d", (self.act_bytes(b) * swapped + boundary) / self.hw.h2d_Bps,
-                                   (self.prefetch_from, act_reads.get(b)))
+                back = self.sim.op(
+                    "h2d",
+                    (self.act_bytes(b) * swapped + boundary) / self.hw.h2d_Bps,
+                    (self.prefetch_from, act_reads.get(b)),
+                )
                 self.prefetch_from = self.compute
                 self.hand_off(b, self._compute(dur, cp, back))
                 continue
@@ -335,6 +340,6 @@ def simulate(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfi
     ends = g.sim.run()
     t = ends[g.ends[-1]] - (ends[g.ends[-2]] if n == 2 else 0.0)
     busy: dict[str, float] = {}
-    for k, d in zip(g.sim.kind[g.first_op:], g.sim.dur[g.first_op:]):
+    for k, d in zip(g.sim.kind[g.first_op :], g.sim.dur[g.first_op :]):
         busy[k] = busy.get(k, 0.0) + d
     return t, busy

@@ -29,15 +29,17 @@ def _median(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def ssd_bandwidth(dirs: list[str], size_bytes: int = 512 << 20, extent_bytes: int = 64 << 20,
-                  threads: int = 16, repeats: int = 3) -> tuple[float, float]:
+def ssd_bandwidth(
+    dirs: list[str], size_bytes: int = 512 << 20, extent_bytes: int = 64 << 20, threads: int = 16, repeats: int = 3
+) -> tuple[float, float]:
     """(read, write) bytes/s of the store's own I/O path striped over ``dirs``; see ``ssd_measure``."""
     r, w, _ = ssd_measure(dirs, size_bytes, extent_bytes, threads, repeats)
     return r, w
 
 
-def ssd_measure(dirs: list[str], size_bytes: int = 512 << 20, extent_bytes: int = 64 << 20,
-                threads: int = 16, repeats: int = 3) -> tuple[float, float, float]:
+def ssd_measure(
+    dirs: list[str], size_bytes: int = 512 << 20, extent_bytes: int = 64 << 20, threads: int = 16, repeats: int = 3
+) -> tuple[float, float, float]:
     """(read B/s, write B/s, CPU share per byte) of the store's own I/O path striped over ``dirs``
     (O_DIRECT where the filesystem allows, checksums on): ``size_bytes`` in extents of
     ``extent_bytes``, all in flight at once, as the engine issues them. Writes go to recycled files
@@ -58,6 +60,7 @@ def ssd_measure(dirs: list[str], size_bytes: int = 512 << 20, extent_bytes: int 
     try:
         store = TensorStore.create(work, exts, io="auto", direct="auto", threads=threads, fsync=False)
         with store:
+
             def run(op: str) -> None:
                 for f in [getattr(store, op)(e.name, b) for e, b in zip(exts, bufs)]:
                     f.result()
@@ -111,8 +114,9 @@ def _dtype(precision: str) -> Any:
     return torch.float32 if precision == "fp32" else torch.bfloat16
 
 
-def device_elementwise(backend: Any, elems: int = 64 << 20, repeats: int = 3,
-                       precision: str = "bf16") -> tuple[float, float]:
+def device_elementwise(
+    backend: Any, elems: int = 64 << 20, repeats: int = 3, precision: str = "bf16"
+) -> tuple[float, float]:
     """(gradient accumulation, gradient norm) elements/s on the device, in the compute dtype
     (``precision``): ``g += x`` into a device buffer (autograd's AccumulateGrad into the engine's preset
     gradients) and the engine's ``sum_squares`` norm. See ``HardwareProfile.grad_add_elems_per_s``."""
@@ -157,8 +161,9 @@ def host_device_copy(backend: Any, nbytes: int = 256 << 20, repeats: int = 3) ->
     return nbytes / _median(h2d, repeats), nbytes / _median(d2h, repeats)
 
 
-def matmul_peak(backend: Any, n: int = 2048, repeats: int = 3, precision: str = "bf16",
-                max_s: float | None = None) -> float:
+def matmul_peak(
+    backend: Any, n: int = 2048, repeats: int = 3, precision: str = "bf16", max_s: float | None = None
+) -> float:
     """Achieved FLOP/s of an ``n × n × n`` matmul in the compute dtype on the device (the MFU reference).
 
     With ``max_s``, ``n`` is at most the largest power-of-two size from 256 whose one matmul is expected
@@ -194,8 +199,16 @@ def _matmul_size_within(backend: Any, precision: str, max_s: float) -> int:
     return n
 
 
-def block_compute(config: Any, backend: Any, block: int, micro_batch: int, seq_len: int, flops_per_token: int,
-                  repeats: int = 3, precision: str = "bf16") -> tuple[ComputePoint, float]:
+def block_compute(
+    config: Any,
+    backend: Any,
+    block: int,
+    micro_batch: int,
+    seq_len: int,
+    flops_per_token: int,
+    repeats: int = 3,
+    precision: str = "bf16",
+) -> tuple[ComputePoint, float]:
     """Forward and backward speed of one block of ``config``'s model on the device, with random
     weights of the block's shapes in the compute dtype (``precision``), at ``micro_batch × seq_len``
     tokens (through the model adapter, as the engine runs it). Returns (the ComputePoint, bytes the
@@ -212,6 +225,7 @@ def block_compute(config: Any, backend: Any, block: int, micro_batch: int, seq_l
     ad.prepare(backend.device)
     dev = backend.device
     specs: list[BlockSpec] = ad.blocks
+
     def rand(spec: BlockSpec) -> dict[str, torch.Tensor]:
         return {p.key: (torch.randn(p.shape, device=dev) * 0.02).to(_dtype(precision)) for p in spec.params}
 
@@ -265,16 +279,39 @@ def block_compute(config: Any, backend: Any, block: int, micro_batch: int, seq_l
     return ComputePoint(tokens, flops / t_f, 2 * flops / t_b, seq_len), saved[0] / tokens
 
 
-QUICK = {"ssd_bytes": 64 << 20, "adam_params": 4 << 20, "copy_bytes": 64 << 20, "elems": 16 << 20,
-         "matmul_n": 1024, "matmul_max_s": 0.25, "repeats": 3, "compute_repeats": 1, "head_tokens": 256}
+QUICK = {
+    "ssd_bytes": 64 << 20,
+    "adam_params": 4 << 20,
+    "copy_bytes": 64 << 20,
+    "elems": 16 << 20,
+    "matmul_n": 1024,
+    "matmul_max_s": 0.25,
+    "repeats": 3,
+    "compute_repeats": 1,
+    "head_tokens": 256,
+}
 """Sizes of the quick profile ``fuyou finetune`` measures when it has none (seconds on any CPU)."""
-FULL = {"ssd_bytes": 512 << 20, "adam_params": 32 << 20, "copy_bytes": 256 << 20, "elems": 64 << 20,
-        "matmul_n": 2048, "matmul_max_s": None, "repeats": 3, "compute_repeats": 3, "head_tokens": 0}
+FULL = {
+    "ssd_bytes": 512 << 20,
+    "adam_params": 32 << 20,
+    "copy_bytes": 256 << 20,
+    "elems": 64 << 20,
+    "matmul_n": 2048,
+    "matmul_max_s": None,
+    "repeats": 3,
+    "compute_repeats": 3,
+    "head_tokens": 0,
+}
 """Sizes of ``fuyou profile``."""
 
 
-def machine_figures(backend: Any, ssd_dirs: list[str], precision: str = "bf16", sizes: dict | None = None,
-                    log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def machine_figures(
+    backend: Any,
+    ssd_dirs: list[str],
+    precision: str = "bf16",
+    sizes: dict | None = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
     """The model-independent ``HardwareProfile`` fields of this machine as plain data: SSD (per
     directory and striped), CPU Adam, host memcpy, host↔device copies, element-wise device rates and
     the matmul peak in the compute dtype. ``sizes``: ``FULL`` (default) or ``QUICK``.
@@ -287,8 +324,11 @@ def machine_figures(backend: Any, ssd_dirs: list[str], precision: str = "bf16", 
         log(f"SSD {d} …")
         r, w, io_cpu = ssd_measure([d], z["ssd_bytes"])
         per_dir.append({"dir": d, "read_Bps": r, "write_Bps": w, "io_cpu_s_per_byte": io_cpu})
-    r, w, io_cpu = ssd_measure(ssd_dirs, z["ssd_bytes"]) if len(ssd_dirs) > 1 else (
-        per_dir[0]["read_Bps"], per_dir[0]["write_Bps"], per_dir[0]["io_cpu_s_per_byte"])
+    r, w, io_cpu = (
+        ssd_measure(ssd_dirs, z["ssd_bytes"])
+        if len(ssd_dirs) > 1
+        else (per_dir[0]["read_Bps"], per_dir[0]["write_Bps"], per_dir[0]["io_cpu_s_per_byte"])
+    )
     log("CPU Adam …")
     adam = adam_throughput(z["adam_params"], z["repeats"])
     log("host memory …")
@@ -298,19 +338,42 @@ def machine_figures(backend: Any, ssd_dirs: list[str], precision: str = "bf16", 
     add, norm = device_elementwise(backend, z["elems"], z["repeats"], precision)
     total_ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     cpu = backend.name == "cpu"
-    return {"ssd_read_Bps": r, "ssd_write_Bps": w, "adam_params_per_s": adam, "device": "cpu" if cpu else "cuda",
-            "h2d_Bps": h2d, "d2h_Bps": d2h, "host_mem_Bps": mem, "device_mem_Bps": mem if cpu else 1e12,
-            "grad_add_elems_per_s": add, "grad_norm_elems_per_s": norm, "io_cpu_s_per_byte": io_cpu,
-            "device_memory_bytes": int(total_ram // 4 if cpu else backend.memory().capacity),
-            "host_memory_bytes": int(total_ram), "ssd_capacity_bytes": int(sum(shutil.disk_usage(d).total for d in ssd_dirs)),
-            "ssd_count": len(ssd_dirs), "per_dir": per_dir,
-            "device_peak_flops": matmul_peak(backend, z["matmul_n"], z["repeats"], precision, z["matmul_max_s"]),
-            "notes": {"measured": time.strftime("%Y-%m-%d %H:%M:%S"), "ssd_bytes": z["ssd_bytes"],
-                      "adam_params": z["adam_params"], "method": "fuyou.planner.measure"}}
+    return {
+        "ssd_read_Bps": r,
+        "ssd_write_Bps": w,
+        "adam_params_per_s": adam,
+        "device": "cpu" if cpu else "cuda",
+        "h2d_Bps": h2d,
+        "d2h_Bps": d2h,
+        "host_mem_Bps": mem,
+        "device_mem_Bps": mem if cpu else 1e12,
+        "grad_add_elems_per_s": add,
+        "grad_norm_elems_per_s": norm,
+        "io_cpu_s_per_byte": io_cpu,
+        "device_memory_bytes": int(total_ram // 4 if cpu else backend.memory().capacity),
+        "host_memory_bytes": int(total_ram),
+        "ssd_capacity_bytes": int(sum(shutil.disk_usage(d).total for d in ssd_dirs)),
+        "ssd_count": len(ssd_dirs),
+        "per_dir": per_dir,
+        "device_peak_flops": matmul_peak(backend, z["matmul_n"], z["repeats"], precision, z["matmul_max_s"]),
+        "notes": {
+            "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "ssd_bytes": z["ssd_bytes"],
+            "adam_params": z["adam_params"],
+            "method": "fuyou.planner.measure",
+        },
+    }
 
 
-def model_figures(config: Any, backend: Any, micro_batches: tuple[int, ...], seq_len: int, precision: str = "bf16",
-                  sizes: dict | None = None, log: Callable[[str], None] = lambda s: None) -> dict[str, Any]:
+def model_figures(
+    config: Any,
+    backend: Any,
+    micro_batches: tuple[int, ...],
+    seq_len: int,
+    precision: str = "bf16",
+    sizes: dict | None = None,
+    log: Callable[[str], None] = lambda s: None,
+) -> dict[str, Any]:
     """The model-dependent ``HardwareProfile`` fields as plain data: decoder-layer and head compute
     points at ``micro_batches`` × ``seq_len`` in the compute dtype, and the layer's activation bytes.
     With ``sizes["head_tokens"]`` (``QUICK``) the head is timed at no more than that many tokens (its
@@ -323,19 +386,41 @@ def model_figures(config: Any, backend: Any, micro_batches: tuple[int, ...], seq
     compute, head, act = [], [], 0.0
     for mb in micro_batches:
         log(f"compute, micro-batch {mb} × {seq_len} …")
-        pt, act = block_compute(config, backend, 1, mb, seq_len, shape.blocks[1].fwd_flops_per_token(shape.hidden, seq_len),
-                                z["compute_repeats"], precision)
+        pt, act = block_compute(
+            config,
+            backend,
+            1,
+            mb,
+            seq_len,
+            shape.blocks[1].fwd_flops_per_token(shape.hidden, seq_len),
+            z["compute_repeats"],
+            precision,
+        )
         compute.append(dataclasses.asdict(pt))
         hmb = mb if not z["head_tokens"] else max(1, min(mb, z["head_tokens"] // seq_len))
-        hp, _ = block_compute(config, backend, H, hmb, seq_len, shape.blocks[H].fwd_flops_per_token(shape.hidden, seq_len),
-                              z["compute_repeats"], precision)
+        hp, _ = block_compute(
+            config,
+            backend,
+            H,
+            hmb,
+            seq_len,
+            shape.blocks[H].fwd_flops_per_token(shape.hidden, seq_len),
+            z["compute_repeats"],
+            precision,
+        )
         head.append(dataclasses.asdict(hp))
-    return {"compute": compute, "head_compute": head, "layer_act_bytes_per_token": act,
-            "model_signature": shape.signature, "compute_bytes": 4 if precision == "fp32" else 2}
+    return {
+        "compute": compute,
+        "head_compute": head,
+        "layer_act_bytes_per_token": act,
+        "model_signature": shape.signature,
+        "compute_bytes": 4 if precision == "fp32" else 2,
+    }
 
 
-def profile_from(machine: dict[str, Any], model: dict[str, Any] | None, name: str = "",
-                 notes: dict | None = None) -> HardwareProfile:
+def profile_from(
+    machine: dict[str, Any], model: dict[str, Any] | None, name: str = "", notes: dict | None = None
+) -> HardwareProfile:
     """A ``HardwareProfile`` from ``machine_figures`` and (optionally) ``model_figures`` data."""
     import socket
 
@@ -344,10 +429,18 @@ def profile_from(machine: dict[str, Any], model: dict[str, Any] | None, name: st
     return HardwareProfile.from_json({**fields, "name": name or socket.gethostname()})
 
 
-def measure_profile(ssd_dirs: list[str], config: Any = None, micro_batches: tuple[int, ...] = (1, 2, 4),
-                    seq_len: int = 256, device: str = "auto", ssd_bytes: int = 512 << 20, adam_params: int = 32 << 20,
-                    name: str = "", log: Callable[[str], None] = lambda s: None,
-                    precision: str = "bf16") -> HardwareProfile:
+def measure_profile(
+    ssd_dirs: list[str],
+    config: Any = None,
+    micro_batches: tuple[int, ...] = (1, 2, 4),
+    seq_len: int = 256,
+    device: str = "auto",
+    ssd_bytes: int = 512 << 20,
+    adam_params: int = 32 << 20,
+    name: str = "",
+    log: Callable[[str], None] = lambda s: None,
+    precision: str = "bf16",
+) -> HardwareProfile:
     """Measure everything a profile holds on this machine (``machine_figures``, and with ``config``
     — a transformers config — ``model_figures`` at ``micro_batches`` × ``seq_len``), at full size.
 

@@ -108,12 +108,24 @@ class HardwareProfile:
     def __post_init__(self) -> None:
         for k in ("compute", "head_compute"):  # sorted by tokens, whatever order they were given in
             object.__setattr__(self, k, tuple(sorted(getattr(self, k), key=lambda p: p.tokens)))
-        problems = [f"{k} must be > 0, got {getattr(self, k)}" for k in
-                    ("ssd_read_Bps", "ssd_write_Bps", "adam_params_per_s", "h2d_Bps", "d2h_Bps", "host_mem_Bps",
-                     "device_mem_Bps")
-                    if not getattr(self, k) > 0]
-        problems += [f"{k} must be >= 0 (0: derived from device_mem_Bps), got {getattr(self, k)}" for k in
-                     ("grad_add_elems_per_s", "grad_norm_elems_per_s") if not getattr(self, k) >= 0]
+        problems = [
+            f"{k} must be > 0, got {getattr(self, k)}"
+            for k in (
+                "ssd_read_Bps",
+                "ssd_write_Bps",
+                "adam_params_per_s",
+                "h2d_Bps",
+                "d2h_Bps",
+                "host_mem_Bps",
+                "device_mem_Bps",
+            )
+            if not getattr(self, k) > 0
+        ]
+        problems += [
+            f"{k} must be >= 0 (0: derived from device_mem_Bps), got {getattr(self, k)}"
+            for k in ("grad_add_elems_per_s", "grad_norm_elems_per_s")
+            if not getattr(self, k) >= 0
+        ]
         if self.device not in ("cuda", "cpu"):
             problems.append(f"device must be cuda or cpu, got {self.device!r}")
         if not self.compute and not self.device_peak_flops > 0:
@@ -173,8 +185,12 @@ class HardwareProfile:
             raise ConfigError(f"hardware profile: unknown field(s) {unknown}; known: {sorted(known)}")
         d = dict(d)
         for k in ("compute", "head_compute"):
-            d[k] = tuple(sorted((p if isinstance(p, ComputePoint) else ComputePoint(**p) for p in d.get(k, ())),
-                                key=lambda p: p.tokens))
+            d[k] = tuple(
+                sorted(
+                    (p if isinstance(p, ComputePoint) else ComputePoint(**p) for p in d.get(k, ())),
+                    key=lambda p: p.tokens,
+                )
+            )
         d["per_dir"] = tuple(d.get("per_dir", ()))
         try:
             return HardwareProfile(**d)

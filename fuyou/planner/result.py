@@ -47,11 +47,18 @@ class PlannerResult:
 
     def to_json(self) -> dict:
         """Plain data (inverse of ``from_json``)."""
-        return {"model": self.model, "profile": self.profile, "plan": self.plan.to_json(),
-                "step": dataclasses.asdict(self.step), "prediction": self.prediction.to_json(),
-                "budgets": dataclasses.asdict(self.budgets), "executable": self.executable,
-                "needs": list(self.needs), "considered": self.considered,
-                "alternative": self.alternative.to_json() if self.alternative else None}
+        return {
+            "model": self.model,
+            "profile": self.profile,
+            "plan": self.plan.to_json(),
+            "step": dataclasses.asdict(self.step),
+            "prediction": self.prediction.to_json(),
+            "budgets": dataclasses.asdict(self.budgets),
+            "executable": self.executable,
+            "needs": list(self.needs),
+            "considered": self.considered,
+            "alternative": self.alternative.to_json() if self.alternative else None,
+        }
 
     @staticmethod
     def from_json(d: dict) -> PlannerResult:
@@ -67,7 +74,14 @@ class PlannerResult:
         pred = dict(d["prediction"])
         mem = {k: v for k, v in pred.pop("memory").items() if k != "host"}
         return PlannerResult(
-            model=d["model"], profile=d["profile"], plan=Plan(**plan), step=StepConfig(**step),
-            prediction=Prediction(memory=Memory(**mem), **pred), budgets=Budgets(**d["budgets"]),
-            executable=d["executable"], needs=tuple(d["needs"]), considered=d.get("considered", 0),
-            alternative=PlannerResult.from_json(d["alternative"]) if d.get("alternative") else None)
+            model=d["model"],
+            profile=d["profile"],
+            plan=Plan(**plan),
+            step=StepConfig(**step),
+            prediction=Prediction(memory=Memory(**mem), **pred),
+            budgets=Budgets(**d["budgets"]),
+            executable=d["executable"],
+            needs=tuple(d["needs"]),
+            considered=d.get("considered", 0),
+            alternative=PlannerResult.from_json(d["alternative"]) if d.get("alternative") else None,
+        )

@@ -53,9 +53,9 @@ _Best = tuple[float, Plan, StepConfig, Prediction]
 _B = TypeVar("_B", _Best, _Best | None)  # a candidate found stays found: _try/_scan never return None for one
 NEEDS = {
     "boundary_offload": "block inputs saved for backward (activations.Saved.x / y) offloaded to host RAM and "
-                        "copied back before each block's backward",
+    "copied back before each block's backward",
     "async_swap": "activation swaps through pinned buffers on the copy streams, overlapped with compute and "
-                  "read back a block ahead (today: synchronous pageable copies on the compute stream)",
+    "read back a block ahead (today: synchronous pageable copies on the compute stream)",
 }
 
 
@@ -103,8 +103,11 @@ class _Search:
         """``Plan.park_ram_blocks`` of every candidate with the clipping schedule (None: all in RAM)."""
         self.evals = 0
         layers = [b for b in range(1, self.H)]
-        ob = {b: shape.blocks[b].fwd_flops_per_token(shape.hidden, req.seq_len) / max(shape.blocks[b].act_bytes_per_token, 1)
-              for b in layers}
+        ob = {
+            b: shape.blocks[b].fwd_flops_per_token(shape.hidden, req.seq_len)
+            / max(shape.blocks[b].act_bytes_per_token, 1)
+            for b in layers
+        }
         self.order = sorted(layers, key=lambda b: (-ob[b], -b))
         grid = set(range(min(len(layers), 8) + 1)) | {len(layers)}
         x = 8.0
@@ -115,9 +118,15 @@ class _Search:
 
     # ------------------------------------------------------------------ candidates
     def plan(self, mb: int, pol: tuple[str, ...], depth: int, bufs: int, sched: str, chunk: int) -> Plan:
-        return Plan(grad_accum=self.seqs // mb, prefetch_depth=depth, activation_policy=pol, schedule=sched,
-                    state_buffers=bufs, park_ram_blocks=self.park if sched == "overlap_next_forward" else None,
-                    state_chunk=chunk)
+        return Plan(
+            grad_accum=self.seqs // mb,
+            prefetch_depth=depth,
+            activation_policy=pol,
+            schedule=sched,
+            state_buffers=bufs,
+            park_ram_blocks=self.park if sched == "overlap_next_forward" else None,
+            state_chunk=chunk,
+        )
 
     def cfg(self, mb: int, boundary: bool = False) -> StepConfig:
         return StepConfig(mb, self.r.seq_len, self.spp, boundary, self.changes, self.cb)
@@ -126,12 +135,13 @@ class _Search:
         mem = memory(self.m, plan, cfg, self.hw)
         return mem.device <= self.b.gpu_memory and mem.host <= self.b.cpu_memory
 
-    def assign(self, mb: int, n: int, depth: int, bufs: int, sched: str, chunk: int,
-               cfg: StepConfig) -> tuple[str, ...] | None:
+    def assign(
+        self, mb: int, n: int, depth: int, bufs: int, sched: str, chunk: int, cfg: StepConfig
+    ) -> tuple[str, ...] | None:
         """Policies with the first ``n`` layers (benefit order) saved in the cheapest tier that fits."""
         pol = ["keep"] + ["recompute"] * (self.H - 1) + ["keep"]
         if self.r.activations:
-            pol[1:self.H] = [self.r.activations] * (self.H - 1)
+            pol[1 : self.H] = [self.r.activations] * (self.H - 1)
             return tuple(pol) if self.fits(self.plan(mb, tuple(pol), depth, bufs, sched, chunk), cfg) else None
         if not self.fits(self.plan(mb, tuple(pol), depth, bufs, sched, chunk), cfg):
             return None
@@ -153,8 +163,9 @@ class _Search:
         (``sizing.fit_host``) until the buffers fit: the state chunk, then (clipping) parked gradients
         moved to SSD (``self.park``), then the depth unless the user fixed it."""
         base = self.plan(1, (), self.r.prefetch_depth or 2, 2, sched, chunk)
-        fit = sizing.fit_host(self.m.footprint(self.cb, self.spp), base, self.b.cpu_memory,
-                              fixed_depth=bool(self.r.prefetch_depth))
+        fit = sizing.fit_host(
+            self.m.footprint(self.cb, self.spp), base, self.b.cpu_memory, fixed_depth=bool(self.r.prefetch_depth)
+        )
         if fit.clips:
             self.park = fit.park_ram_blocks
         return fit.prefetch_depth, fit.state_buffers, fit.state_chunk
@@ -168,8 +179,10 @@ class _Search:
         mbs = [d for d in range(self.seqs, 0, -1) if self.seqs % d == 0]
         if self.r.micro_batch_size:
             if self.seqs % self.r.micro_batch_size:
-                raise ConfigError(f"--micro-batch-size {self.r.micro_batch_size} does not divide the "
-                                  f"{self.seqs} sequences of a step (--tokens-per-step / --seq-len)")
+                raise ConfigError(
+                    f"--micro-batch-size {self.r.micro_batch_size} does not divide the "
+                    f"{self.seqs} sequences of a step (--tokens-per-step / --seq-len)"
+                )
             mbs = [self.r.micro_batch_size]
         boundary = False
         feasible = [mb for mb in mbs if self.assign(mb, 0, depth, bufs, sched, chunk, self.cfg(mb)) is not None]
@@ -186,7 +199,7 @@ class _Search:
         assert best is not None  # a feasible micro-batch size has a plan that fits (assign() said so)
         _, plan, cfg, _ = best
         mb = cfg.micro_batch_size
-        for d in ([self.r.prefetch_depth] if self.r.prefetch_depth else DEPTHS):
+        for d in [self.r.prefetch_depth] if self.r.prefetch_depth else DEPTHS:
             best = self._try(dataclasses.replace(plan, prefetch_depth=d), cfg, best)
         _, plan, cfg, _ = best
         big = max(b.numel for b in self.m.blocks)
@@ -199,8 +212,15 @@ class _Search:
         best = self._scan(mb, plan.prefetch_depth, plan.state_buffers, plan.schedule, plan.state_chunk, cfg, best)
         for other in self._schedules()[1:]:
             _, plan, cfg, _ = best
-            pol = self.assign(mb, sum(p != "recompute" for p in plan.activation_policy[1:-1]), plan.prefetch_depth,
-                              plan.state_buffers, other, plan.state_chunk, cfg)
+            pol = self.assign(
+                mb,
+                sum(p != "recompute" for p in plan.activation_policy[1:-1]),
+                plan.prefetch_depth,
+                plan.state_buffers,
+                other,
+                plan.state_chunk,
+                cfg,
+            )
             if pol is not None:
                 best = self._try(dataclasses.replace(plan, schedule=other, activation_policy=pol), cfg, best)
         return self._result(best)
@@ -208,7 +228,9 @@ class _Search:
     def _schedules(self) -> list[str]:
         if self.r.clip:
             if self.r.schedule == "overlap_backward":
-                raise ConfigError("clipping needs the overlap_next_forward schedule; drop --schedule or --max-grad-norm")
+                raise ConfigError(
+                    "clipping needs the overlap_next_forward schedule; drop --schedule or --max-grad-norm"
+                )
             return ["overlap_next_forward"]
         return [self.r.schedule] if self.r.schedule else ["overlap_backward", "overlap_next_forward"]
 
@@ -218,10 +240,9 @@ class _Search:
         p = self.score(plan, cfg)
         return (p.step_s, plan, cfg, p) if best is None or p.step_s < best[0] * (1 - MARGIN) else best
 
-    def _scan(self, mb: int, depth: int, bufs: int, sched: str, chunk: int, cfg: StepConfig,
-              best: _B) -> _B:
+    def _scan(self, mb: int, depth: int, bufs: int, sched: str, chunk: int, cfg: StepConfig, best: _B) -> _B:
         seen = set()
-        for n in ([0] if self.r.activations else self.grid):
+        for n in [0] if self.r.activations else self.grid:
             pol = self.assign(mb, n, depth, bufs, sched, chunk, cfg)
             if pol is None or pol in seen:
                 continue
@@ -234,18 +255,22 @@ class _Search:
         m, spp, cb = self.m, self.spp, self.cb
         store = 2 * sum((cb + spp) * b.numel for b in m.blocks)
         if self.b.ssd_bytes and store > self.b.ssd_bytes:
-            raise InfeasibleError(f"SSD space: the store needs {fs(store)} (two versions of {cb + spp} B/param × "
-                                  f"{m.params / 1e9:.2f} B params), {fs(self.b.ssd_bytes)} is free; add --ssd "
-                                  f"directories or use --state-precision bf16")
-        need = host_buffers(m, Plan(prefetch_depth=1, schedule=sched, park_ram_blocks=0, state_chunk=MIN_CHUNK),
-                            self.cfg(1))
+            raise InfeasibleError(
+                f"SSD space: the store needs {fs(store)} (two versions of {cb + spp} B/param × "
+                f"{m.params / 1e9:.2f} B params), {fs(self.b.ssd_bytes)} is free; add --ssd "
+                f"directories or use --state-precision bf16"
+            )
+        need = host_buffers(
+            m, Plan(prefetch_depth=1, schedule=sched, park_ram_blocks=0, state_chunk=MIN_CHUNK), self.cfg(1)
+        )
         if need > self.b.cpu_memory:
             big = max(b.numel for b in m.blocks)
             park = "; clipping's parked gradients already on SSD" if sched == "overlap_next_forward" else ""
             raise InfeasibleError(
                 f"host memory: the smallest buffer set needs {fs(need)} (2 weight + 2 gradient + 2 new-weight buffers "
                 f"of the largest block, {fs(cb * big)} each, + 2 state chunks of 1 Mi params{park}); --cpu-memory is "
-                f"{fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(need)}")
+                f"{fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(need)}"
+            )
 
     def _device_error(self, mb: int, depth: int, bufs: int, sched: str, chunk: int) -> NoReturn:
         pol = ("keep",) + ("recompute",) * (self.H - 1) + ("keep",)
@@ -255,17 +280,24 @@ class _Search:
         boundary = per_tok * self.seqs * self.r.seq_len
         work = mem.device - boundary
         fit_tokens = max(0, (self.b.gpu_memory - work) // per_tok // self.r.seq_len * self.r.seq_len)
-        msg = (f"device memory: block inputs kept for backward need {fs(boundary)} ({self.H} blocks × "
-               f"{self.seqs * self.r.seq_len} tokens × {self.m.hidden} × {self.cb} B) plus a working set of {fs(work)} at "
-               f"micro-batch {mb}; --gpu-memory is {fs(self.b.gpu_memory)}. Lower --tokens-per-step to ≤ {fit_tokens} "
-               f"(or --seq-len), or raise --gpu-memory to ≥ {fs(mem.device)}")
+        msg = (
+            f"device memory: block inputs kept for backward need {fs(boundary)} ({self.H} blocks × "
+            f"{self.seqs * self.r.seq_len} tokens × {self.m.hidden} × {self.cb} B) plus a working set of {fs(work)} at "
+            f"micro-batch {mb}; --gpu-memory is {fs(self.b.gpu_memory)}. Lower --tokens-per-step to ≤ {fit_tokens} "
+            f"(or --seq-len), or raise --gpu-memory to ≥ {fs(mem.device)}"
+        )
         if work > self.b.gpu_memory:
-            raise InfeasibleError(f"device memory: one micro-batch of {self.r.seq_len} tokens needs a working set of "
-                                  f"{fs(work)} (weights, gradients, activations of one block, logits); --gpu-memory is "
-                                  f"{fs(self.b.gpu_memory)}. Lower --seq-len or raise --gpu-memory")
+            raise InfeasibleError(
+                f"device memory: one micro-batch of {self.r.seq_len} tokens needs a working set of "
+                f"{fs(work)} (weights, gradients, activations of one block, logits); --gpu-memory is "
+                f"{fs(self.b.gpu_memory)}. Lower --seq-len or raise --gpu-memory"
+            )
         ok = self.assign(mb, 0, depth, bufs, sched, chunk, self.cfg(mb, True)) is not None
-        hint = "; offloading block inputs to host RAM (an engine change) would fit: --allow-engine-changes" \
-            if ok and not self.changes else ""
+        hint = (
+            "; offloading block inputs to host RAM (an engine change) would fit: --allow-engine-changes"
+            if ok and not self.changes
+            else ""
+        )
         raise InfeasibleError(msg + hint)
 
     # ------------------------------------------------------------------ result
@@ -276,7 +308,9 @@ class _Search:
         if cfg.async_swap and not cfg.boundary_offload and not {"swap_cpu", "swap_ssd"} & set(plan.activation_policy):
             cfg = dataclasses.replace(cfg, async_swap=False)  # nothing swapped: same prediction, no change needed
         needs = tuple(NEEDS[n] for n in cfg.needs)
-        return PlannerResult(self.m.name, self.hw.name, plan, cfg, pred, self.b, cfg.executable, needs, None, self.evals)
+        return PlannerResult(
+            self.m.name, self.hw.name, plan, cfg, pred, self.b, cfg.executable, needs, None, self.evals
+        )
 
     def _ram_tiers(self, plan: Plan, cfg: StepConfig, pred: Prediction) -> _Best | None:
         """The plan with the first blocks' weights (then state) in RAM, as many as fit the host budget,
@@ -300,7 +334,7 @@ class _Search:
                 break
             spare -= self.cb * blk.numel
             w += 1
-        for blk in (self.m.blocks if w == len(self.m.blocks) else ()):
+        for blk in self.m.blocks if w == len(self.m.blocks) else ():
             if self.spp * blk.numel > spare:
                 break
             spare -= self.spp * blk.numel
@@ -313,6 +347,7 @@ class _Search:
             return None
         p = self.score(alt, cfg)
         return (p.step_s, alt, cfg, p)
+
 
 def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Request = Request()) -> PlannerResult:
     """The fastest predicted plan for ``shape`` on ``prof`` within ``budgets``.

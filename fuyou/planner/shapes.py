@@ -23,18 +23,58 @@ TENSOR_ALIGN_ELEMS = 32
 
 NAMED = {
     # LoHan's GPT-3 13B shape (GPT-2 architecture: LayerNorm, GELU MLP 4h, tied head, learned positions)
-    "gpt3-13b": {"model_type": "gpt2", "n_layer": 40, "n_embd": 5120, "n_head": 40, "vocab_size": 50257,
-                 "n_positions": 2048},
-    "gpt3-175b": {"model_type": "gpt2", "n_layer": 96, "n_embd": 12288, "n_head": 96, "vocab_size": 50257,
-                  "n_positions": 2048},
-    "llama-2-7b": {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 11008,
-                   "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000},
-    "llama-2-13b": {"model_type": "llama", "num_hidden_layers": 40, "hidden_size": 5120, "intermediate_size": 13824,
-                    "num_attention_heads": 40, "num_key_value_heads": 40, "vocab_size": 32000},
-    "llama-3-8b": {"model_type": "llama", "num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336,
-                   "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256},
-    "llama-3-70b": {"model_type": "llama", "num_hidden_layers": 80, "hidden_size": 8192, "intermediate_size": 28672,
-                    "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256},
+    "gpt3-13b": {
+        "model_type": "gpt2",
+        "n_layer": 40,
+        "n_embd": 5120,
+        "n_head": 40,
+        "vocab_size": 50257,
+        "n_positions": 2048,
+    },
+    "gpt3-175b": {
+        "model_type": "gpt2",
+        "n_layer": 96,
+        "n_embd": 12288,
+        "n_head": 96,
+        "vocab_size": 50257,
+        "n_positions": 2048,
+    },
+    "llama-2-7b": {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32000,
+    },
+    "llama-2-13b": {
+        "model_type": "llama",
+        "num_hidden_layers": 40,
+        "hidden_size": 5120,
+        "intermediate_size": 13824,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+        "vocab_size": 32000,
+    },
+    "llama-3-8b": {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+    },
+    "llama-3-70b": {
+        "model_type": "llama",
+        "num_hidden_layers": 80,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+    },
 }
 
 
@@ -88,14 +128,18 @@ class ModelShape:
         n_matmul = sum(b.matmul_flops_per_token for b in self.blocks) // 2
         return 6 * n_matmul + 12 * self.layers * self.hidden * seq_len
 
-
     def footprint(self, compute_bytes: int, state_bytes_per_param: int) -> Footprint:
         """What host-memory sizing (``fuyou.schedule.sizing``) needs: weights of ``compute_bytes`` per
         element (the store's 64-byte tensor gaps counted at bf16's 32 elements: exact for bf16, a few
         bytes high for fp32), and state of ``state_bytes_per_param``."""
         names = [b.name for b in self.blocks]
-        return Footprint(tuple(compute_bytes * b.numel for b in self.blocks), tuple(b.numel for b in self.blocks),
-                         compute_bytes, state_bytes_per_param, tuple(names.index(o) for o in self.blocks[-1].borrows))
+        return Footprint(
+            tuple(compute_bytes * b.numel for b in self.blocks),
+            tuple(b.numel for b in self.blocks),
+            compute_bytes,
+            state_bytes_per_param,
+            tuple(names.index(o) for o in self.blocks[-1].borrows),
+        )
 
 
 def _aligned(*shapes: tuple[int, ...]) -> int:
@@ -161,10 +205,14 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
     try:
         if mt == "gpt2" or "GPT2LMHeadModel" in archs:
             return _gpt2(cfg, name)
-        if mt in ("llama", "mistral", "qwen2", "qwen3") or any(a.startswith(("Llama", "Mistral", "Qwen")) for a in archs):
+        if mt in ("llama", "mistral", "qwen2", "qwen3") or any(
+            a.startswith(("Llama", "Mistral", "Qwen")) for a in archs
+        ):
             return _llama(cfg, name)
     except KeyError as e:
-        raise ConfigError(f"model config {name!r} lacks {e.args[0]!r}; pass a complete Hugging Face config.json") from None
+        raise ConfigError(
+            f"model config {name!r} lacks {e.args[0]!r}; pass a complete Hugging Face config.json"
+        ) from None
     raise ConfigError(f"cannot plan for model_type {mt or '?'!r}; supported: llama, mistral, qwen2, qwen3, gpt2")
 
 
@@ -180,8 +228,9 @@ def load_shape(source: str) -> ModelShape:
         return shape_from_config(NAMED[key], key)
     path = os.path.join(source, "config.json") if os.path.isdir(source) else source
     if not os.path.isfile(path):
-        raise ConfigError(f"{source!r} is not a model directory, a config.json or a named shape "
-                          f"({', '.join(sorted(NAMED))})")
+        raise ConfigError(
+            f"{source!r} is not a model directory, a config.json or a named shape ({', '.join(sorted(NAMED))})"
+        )
     try:
         with open(path) as f:
             cfg = json.load(f)

@@ -44,11 +44,25 @@ def build_data(cfg: FinetuneConfig, tokenizer: Any, config: Any) -> RunData:
     max_pos = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if cfg.data is None:
         train_path, eval_path = write_demo_dataset(os.path.join(cfg.output, "demo-data"), cfg.eval_fraction or 0.05)
-        train, held = build_datasets(train_path, tokenizer, cfg.seq_len, data_format="text", seed=cfg.seed,
-                                     max_positions=max_pos, eval_path=eval_path)
+        train, held = build_datasets(
+            train_path,
+            tokenizer,
+            cfg.seq_len,
+            data_format="text",
+            seed=cfg.seed,
+            max_positions=max_pos,
+            eval_path=eval_path,
+        )
     else:
-        train, held = build_datasets(cfg.data, tokenizer, cfg.seq_len, data_format=cfg.data_format, seed=cfg.seed,
-                                     max_positions=max_pos, eval_fraction=cfg.eval_fraction)
+        train, held = build_datasets(
+            cfg.data,
+            tokenizer,
+            cfg.seq_len,
+            data_format=cfg.data_format,
+            seed=cfg.seed,
+            max_positions=max_pos,
+            eval_fraction=cfg.eval_fraction,
+        )
     loader = BatchLoader(train, batch_size=cfg.micro_batch_size * cfg.grad_accum)
     total = loader.total_steps(steps=cfg.steps, epochs=cfg.epochs if cfg.steps is None else None)
     evals = []

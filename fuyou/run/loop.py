@@ -52,19 +52,40 @@ def _model(cfg: FinetuneConfig) -> tuple[str, bool]:
 
 def plan_request(cfg: FinetuneConfig, config: Any) -> PlanRequest:
     """What the plan chooser needs of this run (``cfg.precision`` resolved); the engine gets the same budgets."""
-    return PlanRequest(model_config=config, store_dirs=tuple(cfg.store_dirs), cpu_memory=cfg.cpu_memory,
-                       gpu_memory=cfg.gpu_memory, device=cfg.device, precision=cfg.precision,
-                       micro_batch_size=cfg.micro_batch_size, grad_accum=cfg.grad_accum, seq_len=cfg.seq_len,
-                       clip=cfg.max_grad_norm > 0, mode=cfg.plan, prefetch_depth=cfg.prefetch_depth,
-                       activations=cfg.activations, profile=cfg.profile,
-                       profile_out=os.path.join(cfg.output, "profile.json"))
+    return PlanRequest(
+        model_config=config,
+        store_dirs=tuple(cfg.store_dirs),
+        cpu_memory=cfg.cpu_memory,
+        gpu_memory=cfg.gpu_memory,
+        device=cfg.device,
+        precision=cfg.precision,
+        micro_batch_size=cfg.micro_batch_size,
+        grad_accum=cfg.grad_accum,
+        seq_len=cfg.seq_len,
+        clip=cfg.max_grad_norm > 0,
+        mode=cfg.plan,
+        prefetch_depth=cfg.prefetch_depth,
+        activations=cfg.activations,
+        profile=cfg.profile,
+        profile_out=os.path.join(cfg.output, "profile.json"),
+    )
 
 
 def _engine_config(cfg: FinetuneConfig, req: PlanRequest, chosen: ChosenPlan) -> EngineConfig:
-    return EngineConfig(ssd_dirs=req.store_dirs, device=req.device, gpu_memory=req.gpu_memory,
-                        cpu_memory=req.cpu_memory, precision=req.precision, state_precision=req.state_precision,
-                        lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                        max_grad_norm=cfg.max_grad_norm, plan=chosen.plan)
+    return EngineConfig(
+        ssd_dirs=req.store_dirs,
+        device=req.device,
+        gpu_memory=req.gpu_memory,
+        cpu_memory=req.cpu_memory,
+        precision=req.precision,
+        state_precision=req.state_precision,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
+        plan=chosen.plan,
+    )
 
 
 def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
@@ -92,7 +113,9 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         limit = os_limit_error(e, f"loading the tokenizer of {model_dir}", os.path.join(model_dir, "tokenizer.json"))
         if limit is not None:
             raise limit from e
-        raise ModelFileError(f"cannot load the tokenizer of {model_dir}: {e}; the directory needs tokenizer files") from e
+        raise ModelFileError(
+            f"cannot load the tokenizer of {model_dir}: {e}; the directory needs tokenizer files"
+        ) from e
     data = build_data(cfg, tokenizer, config)
     engine, state, chosen = _start(cfg, model_dir, config)
     _say_precision(precision)
@@ -102,9 +125,14 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         engine.export(os.path.join(out, "model"), dtype=cfg.precision)
     finally:
         engine.close()
-    summary.update(model=model_dir, pretrained=pretrained, output=os.path.join(out, "model"), metrics=metrics_path,
-                   precision=precision.to_json(),
-                   plan={**chosen.info, "executed": engine.plan.to_json(), "state_chunk_executed": engine.layout.state_chunk})
+    summary.update(
+        model=model_dir,
+        pretrained=pretrained,
+        output=os.path.join(out, "model"),
+        metrics=metrics_path,
+        precision=precision.to_json(),
+        plan={**chosen.info, "executed": engine.plan.to_json(), "state_chunk_executed": engine.layout.state_chunk},
+    )
     with open(os.path.join(out, "run.json.tmp"), "w") as f:
         json.dump(summary, f, indent=1)
     os.replace(os.path.join(out, "run.json.tmp"), os.path.join(out, "run.json"))
@@ -220,22 +248,36 @@ def _checkpoint(cfg: FinetuneConfig, engine: Engine, data: Any, step: int, count
 
     t0 = time.perf_counter()
     engine.flush()  # only committed state is checkpointed
-    state = {"step": step, "loader": data.loader.state_dict(), "rng": encode_rng(engine.backend.rng_state()),
-             "engine_step": engine.step, "counters": counters}
+    state = {
+        "step": step,
+        "loader": data.loader.state_dict(),
+        "rng": encode_rng(engine.backend.rng_state()),
+        "engine_step": engine.step,
+        "counters": counters,
+    }
     take(engine.store, checkpoint_name(step), state)
     prune(list(engine.store.dirs), cfg.keep_checkpoints)
     return time.perf_counter() - t0
 
 
-def _train(cfg: FinetuneConfig, engine: Engine, data: Any, metrics_path: str, state: dict | None,
-           config: Any) -> dict[str, Any]:
+def _train(
+    cfg: FinetuneConfig, engine: Engine, data: Any, metrics_path: str, state: dict | None, config: Any
+) -> dict[str, Any]:
     from fuyou.checkpoint.resume import decode_rng
     from fuyou.planner.shapes import shape_from_config
 
     total = data.total_steps
     fpt = shape_from_config(config.to_dict()).train_flops_per_token(cfg.seq_len)  # model FLOPs: FLOP_FORMULA
-    c: dict[str, Any] = {"tokens": 0, "written": 0, "read": 0, "first_loss": None, "loss": None, "wall": 0.0, "stall": 0.0,
-         "eval_before": None}
+    c: dict[str, Any] = {
+        "tokens": 0,
+        "written": 0,
+        "read": 0,
+        "first_loss": None,
+        "loss": None,
+        "wall": 0.0,
+        "stall": 0.0,
+        "eval_before": None,
+    }
     start = 0
     if state is None:
         c["eval_before"] = _evaluate(engine, data.eval_batches)
@@ -269,22 +311,45 @@ def _train(cfg: FinetuneConfig, engine: Engine, data: Any, metrics_path: str, st
             progress.update(rec)
     if cfg.trace:
         engine.timeline.to_chrome_trace(cfg.trace)
-    return {"steps": total, "tokens": c["tokens"], "wall_s": c["wall"], "tokens_per_s": c["tokens"] / max(c["wall"], 1e-9),
-            "first_loss": c["first_loss"], "last_loss": c["loss"], "eval_loss_before": c["eval_before"],
-            "eval_loss_after": _evaluate(engine, data.eval_batches), "peak_rss_bytes": peak_rss(),
-            "ssd_write_bytes": c["written"], "ssd_read_bytes": c["read"], "checkpoint_stall_s": c["stall"],
-            "resumed_from_step": start, "cpu_memory_bytes": parse_size(cfg.cpu_memory), "flop_formula": FLOP_FORMULA,
-            "store_dirs": list(cfg.store_dirs)}
+    return {
+        "steps": total,
+        "tokens": c["tokens"],
+        "wall_s": c["wall"],
+        "tokens_per_s": c["tokens"] / max(c["wall"], 1e-9),
+        "first_loss": c["first_loss"],
+        "last_loss": c["loss"],
+        "eval_loss_before": c["eval_before"],
+        "eval_loss_after": _evaluate(engine, data.eval_batches),
+        "peak_rss_bytes": peak_rss(),
+        "ssd_write_bytes": c["written"],
+        "ssd_read_bytes": c["read"],
+        "checkpoint_stall_s": c["stall"],
+        "resumed_from_step": start,
+        "cpu_memory_bytes": parse_size(cfg.cpu_memory),
+        "flop_formula": FLOP_FORMULA,
+        "store_dirs": list(cfg.store_dirs),
+    }
 
 
 def _record(step: int, st: dict, fpt: int) -> dict:
     """One metrics.jsonl line."""
-    return {"step": step + 1, "loss": st["loss"], "lr": st["lr"], "grad_norm": st["grad_norm"],
-            "applied": st["applied"], "tokens": st["tokens"], "step_time_s": st["step_time_s"],
-            "tokens_per_s": st["tokens_per_s"], "tflops": fpt * st["tokens"] / st["step_time_s"] / 1e12,
-            "flop_formula": FLOP_FORMULA, "flops_per_token": fpt, "busy_frac": st["busy_frac"],
-            "bottleneck": st["bottleneck"], "ssd_read_gb": st["ssd_read_bytes"] / 1e9,
-            "ssd_write_gb": st["ssd_write_bytes"] / 1e9}
+    return {
+        "step": step + 1,
+        "loss": st["loss"],
+        "lr": st["lr"],
+        "grad_norm": st["grad_norm"],
+        "applied": st["applied"],
+        "tokens": st["tokens"],
+        "step_time_s": st["step_time_s"],
+        "tokens_per_s": st["tokens_per_s"],
+        "tflops": fpt * st["tokens"] / st["step_time_s"] / 1e12,
+        "flop_formula": FLOP_FORMULA,
+        "flops_per_token": fpt,
+        "busy_frac": st["busy_frac"],
+        "bottleneck": st["bottleneck"],
+        "ssd_read_gb": st["ssd_read_bytes"] / 1e9,
+        "ssd_write_gb": st["ssd_write_bytes"] / 1e9,
+    }
 
 
 def _truncate_lines(path: str, n: int) -> None:

@@ -126,7 +126,9 @@ def _profile(req: PlanRequest, log: Callable[[str], None]) -> tuple[Any, str | N
     path = req.profile or os.environ.get("FUYOU_PROFILE")
     if path:
         if not os.path.isfile(path):
-            raise ConfigError(f"no hardware profile at {path}; run `fuyou profile --ssd DIR --out {path}` or drop --profile")
+            raise ConfigError(
+                f"no hardware profile at {path}; run `fuyou profile --ssd DIR --out {path}` or drop --profile"
+            )
         return load_profile(path), path
     kind = device_kind(req.device)
     if os.path.isfile(default_profile()):
@@ -163,8 +165,14 @@ def quick_profile(req: PlanRequest, kind: str, log: Callable[[str], None]) -> An
             if not said:
                 log("planner: measuring a quick hardware profile of this machine (once; seconds) …")
                 said.append(1)
-            return (machine_figures(backend, [ssd], req.precision, QUICK) if what == "machine" else
-                    model_figures(req.model_config, backend, (req.micro_batch_size,), req.seq_len, req.precision, QUICK))
+            return (
+                machine_figures(backend, [ssd], req.precision, QUICK)
+                if what == "machine"
+                else model_figures(
+                    req.model_config, backend, (req.micro_batch_size,), req.seq_len, req.precision, QUICK
+                )
+            )
+
         return run
 
     machine, _ = cached("quick-profile", f"{base}/fs{os.stat(ssd).st_dev}", measuring("machine"))
@@ -193,9 +201,11 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         if pol:
             kw["activation_policy"] = pol
         plan = Plan(**kw)
-        log(f"plan: the engine's budget rules ({req.grad_accum} micro-batches"
+        log(
+            f"plan: the engine's budget rules ({req.grad_accum} micro-batches"
             f"{f', prefetch depth {req.prefetch_depth}' if req.prefetch_depth else ''}"
-            f"{f', activations {req.activations}' if req.activations else ''})")
+            f"{f', activations {req.activations}' if req.activations else ''})"
+        )
         return ChosenPlan(plan, {"source": "rules"})
     from fuyou.planner.result import Budgets
     from fuyou.planner.search import Request, search
@@ -206,14 +216,27 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
     shape = shape_from_config(req.model_config.to_dict())
     gpu = parse_size(req.gpu_memory, "--gpu-memory") if req.gpu_memory is not None else prof.device_memory_bytes
     budgets = Budgets(cpu_memory=parse_size(req.cpu_memory, "--cpu-memory"), gpu_memory=gpu)
-    sreq = Request(seq_len=req.seq_len, tokens_per_step=req.seq_len * req.micro_batch_size * req.grad_accum,
-                   clip=req.clip, state_precision=req.state_precision, micro_batch_size=req.micro_batch_size,
-                   prefetch_depth=req.prefetch_depth, activations=req.activations, precision=req.precision)
+    sreq = Request(
+        seq_len=req.seq_len,
+        tokens_per_step=req.seq_len * req.micro_batch_size * req.grad_accum,
+        clip=req.clip,
+        state_precision=req.state_precision,
+        micro_batch_size=req.micro_batch_size,
+        prefetch_depth=req.prefetch_depth,
+        activations=req.activations,
+        precision=req.precision,
+    )
     res = search(shape, prof, budgets, sreq)
     p = res.prediction
     plan = res.plan  # the state chunk rides inside the plan
-    info = {"source": "planner", "profile": where, "predicted_step_s": p.step_s, "predicted_bottleneck": p.bottleneck,
-            "plan": plan.to_json(), "state_chunk": plan.state_chunk}
+    info = {
+        "source": "planner",
+        "profile": where,
+        "predicted_step_s": p.step_s,
+        "predicted_bottleneck": p.bottleneck,
+        "plan": plan.to_json(),
+        "state_chunk": plan.state_chunk,
+    }
     log(f"planner: {describe(plan)}; predicted {p.step_s:.2f} s/step, bottleneck {p.bottleneck} (profile {where})")
     return ChosenPlan(plan, info)
 
@@ -222,10 +245,15 @@ def describe(plan: Plan) -> str:
     """One line naming a plan's knobs, for the run's log."""
     pols = plan.activation_policy[1:-1]
     acts = ", ".join(f"{pols.count(k)}× {k}" for k in POLICIES if k in pols) or "default"
-    ram = (f", RAM tier: {plan.ram_weight_blocks} blocks' weights, {plan.ram_state_blocks} blocks' state"
-           if plan.ram_weight_blocks or plan.ram_state_blocks else "")
-    return (f"{plan.grad_accum} micro-batches, prefetch depth {plan.prefetch_depth}, layer activations {acts}, "
-            f"schedule {plan.schedule}, state chunk {plan.state_chunk} × {plan.state_buffers} buffers{ram}")
+    ram = (
+        f", RAM tier: {plan.ram_weight_blocks} blocks' weights, {plan.ram_state_blocks} blocks' state"
+        if plan.ram_weight_blocks or plan.ram_state_blocks
+        else ""
+    )
+    return (
+        f"{plan.grad_accum} micro-batches, prefetch depth {plan.prefetch_depth}, layer activations {acts}, "
+        f"schedule {plan.schedule}, state chunk {plan.state_chunk} × {plan.state_buffers} buffers{ram}"
+    )
 
 
 def _fixed_policies(req: PlanRequest) -> tuple[str, ...] | None:

@@ -33,8 +33,13 @@ class Progress:
         if self.enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress as Bar, TextColumn, TimeRemainingColumn
 
-            self._bar = Bar(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                            TextColumn("{task.fields[info]}"))
+            self._bar = Bar(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[info]}"),
+            )
             self._bar.__enter__()
             self._task = self._bar.add_task("train", total=self.total, info="loading first blocks…")
         return self
@@ -49,8 +54,10 @@ class Progress:
         if not self._bar:
             return
         ssd = (rec["ssd_read_gb"] + rec["ssd_write_gb"]) / max(rec["step_time_s"], 1e-9)
-        info = (f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s | {rec['tflops']:.2f} TFLOPS | "
-                f"SSD {ssd:.2f} GB/s | bound: {rec['bottleneck']}")
+        info = (
+            f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s | {rec['tflops']:.2f} TFLOPS | "
+            f"SSD {ssd:.2f} GB/s | bound: {rec['bottleneck']}"
+        )
         self._bar.update(self._task, advance=1, info=info)
 
     def __exit__(self, *exc: object) -> None:
@@ -66,17 +73,26 @@ def summary_table(s: dict) -> None:
     per_day = s["ssd_write_bytes"] / max(s["wall_s"], 1e-9) * 86400
     disk = shutil.disk_usage(s["store_dirs"][0]).total if s.get("store_dirs") else 0
     t = Table(title="Fuyou run", show_header=False)
-    rows = [("steps", str(s["steps"])), ("tokens", f"{s['tokens']:,}"), ("wall time", f"{s['wall_s']:.1f} s"),
-            ("tokens/s", f"{s['tokens_per_s']:.1f}"),
-            ("loss (first → last step)", f"{s['first_loss']:.4f} → {s['last_loss']:.4f}")]
+    rows = [
+        ("steps", str(s["steps"])),
+        ("tokens", f"{s['tokens']:,}"),
+        ("wall time", f"{s['wall_s']:.1f} s"),
+        ("tokens/s", f"{s['tokens_per_s']:.1f}"),
+        ("loss (first → last step)", f"{s['first_loss']:.4f} → {s['last_loss']:.4f}"),
+    ]
     if s.get("eval_loss_before") is not None:
         rows.append(("held-out loss (before → after)", f"{s['eval_loss_before']:.4f} → {s['eval_loss_after']:.4f}"))
-    rows += [("peak host memory (RSS)", format_size(s["peak_rss_bytes"])),
-             ("host budget (--cpu-memory)", format_size(s["cpu_memory_bytes"])),
-             ("SSD read / written", f"{format_size(s['ssd_read_bytes'])} / {format_size(s['ssd_write_bytes'])}"),
-             ("SSD writes at this rate", f"{format_size(per_day)}/day"
-              + (f" = {per_day / disk:.1f} drive-writes/day of this {format_size(disk)} disk" if disk else "")),
-             ("model written to", s.get("output", "?"))]
+    rows += [
+        ("peak host memory (RSS)", format_size(s["peak_rss_bytes"])),
+        ("host budget (--cpu-memory)", format_size(s["cpu_memory_bytes"])),
+        ("SSD read / written", f"{format_size(s['ssd_read_bytes'])} / {format_size(s['ssd_write_bytes'])}"),
+        (
+            "SSD writes at this rate",
+            f"{format_size(per_day)}/day"
+            + (f" = {per_day / disk:.1f} drive-writes/day of this {format_size(disk)} disk" if disk else ""),
+        ),
+        ("model written to", s.get("output", "?")),
+    ]
     for k, v in rows:
         t.add_row(k, v)
     Console().print(t)

@@ -24,8 +24,10 @@ def resolve(plan: Plan, clip: bool) -> Plan:
     if plan.schedule == AUTO:
         return dataclasses.replace(plan, schedule="overlap_next_forward" if clip else "overlap_backward")
     if clip and plan.schedule == "overlap_backward":
-        raise ConfigError("clipping needs the overlap_next_forward schedule (the global norm is known only after "
-                          "backward); drop the plan's schedule (auto) or set --max-grad-norm 0")
+        raise ConfigError(
+            "clipping needs the overlap_next_forward schedule (the global norm is known only after "
+            "backward); drop the plan's schedule (auto) or set --max-grad-norm 0"
+        )
     return plan
 
 
@@ -72,5 +74,7 @@ def parked_on_ssd(nblocks: int, plan: Plan) -> list[int]:
 def check_ram_tier(plan: Plan, nblocks: int) -> None:
     """Raises ConfigError if the plan's RAM tier names more blocks than the model has."""
     if max(plan.ram_weight_blocks, plan.ram_state_blocks) > nblocks:
-        raise ConfigError(f"the plan keeps {plan.ram_weight_blocks} blocks' weights and {plan.ram_state_blocks} "
-                          f"blocks' optimizer state in host RAM, but the model has {nblocks} blocks")
+        raise ConfigError(
+            f"the plan keeps {plan.ram_weight_blocks} blocks' weights and {plan.ram_state_blocks} "
+            f"blocks' optimizer state in host RAM, but the model has {nblocks} blocks"
+        )

@@ -86,8 +86,12 @@ def buffer_classes(fp: Footprint, plan: Plan) -> list[BufferClass]:
     w = max(fp.weight_bytes)
     g = max(fp.grad_bytes(b) for b in range(fp.nblocks))
     state = fp.state_extent_bytes(min(plan.state_chunk, max(fp.numels)))
-    out = [BufferClass(WEIGHTS, w, plan.prefetch_depth + 1), BufferClass(GRADS, g, 2),
-           BufferClass(STATE, state, plan.state_buffers), BufferClass(NEW_WEIGHTS, w, 2)]
+    out = [
+        BufferClass(WEIGHTS, w, plan.prefetch_depth + 1),
+        BufferClass(GRADS, g, 2),
+        BufferClass(STATE, state, plan.state_buffers),
+        BufferClass(NEW_WEIGHTS, w, 2),
+    ]
     return out + [BufferClass(park_class(b), fp.grad_bytes(b), 1) for b in parked_in_ram(fp.nblocks, plan)]
 
 
@@ -95,8 +99,11 @@ def ram_tier_extents(fp: Footprint, plan: Plan) -> tuple[list[int], list[int]]:
     """Bytes of each RAM-tier extent: (compute weights of blocks < ``ram_weight_blocks``, state chunks
     of blocks < ``ram_state_blocks``), in layout order."""
     ws = [fp.weight_bytes[b] for b in range(plan.ram_weight_blocks)]
-    ss = [fp.state_extent_bytes(hi - lo) for b in range(plan.ram_state_blocks)
-          for lo, hi in state_chunks(fp.numels[b], plan.state_chunk)]
+    ss = [
+        fp.state_extent_bytes(hi - lo)
+        for b in range(plan.ram_state_blocks)
+        for lo, hi in state_chunks(fp.numels[b], plan.state_chunk)
+    ]
     return ws, ss
 
 

@@ -36,9 +36,12 @@ def check_dir(path: str) -> str:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise (os_limit_error(e, f"checking SSD directory {path}") or StoreDirError(
-            f"SSD directory {path} is not writable ({e.strerror}); fix its permissions or mount, or pass another --ssd"
-        )) from e
+        raise (
+            os_limit_error(e, f"checking SSD directory {path}")
+            or StoreDirError(
+                f"SSD directory {path} is not writable ({e.strerror}); fix its permissions or mount, or pass another --ssd"
+            )
+        ) from e
     return path
 
 
@@ -56,8 +59,10 @@ def direct_supported(path: str) -> bool:
     except OSError as e:
         if e.errno in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
             return False
-        raise (os_limit_error(e, f"probing O_DIRECT in {path}")
-               or StoreDirError(f"cannot probe O_DIRECT in {path}: {e.strerror}")) from e
+        raise (
+            os_limit_error(e, f"probing O_DIRECT in {path}")
+            or StoreDirError(f"cannot probe O_DIRECT in {path}: {e.strerror}")
+        ) from e
     finally:
         buf.close()
         if os.path.exists(probe):

@@ -23,8 +23,18 @@ FILE_ALIGN = 4096
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
-    for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+    for d in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
 }
 
 
@@ -93,8 +103,7 @@ class ExtentSpec:
         if buf.dtype != torch.uint8 or buf.numel() < self.nbytes:
             raise ConfigError(f"extent {self.name!r} needs a uint8 buffer of ≥ {self.nbytes} bytes")
         return {
-            t.name: buf[off : off + t.nbytes].view(t.dtype).view(t.shape)
-            for t, off in zip(self.tensors, self.offsets)
+            t.name: buf[off : off + t.nbytes].view(t.dtype).view(t.shape) for t, off in zip(self.tensors, self.offsets)
         }
 
     def to_json(self) -> dict:

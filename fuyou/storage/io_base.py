@@ -147,8 +147,9 @@ class IOBackend(ABC):
     def _blocks(self, n: int) -> list[tuple[int, int]]:
         return [(s, min(self.block_bytes, n - s)) for s in range(0, n, self.block_bytes)]
 
-    def read(self, h: FileHandle, arr: np.ndarray, expected: list[int] | None, label: str,
-             compute: bool = True) -> Future:
+    def read(
+        self, h: FileHandle, arr: np.ndarray, expected: list[int] | None, label: str, compute: bool = True
+    ) -> Future:
         """Read ``arr.size`` bytes from the start of ``h`` into ``arr``; verify block CRCs if given.
 
         With ``compute`` false and no ``expected``, no checksum is computed (results are 0).

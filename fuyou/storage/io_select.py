@@ -38,8 +38,9 @@ def resolve_kind(kind: str = "auto") -> str:
     return env
 
 
-def make_io(kind: str = "auto", threads: int = 16, block_bytes: int = 1 << 20,
-                max_open: int | None = None) -> IOBackend:
+def make_io(
+    kind: str = "auto", threads: int = 16, block_bytes: int = 1 << 20, max_open: int | None = None
+) -> IOBackend:
     """Return the I/O backend for ``kind`` (see the module docstring) with ``threads`` threads,
     ``block_bytes`` per I/O and at most ``max_open`` open files (default: a quarter of ``ulimit -n``).
 

@@ -185,4 +185,3 @@ class OpenFiles:
                 errors.append(err)
         if errors:
             raise errors[0]
-

@@ -75,8 +75,19 @@ def as_bytes(buf: torch.Tensor | np.ndarray, nbytes: int, what: str) -> np.ndarr
 class TensorStore:
     """Versioned extents striped over directories; create with ``create``, reopen with ``open``."""
 
-    def __init__(self, dirs: list[str], extents: list[ExtentSpec], pieces: list[tuple[Piece, ...]],
-                 body: dict, *, io: str, direct: str, checksums: bool, threads: int, fsync: bool) -> None:
+    def __init__(
+        self,
+        dirs: list[str],
+        extents: list[ExtentSpec],
+        pieces: list[tuple[Piece, ...]],
+        body: dict,
+        *,
+        io: str,
+        direct: str,
+        checksums: bool,
+        threads: int,
+        fsync: bool,
+    ) -> None:
         self.dirs = dirs
         self.store_id: str = body["store_id"]
         self.block_bytes: int = body["block_bytes"]
@@ -93,9 +104,20 @@ class TensorStore:
 
     # ---------------------------------------------------------------- create / open
     @classmethod
-    def create(cls, dirs: list[str], extents: list[ExtentSpec], *, io: str = "auto", direct: str = "auto",
-               checksums: bool = True, threads: int = 16, block_bytes: int = 1 << 20,
-               stripe_min: int = 4 << 20, fsync: bool = True, overwrite: bool = False) -> TensorStore:
+    def create(
+        cls,
+        dirs: list[str],
+        extents: list[ExtentSpec],
+        *,
+        io: str = "auto",
+        direct: str = "auto",
+        checksums: bool = True,
+        threads: int = 16,
+        block_bytes: int = 1 << 20,
+        stripe_min: int = 4 << 20,
+        fsync: bool = True,
+        overwrite: bool = False,
+    ) -> TensorStore:
         """Make a new, empty store for ``extents`` striped over ``dirs`` (one per SSD).
 
         Checks up front that each directory exists, is writable and has room for two versions of
@@ -118,17 +140,32 @@ class TensorStore:
         for k, d in enumerate(dirs):
             share = sum(p.file_bytes for ps in pieces for p in ps if p.dir_index == k)
             fsdirs.check_space(d, 2 * share + (1 << 20), "the store (2 versions of its share, for crash-safe commits)")
-        body = {"store_id": uuid.uuid4().hex, "version": 0, "block_bytes": block_bytes, "ndirs": len(dirs),
-                "stripe_min": stripe_min,
-                "extents": [e.to_json() for e in extents], "files": {}, "meta": {}}
+        body = {
+            "store_id": uuid.uuid4().hex,
+            "version": 0,
+            "block_bytes": block_bytes,
+            "ndirs": len(dirs),
+            "stripe_min": stripe_min,
+            "extents": [e.to_json() for e in extents],
+            "files": {},
+            "meta": {},
+        }
         for k, d in enumerate(dirs):
             write_manifest(d, {"store_id": body["store_id"], "index": k}, ID_FILE)
         write_manifest(dirs[0], body)
         return cls(dirs, extents, pieces, body, io=io, direct=direct, checksums=checksums, threads=threads, fsync=fsync)
 
     @classmethod
-    def open(cls, dirs: list[str], *, io: str = "auto", direct: str = "auto", checksums: bool = True,
-             threads: int = 16, fsync: bool = True) -> TensorStore:
+    def open(
+        cls,
+        dirs: list[str],
+        *,
+        io: str = "auto",
+        direct: str = "auto",
+        checksums: bool = True,
+        threads: int = 16,
+        fsync: bool = True,
+    ) -> TensorStore:
         """Open an existing store at its last committed version; uncommitted files are discarded.
 
         Raises ManifestError if there is no valid manifest, StoreDirError if the directories are not
@@ -137,11 +174,15 @@ class TensorStore:
         dirs = [fsdirs.check_dir(d) for d in dirs]
         idents = [read_manifest(d, ID_FILE) if os.path.exists(os.path.join(d, ID_FILE)) else {} for d in dirs]
         if idents[0].get("index", 0) != 0:
-            raise StoreDirError(f"{dirs[0]} is stripe {idents[0]['index']} of a store, not its first; "
-                                "pass the --ssd directories in creation order")
+            raise StoreDirError(
+                f"{dirs[0]} is stripe {idents[0]['index']} of a store, not its first; "
+                "pass the --ssd directories in creation order"
+            )
         body = read_manifest(dirs[0])
         if body["ndirs"] != len(dirs):
-            raise StoreDirError(f"the store in {dirs[0]} is striped over {body['ndirs']} directories, {len(dirs)} given")
+            raise StoreDirError(
+                f"the store in {dirs[0]} is striped over {body['ndirs']} directories, {len(dirs)} given"
+            )
         for k, (d, ident) in enumerate(zip(dirs, idents)):
             if ident.get("store_id") != body["store_id"] or ident.get("index") != k:
                 raise StoreDirError(
@@ -149,7 +190,9 @@ class TensorStore:
                 )
         extents = [ExtentSpec.from_json(e) for e in body["extents"]]
         pieces = place(extents, len(dirs), body["stripe_min"])
-        store = cls(dirs, extents, pieces, body, io=io, direct=direct, checksums=checksums, threads=threads, fsync=fsync)
+        store = cls(
+            dirs, extents, pieces, body, io=io, direct=direct, checksums=checksums, threads=threads, fsync=fsync
+        )
         store._load_files(body["files"])
         return store
 
@@ -158,7 +201,7 @@ class TensorStore:
         for name, entry in files.items():
             ext = self._ext[name]
             recs = []
-            for (d, fname, crcs) in entry:
+            for d, fname, crcs in entry:
                 path = os.path.join(self.dirs[d], fname)
                 if not os.path.exists(path):
                     raise ManifestError(f"{path} named by the manifest is missing; restore the run from a checkpoint")
@@ -205,8 +248,10 @@ class TensorStore:
             files = ext.pending
         if prev is not None:
             prev.exception()  # write-after-write on one extent: keep them in order
-        futs = [self.io.write(f.handle, arr[p.start : p.start + p.length], self.checksums)
-                for f, p in zip(files, ext.pieces)]
+        futs = [
+            self.io.write(f.handle, arr[p.start : p.start + p.length], self.checksums)
+            for f, p in zip(files, ext.pieces)
+        ]
 
         def record(crcs: list[list[int]]) -> None:
             for f, c in zip(files, crcs):
@@ -255,8 +300,13 @@ class TensorStore:
         if files is None:
             raise StoreError(f"extent {name!r} has never been written")
         futs = [
-            self.io.read(f.handle, arr[p.start : p.start + p.length], f.crcs if self.checksums else None,
-                             f"extent {name!r}, piece {k}", compute=False)
+            self.io.read(
+                f.handle,
+                arr[p.start : p.start + p.length],
+                f.crcs if self.checksums else None,
+                f"extent {name!r}, piece {k}",
+                compute=False,
+            )
             for k, (f, p) in enumerate(zip(files, ext.pieces))
         ]
         return then(gather(futs), lambda _: None)
@@ -275,7 +325,9 @@ class TensorStore:
         wait(futs)
         errors = [f.exception() for f in futs if f.exception() is not None]
         if errors:
-            raise StoreError(f"commit of version {self.version + 1} failed, version {self.version} stays current: {errors[0]}")
+            raise StoreError(
+                f"commit of version {self.version + 1} failed, version {self.version} stays current: {errors[0]}"
+            )
         if self.fsync:
             written = [f for e in dirty if e.pending is not None for f in e.pending]
             gather([self.io.fsync(f.handle) for f in written]).result()
@@ -295,9 +347,16 @@ class TensorStore:
             cur = e.pending if e.pending is not None else e.committed
             if cur is not None:
                 files[name] = [[f.dir_index, f.name, checksum.encode(f.crcs or [])] for f in cur]
-        return {"store_id": self.store_id, "version": version, "block_bytes": self.block_bytes,
-                "ndirs": len(self.dirs), "stripe_min": self.stripe_min, "extents": [e.spec.to_json() for e in self._ext.values()],
-                "files": files, "meta": meta}
+        return {
+            "store_id": self.store_id,
+            "version": version,
+            "block_bytes": self.block_bytes,
+            "ndirs": len(self.dirs),
+            "stripe_min": self.stripe_min,
+            "extents": [e.spec.to_json() for e in self._ext.values()],
+            "files": files,
+            "meta": meta,
+        }
 
     def committed(self) -> tuple[dict, list[tuple[int, str]]]:
         """The manifest body of the last committed version and the files it names: (stripe, name).
@@ -308,10 +367,19 @@ class TensorStore:
         with self._lock:
             files: dict[str, list[list[Any]]] = {
                 n: [[f.dir_index, f.name, checksum.encode(f.crcs or [])] for f in e.committed]
-                     for n, e in self._ext.items() if e.committed is not None}
-            body = {"store_id": self.store_id, "version": self.version, "block_bytes": self.block_bytes,
-                    "ndirs": len(self.dirs), "stripe_min": self.stripe_min,
-                    "extents": [e.spec.to_json() for e in self._ext.values()], "files": files, "meta": self.meta}
+                for n, e in self._ext.items()
+                if e.committed is not None
+            }
+            body = {
+                "store_id": self.store_id,
+                "version": self.version,
+                "block_bytes": self.block_bytes,
+                "ndirs": len(self.dirs),
+                "stripe_min": self.stripe_min,
+                "extents": [e.spec.to_json() for e in self._ext.values()],
+                "files": files,
+                "meta": self.meta,
+            }
             return body, [(d, name) for entry in files.values() for d, name, _ in entry]
 
     def _retire(self, e: _Extent) -> None:

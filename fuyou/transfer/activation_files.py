@@ -29,8 +29,15 @@ from fuyou.units import align_up
 class ActivationSpace:
     """Scratch files for swapped activations, striped over the store directories."""
 
-    def __init__(self, backend: Backend, pool: HostBufferPool, io: IOBackend, dirs: list[str], direct: list[bool],
-                 timeline: Timeline) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        pool: HostBufferPool,
+        io: IOBackend,
+        dirs: list[str],
+        direct: list[bool],
+        timeline: Timeline,
+    ) -> None:
         self.backend, self.pool, self.io, self.timeline = backend, pool, io, timeline
         self.dirs = [os.path.join(d, "activations") for d in dirs]
         self.direct = direct

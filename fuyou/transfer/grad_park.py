@@ -73,8 +73,18 @@ class GradientParking:
     docstring. ``gradients`` copies them off the device (the Adam stage's ``offload``: its
     device-to-host stream); ``ssd_blocks``: the blocks whose gradients park on SSD."""
 
-    def __init__(self, gradients: Offloads, pool: HostBufferPool, layout: ModelLayout, io: IOBackend, dirs: list[str],
-                 direct: list[bool], timeline: Timeline, ssd_blocks: list[int], checksums: bool = True) -> None:
+    def __init__(
+        self,
+        gradients: Offloads,
+        pool: HostBufferPool,
+        layout: ModelLayout,
+        io: IOBackend,
+        dirs: list[str],
+        direct: list[bool],
+        timeline: Timeline,
+        ssd_blocks: list[int],
+        checksums: bool = True,
+    ) -> None:
         self.gradients, self.pool, self.layout, self.io, self.timeline = gradients, pool, layout, io, timeline
         self.checksums = checksums
         self.dirs = [os.path.join(d, GRAD_DIR) for d in dirs]

@@ -22,8 +22,9 @@ from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
 class GradientOffload:
     """Copies finished device gradients into host buffers; see the module docstring."""
 
-    def __init__(self, backend: Backend, pool: HostBufferPool, layout: ModelLayout, timeline: Timeline,
-                 d2h_stream: object) -> None:
+    def __init__(
+        self, backend: Backend, pool: HostBufferPool, layout: ModelLayout, timeline: Timeline, d2h_stream: object
+    ) -> None:
         self.backend, self.pool, self.layout = backend, pool, layout
         self.timeline, self.stream = timeline, d2h_stream
 
@@ -32,7 +33,10 @@ class GradientOffload:
         buf = self.pool.acquire(cls)
         n = grad.numel()
         self.backend.record().wait(self.stream)  # hazard: copying the gradient before backward finished writing it
-        with self.timeline.span("d2h", self.layout.blocks[b].name, n * grad.element_size()), self.backend.on(self.stream):
+        with (
+            self.timeline.span("d2h", self.layout.blocks[b].name, n * grad.element_size()),
+            self.backend.on(self.stream),
+        ):
             buf.view(grad.dtype, n).copy_(grad, non_blocking=True)
             self.backend.keep_alive(grad, self.stream)  # hazard: the caller frees grad while the copy still reads it
         return buf, self.backend.record(self.stream)

@@ -44,8 +44,10 @@ class HostBuffer:
         return self.data[offset : offset + numel * size].view(dtype)
 
 
-WAYS_OUT = ("raise --cpu-memory, lower --prefetch-depth, park gradients on SSD (Plan.park_ram_blocks; "
-            "--plan auto/rules do so when RAM is short), or turn clipping off (--max-grad-norm 0)")
+WAYS_OUT = (
+    "raise --cpu-memory, lower --prefetch-depth, park gradients on SSD (Plan.park_ram_blocks; "
+    "--plan auto/rules do so when RAM is short), or turn clipping off (--max-grad-norm 0)"
+)
 """Every way out of a host budget that is too small, for the one-line error."""
 
 

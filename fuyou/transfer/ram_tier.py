@@ -42,7 +42,9 @@ STALE = "ram_tier_stale"
 """Commit-metadata key: True when RAM-tier extents on SSD are older than the committed step."""
 
 
-def ram_extents(layout: ModelLayout, weight_blocks: int, state_blocks: int) -> tuple[list[ExtentSpec], list[ExtentSpec]]:
+def ram_extents(
+    layout: ModelLayout, weight_blocks: int, state_blocks: int
+) -> tuple[list[ExtentSpec], list[ExtentSpec]]:
     """(weight extents, state extents) held in RAM for the first ``weight_blocks``/``state_blocks`` blocks
     (at most the block count: ``fuyou.schedule.rules.check_ram_tier``)."""
     ws = [layout.w(b) for b in range(weight_blocks)]
@@ -53,8 +55,15 @@ def ram_extents(layout: ModelLayout, weight_blocks: int, state_blocks: int) -> t
 class RamTier:
     """The store with RAM-resident extents in front of it; see the module docstring."""
 
-    def __init__(self, store: TensorStore, pool: HostBufferPool, layout: ModelLayout, timeline: Timeline,
-                 weight_blocks: int, state_blocks: int) -> None:
+    def __init__(
+        self,
+        store: TensorStore,
+        pool: HostBufferPool,
+        layout: ModelLayout,
+        timeline: Timeline,
+        weight_blocks: int,
+        state_blocks: int,
+    ) -> None:
         """Reserve the RAM copies in ``pool`` (raises HostMemoryError naming the tier if the host budget
         is too small; ConfigError if a count passes the number of blocks). Contents start undefined:
         fill them with ``write_through`` (import) or ``load`` (resume)."""
@@ -157,8 +166,10 @@ class RamTier:
         finiteness check, so this is a bug, not a user error)."""
         self.store.abort()
         if self.uncommitted:
-            raise FuyouError(f"internal error: RAM-tier extents {sorted(self.uncommitted)[:3]} were updated by a "
-                             "step that is being rolled back")
+            raise FuyouError(
+                f"internal error: RAM-tier extents {sorted(self.uncommitted)[:3]} were updated by a "
+                "step that is being rolled back"
+            )
 
     def persist(self, meta: dict) -> int | None:
         """Write every RAM extent changed since the last persist to the store and commit a complete
@@ -170,8 +181,10 @@ class RamTier:
         """
         if self.uncommitted or not self.dirty:
             return None
-        futs = [self.timeline.track(self.store.write(name, self.ram[name]), "ssd_write", name, self.ram[name].numel())
-                for name in sorted(self.dirty)]
+        futs = [
+            self.timeline.track(self.store.write(name, self.ram[name]), "ssd_write", name, self.ram[name].numel())
+            for name in sorted(self.dirty)
+        ]
         gather(futs).result()
         self.dirty.clear()
         return self.commit(meta)
@@ -190,6 +203,8 @@ def _bytes(buf: torch.Tensor, nbytes: int, name: str) -> torch.Tensor:
 def refuse_stale(meta: dict, where: str) -> None:
     """Raise StoreError if the committed version described by ``meta`` has stale RAM-tier extents."""
     if meta.get(STALE):
-        raise StoreError(f"the last committed step ({meta.get('step', '?')}) of the store in {where} kept weights or "
-                         "optimizer state in host RAM and the run ended without writing them back (no flush), so "
-                         "the store is incomplete; resume from a checkpoint instead (--resume auto)")
+        raise StoreError(
+            f"the last committed step ({meta.get('step', '?')}) of the store in {where} kept weights or "
+            "optimizer state in host RAM and the run ended without writing them back (no flush), so "
+            "the store is incomplete; resume from a checkpoint instead (--resume auto)"
+        )

@@ -28,8 +28,16 @@ from fuyou.transfer.ram_tier import RamTier
 class WeightLoader:
     """Prefetching reader of ``w/<block>`` extents; see the module docstring."""
 
-    def __init__(self, store: RamTier, backend: Backend, pool: HostBufferPool, layout: ModelLayout,
-                 timeline: Timeline, depth: int, copy_stream: object) -> None:
+    def __init__(
+        self,
+        store: RamTier,
+        backend: Backend,
+        pool: HostBufferPool,
+        layout: ModelLayout,
+        timeline: Timeline,
+        depth: int,
+        copy_stream: object,
+    ) -> None:
         self.store, self.backend, self.pool, self.layout = store, backend, pool, layout
         self.timeline, self.depth, self.stream = timeline, depth, copy_stream
         self.order: list[int] = []
@@ -75,7 +83,7 @@ class WeightLoader:
         refilled, so parameters and autograd's saved views of them see the weights again.
         """
         if self.pos >= len(self.order) or self.order[self.pos] != b:
-            raise RuntimeError(f"load order expected block {self.order[self.pos:self.pos + 1]}, got {b}")
+            raise RuntimeError(f"load order expected block {self.order[self.pos : self.pos + 1]}, got {b}")
         self._issue()
         buf, fut = self._reads.pop(self.pos)
         self.pos += 1

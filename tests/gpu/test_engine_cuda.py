@@ -14,8 +14,16 @@ def run(cfg, model, tmp_path, data, policy, K=1, clip=0.0, hidden_bound=False):
     n = cfg.num_hidden_layers + 2
     plan = Plan(grad_accum=K, prefetch_depth=2, activation_policy=("keep",) + (policy,) * (n - 2) + ("keep",))
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ec = EngineConfig(ssd_dirs=(str(tmp_path),), device="cuda", precision="fp32", lr=LR, weight_decay=WD,
-                      cpu_memory="512MiB", max_grad_norm=clip, plan=plan)
+    ec = EngineConfig(
+        ssd_dirs=(str(tmp_path),),
+        device="cuda",
+        precision="fp32",
+        lr=LR,
+        weight_decay=WD,
+        cpu_memory="512MiB",
+        max_grad_norm=clip,
+        plan=plan,
+    )
     with Engine.from_state_dict(cfg, sd, ec) as eng:
         losses = [eng.train_step(ids, labels)["loss"] for ids, labels in data]
         return losses, dict(eng.master_weights())

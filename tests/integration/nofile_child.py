@@ -42,15 +42,31 @@ class FdSampler:
 def main() -> None:
     model_dir, ssd, steps, chunk = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     sampler = FdSampler()
-    ec = EngineConfig(ssd_dirs=(ssd,), precision="fp32", lr=LR, weight_decay=WD, cpu_memory="512MiB",
-                      plan=Plan(prefetch_depth=2, state_chunk=chunk))
+    ec = EngineConfig(
+        ssd_dirs=(ssd,),
+        precision="fp32",
+        lr=LR,
+        weight_decay=WD,
+        cpu_memory="512MiB",
+        plan=Plan(prefetch_depth=2, state_chunk=chunk),
+    )
     with Engine.from_pretrained(model_dir, ec) as eng:
         losses = [eng.train_step(ids, labels)["loss"] for ids, labels in batches(steps)]
         extents = len(eng.store.extents)
         weights = {k: float(v.double().square().sum()) for k, v in eng.master_weights()}
     files = sum(1 for f in os.listdir(ssd) if f.endswith(".fy"))
-    print(json.dumps({"losses": losses, "extents": extents, "store_files": files, "peak_fds": sampler.stop(),
-                      "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0], "weights_sq": weights}))
+    print(
+        json.dumps(
+            {
+                "losses": losses,
+                "extents": extents,
+                "store_files": files,
+                "peak_fds": sampler.stop(),
+                "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                "weights_sq": weights,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,18 @@ def main() -> None:
         ids = torch.randint(0, eng.adapter.config.vocab_size, (1, 64), generator=g)
         losses = [eng.train_step(ids)["loss"] for _ in range(steps)]
         pool_peak = eng.pool.peak
-    print(json.dumps({"base": base, "peak": status("VmHWM"), "growth": status("VmHWM") - base, "pool_peak": pool_peak,
-                      "budget": budget, "losses": losses}))
+    print(
+        json.dumps(
+            {
+                "base": base,
+                "peak": status("VmHWM"),
+                "growth": status("VmHWM") - base,
+                "pool_peak": pool_peak,
+                "budget": budget,
+                "losses": losses,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

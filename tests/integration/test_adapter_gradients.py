@@ -14,7 +14,11 @@ def test_embed_block_gradient_equals_the_dense_reference(family):
     cfg, model = tiny(family)
     ad = make_adapter(cfg)
     ad.prepare(torch.device("cpu"))
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith(tuple(p for p, _ in ad.modules[0][1]))}
+    weights = {
+        k: v.detach().clone()
+        for k, v in model.state_dict().items()
+        if k.startswith(tuple(p for p, _ in ad.modules[0][1]))
+    }
     g = torch.Generator().manual_seed(3)
     ids = [torch.randint(0, 8, (2, 12), generator=g) for _ in range(2)]  # 8 distinct tokens: many repeats
     dys = [torch.randn(2, 12, ad.hidden, generator=g) for _ in range(2)]

@@ -17,8 +17,9 @@ def test_trains_far_below_both_budgets(tmp_path):
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     weights_bytes = 2 * sum(p.numel() for p in model.parameters())
     host = state_bytes(model) // 10
-    ec = EngineConfig(ssd_dirs=(str(tmp_path),), cpu_memory=host, gpu_memory=weights_bytes // 8,
-                      plan=Plan(prefetch_depth=1))
+    ec = EngineConfig(
+        ssd_dirs=(str(tmp_path),), cpu_memory=host, gpu_memory=weights_bytes // 8, plan=Plan(prefetch_depth=1)
+    )
     with Engine.from_state_dict(cfg, sd, ec) as eng:
         assert eng.pool.reserved <= host
         losses = [eng.train_step(ids, labels)["loss"] for ids, labels in batches(3)]

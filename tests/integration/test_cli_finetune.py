@@ -28,8 +28,10 @@ def write_jsonl(path, records):
 
 TEXT = [{"text": f"def f{i}(x):\n    return x * {i} + {i * i}  # some python {i}"} for i in range(40)]
 PC = [{"prompt": f"Question {i}: what is {i}+{i}?", "completion": f" The answer is {2 * i}."} for i in range(40)]
-CHAT = [{"messages": [{"role": "user", "content": f"Say {i}"}, {"role": "assistant", "content": f"{i} {i} {i}"}]}
-        for i in range(40)]
+CHAT = [
+    {"messages": [{"role": "user", "content": f"Say {i}"}, {"role": "assistant", "content": f"{i} {i} {i}"}]}
+    for i in range(40)
+]
 
 
 def run(args, **kw):
@@ -40,16 +42,49 @@ def run(args, **kw):
 def test_finetune_each_format_then_export(tmp_path, model_dir, records):
     data = write_jsonl(tmp_path / "d.jsonl", records)
     out = tmp_path / "run"
-    r = run(["finetune", model_dir, "--data", data, "--output", str(out), "--steps", "3", "--seq-len", "32",
-             "--micro-batch-size", "2", "--grad-accum", "2", "--lr", "1e-3", "--cpu-memory", "256MiB",
-             "--no-progress", "--trace", str(tmp_path / "t.json")])
+    r = run(
+        [
+            "finetune",
+            model_dir,
+            "--data",
+            data,
+            "--output",
+            str(out),
+            "--steps",
+            "3",
+            "--seq-len",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--grad-accum",
+            "2",
+            "--lr",
+            "1e-3",
+            "--cpu-memory",
+            "256MiB",
+            "--no-progress",
+            "--trace",
+            str(tmp_path / "t.json"),
+        ]
+    )
     assert r.exit_code == 0, r.output
     summary = json.loads((out / "run.json").read_text())
     assert summary["steps"] == 3 and summary["eval_loss_before"] is not None
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3]
-    for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "tflops", "flop_formula", "busy_frac",
-                "ssd_read_gb", "ssd_write_gb", "bottleneck"):
+    for key in (
+        "loss",
+        "lr",
+        "grad_norm",
+        "tokens",
+        "tokens_per_s",
+        "tflops",
+        "flop_formula",
+        "busy_frac",
+        "ssd_read_gb",
+        "ssd_write_gb",
+        "bottleneck",
+    ):
         assert key in lines[0], key
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -69,8 +104,23 @@ def test_yaml_config_and_flag_override(tmp_path, model_dir):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"data: {data}\nseq-len: 32\nsteps: 4\nlr: 0.5\ncpu_memory: 256MiB\nbetas: [0.8, 0.95]\n")
     out = tmp_path / "run"
-    r = run(["finetune", model_dir, "--config", str(cfg), "--output", str(out), "--steps", "2", "--lr", "1e-4", "--no-progress",
-             "--lr-schedule", "constant"])
+    r = run(
+        [
+            "finetune",
+            model_dir,
+            "--config",
+            str(cfg),
+            "--output",
+            str(out),
+            "--steps",
+            "2",
+            "--lr",
+            "1e-4",
+            "--no-progress",
+            "--lr-schedule",
+            "constant",
+        ]
+    )
     assert r.exit_code == 0, r.output
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and lines[0]["lr"] == pytest.approx(1e-4)  # flags override the file
@@ -78,8 +128,9 @@ def test_yaml_config_and_flag_override(tmp_path, model_dir):
 
 def cli_error(args):
     """Run the real console script: one line on stderr, exit 1, no traceback."""
-    r = subprocess.run([sys.executable, "-m", "fuyou.cli.main", *args], capture_output=True, text=True, cwd=ROOT,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "fuyou.cli.main", *args], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert r.returncode != 0, r.stdout
     assert "Traceback" not in r.stderr, r.stderr
     return r.stderr.strip()
@@ -143,8 +194,27 @@ def test_finetune_plans_with_the_cost_model_by_default(tmp_path, model_dir, monk
     monkeypatch.delenv("FUYOU_PROFILE", raising=False)
     data = write_jsonl(tmp_path / "d.jsonl", TEXT)
     out = tmp_path / "run"
-    r = run(["finetune", model_dir, "--data", data, "--output", str(out), "--steps", "2", "--seq-len", "32",
-             "--micro-batch-size", "2", "--grad-accum", "2", "--cpu-memory", "256MiB", "--no-progress"])
+    r = run(
+        [
+            "finetune",
+            model_dir,
+            "--data",
+            data,
+            "--output",
+            str(out),
+            "--steps",
+            "2",
+            "--seq-len",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--grad-accum",
+            "2",
+            "--cpu-memory",
+            "256MiB",
+            "--no-progress",
+        ]
+    )
     assert r.exit_code == 0, r.output
     plan = json.loads((out / "run.json").read_text())["plan"]
     assert plan["source"] == "planner" and plan["profile"] == str(out / "profile.json")
@@ -158,9 +228,29 @@ def test_finetune_plans_with_the_cost_model_by_default(tmp_path, model_dir, monk
 
     # the cached profile is reused, and flags override single choices
     out2 = tmp_path / "run2"
-    r = run(["finetune", model_dir, "--data", data, "--output", str(out2), "--steps", "1", "--seq-len", "32",
-             "--cpu-memory", "256MiB", "--no-progress", "--profile", str(out / "profile.json"),
-             "--prefetch-depth", "1", "--activations", "swap_cpu"])
+    r = run(
+        [
+            "finetune",
+            model_dir,
+            "--data",
+            data,
+            "--output",
+            str(out2),
+            "--steps",
+            "1",
+            "--seq-len",
+            "32",
+            "--cpu-memory",
+            "256MiB",
+            "--no-progress",
+            "--profile",
+            str(out / "profile.json"),
+            "--prefetch-depth",
+            "1",
+            "--activations",
+            "swap_cpu",
+        ]
+    )
     assert r.exit_code == 0, r.output
     plan = json.loads((out2 / "run.json").read_text())["plan"]
     assert plan["profile"] == str(out / "profile.json") and not (out2 / "profile.json").exists()
@@ -171,11 +261,45 @@ def test_finetune_plans_with_the_cost_model_by_default(tmp_path, model_dir, monk
 def test_finetune_rules_plan_and_bad_profile(tmp_path, model_dir):
     data = write_jsonl(tmp_path / "d.jsonl", TEXT)
     out = tmp_path / "run"
-    r = run(["finetune", model_dir, "--data", data, "--output", str(out), "--steps", "1", "--seq-len", "32",
-             "--cpu-memory", "256MiB", "--no-progress", "--plan", "rules", "--activations", "keep"])
+    r = run(
+        [
+            "finetune",
+            model_dir,
+            "--data",
+            data,
+            "--output",
+            str(out),
+            "--steps",
+            "1",
+            "--seq-len",
+            "32",
+            "--cpu-memory",
+            "256MiB",
+            "--no-progress",
+            "--plan",
+            "rules",
+            "--activations",
+            "keep",
+        ]
+    )
     assert r.exit_code == 0, r.output
     plan = json.loads((out / "run.json").read_text())["plan"]
     assert plan["source"] == "rules" and set(plan["executed"]["activation_policy"][1:-1]) == {"keep"}
-    msg = cli_error(["finetune", model_dir, "--data", data, "--output", str(tmp_path / "x"), "--steps", "1",
-                     "--seq-len", "32", "--no-progress", "--profile", str(tmp_path / "missing.json")])
+    msg = cli_error(
+        [
+            "finetune",
+            model_dir,
+            "--data",
+            data,
+            "--output",
+            str(tmp_path / "x"),
+            "--steps",
+            "1",
+            "--seq-len",
+            "32",
+            "--no-progress",
+            "--profile",
+            str(tmp_path / "missing.json"),
+        ]
+    )
     assert "no hardware profile" in msg and len(msg.splitlines()) == 1

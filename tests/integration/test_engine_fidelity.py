@@ -9,8 +9,9 @@ from tests.integration.tiny_models import batches, reference_steps, tiny
 LR, WD, STEPS = 1e-3, 0.01, 5
 
 
-def run_fuyou(cfg, model, tmp_path, data, *, policy="recompute", K=1, depth=2, ndirs=1, clip=0.0,
-              precision="fp32", lrs=None):
+def run_fuyou(
+    cfg, model, tmp_path, data, *, policy="recompute", K=1, depth=2, ndirs=1, clip=0.0, precision="fp32", lrs=None
+):
     dirs = []
     for i in range(ndirs):
         d = tmp_path / f"ssd{i}"
@@ -19,8 +20,15 @@ def run_fuyou(cfg, model, tmp_path, data, *, policy="recompute", K=1, depth=2, n
     nblocks = cfg.num_hidden_layers + 2
     plan = Plan(grad_accum=K, prefetch_depth=depth, activation_policy=("keep",) + (policy,) * (nblocks - 2) + ("keep",))
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ec = EngineConfig(ssd_dirs=tuple(dirs), precision=precision, lr=LR, weight_decay=WD, cpu_memory="256MiB",
-                      max_grad_norm=clip, plan=plan)
+    ec = EngineConfig(
+        ssd_dirs=tuple(dirs),
+        precision=precision,
+        lr=LR,
+        weight_decay=WD,
+        cpu_memory="256MiB",
+        max_grad_norm=clip,
+        plan=plan,
+    )
     losses = []
     with Engine.from_state_dict(cfg, sd, ec) as eng:
         for i, (ids, labels) in enumerate(data):
@@ -77,8 +85,18 @@ def test_accumulation_prefetch_stripes_and_schedules(tmp_path, K, depth, ndirs, 
     cfg, model = tiny("llama_tied", layers=3)
     data = batches(STEPS)
     lrs = [LR * (1 - 0.15 * i) for i in range(STEPS)]  # an LR schedule: changes every step
-    losses, weights = run_fuyou(cfg, model, tmp_path, data, K=K, depth=depth, ndirs=ndirs, clip=clip, lrs=lrs,
-                                policy={2: "keep", 3: "swap_ssd"}.get(K if K == 2 else depth, "recompute"))
+    losses, weights = run_fuyou(
+        cfg,
+        model,
+        tmp_path,
+        data,
+        K=K,
+        depth=depth,
+        ndirs=ndirs,
+        clip=clip,
+        lrs=lrs,
+        policy={2: "keep", 3: "swap_ssd"}.get(K if K == 2 else depth, "recompute"),
+    )
     ref_losses = reference_steps(model, data, K, LR, WD, clip=clip, lrs=lrs)
     assert_same(model, ref_losses, losses, weights)
 

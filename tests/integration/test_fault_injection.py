@@ -24,10 +24,40 @@ STEPS = 24
 
 
 def command(model, data, out):
-    return [sys.executable, "-m", "fuyou.cli.main", "finetune", model, "--data", data, "--output", out,
-            "--steps", str(STEPS), "--seq-len", "32", "--micro-batch-size", "2", "--grad-accum", "2",
-            "--precision", "fp32", "--lr", "1e-3", "--max-grad-norm", "1.0", "--cpu-memory", "256MiB",
-            "--save-every", "1", "--keep-checkpoints", "2", "--resume", "auto", "--no-progress"]
+    return [
+        sys.executable,
+        "-m",
+        "fuyou.cli.main",
+        "finetune",
+        model,
+        "--data",
+        data,
+        "--output",
+        out,
+        "--steps",
+        str(STEPS),
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--grad-accum",
+        "2",
+        "--precision",
+        "fp32",
+        "--lr",
+        "1e-3",
+        "--max-grad-norm",
+        "1.0",
+        "--cpu-memory",
+        "256MiB",
+        "--save-every",
+        "1",
+        "--keep-checkpoints",
+        "2",
+        "--resume",
+        "auto",
+        "--no-progress",
+    ]
 
 
 def weights(out):
@@ -60,8 +90,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path, monkey
     rng = random.Random(7)
     kills = 0
     for _ in range(10):
-        child = subprocess.Popen(command(model, data, out), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE)
+        child = subprocess.Popen(command(model, data, out), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         time.sleep(rng.uniform(1.0, 7.0))
         if child.poll() is not None:
             assert child.returncode == 0, child.stderr.read().decode()[-2000:]

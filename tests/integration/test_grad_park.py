@@ -75,8 +75,13 @@ def test_budget_error_groups_classes_and_names_every_way_out(tmp_path):
     layout, clip, all_ssd, _ = _layout_and_budget()
     cfg, model = tiny("llama_tied", layers=3)
     sd = model.state_dict()
-    ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", cpu_memory=all_ssd // 2, max_grad_norm=1.0,
-                      plan=Plan(prefetch_depth=1))
+    ec = EngineConfig(
+        ssd_dirs=(str(tmp_path),),
+        precision="fp32",
+        cpu_memory=all_ssd // 2,
+        max_grad_norm=1.0,
+        plan=Plan(prefetch_depth=1),
+    )
     with pytest.raises(HostMemoryError) as e:
         Engine.from_state_dict(cfg, sd, ec)
     msg = str(e.value)

@@ -15,9 +15,13 @@ def trainer(tmp_path, data, **kw):
     ssd = tmp_path / "ssd"
     ssd.mkdir(exist_ok=True)
     _, model = tiny("llama_tied", layers=2)
-    args = FuyouTrainingArguments(output_dir=str(tmp_path / "out"), optim="adamw_torch", ssd_dirs=[str(ssd)],
-                                  cpu_memory="64MiB", **{**COMMON, "max_steps": 5, "save_strategy": "steps",
-                                                         "save_steps": 1, **kw})
+    args = FuyouTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        optim="adamw_torch",
+        ssd_dirs=[str(ssd)],
+        cpu_memory="64MiB",
+        **{**COMMON, "max_steps": 5, "save_strategy": "steps", "save_steps": 1, **kw},
+    )
     return FuyouTrainer(model=model, args=args, train_dataset=data, eval_dataset=data[:4])
 
 
@@ -51,8 +55,16 @@ def test_save_total_limit_prunes_the_copy_free_checkpoints(tmp_path):
 def test_save_total_limit_keeps_the_best_model_checkpoint(tmp_path):
     data = dataset()
     # the loss falls, so with greater_is_better the first checkpoint stays the best one
-    fy = trainer(tmp_path, data, save_total_limit=2, eval_strategy="steps", eval_steps=1, load_best_model_at_end=True,
-                 metric_for_best_model="eval_loss", greater_is_better=True)
+    fy = trainer(
+        tmp_path,
+        data,
+        save_total_limit=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
+    )
     fy.train()
     best = fy.state.best_model_checkpoint
     kept = hf_dirs(tmp_path)

@@ -22,9 +22,22 @@ def dataset(n=24, seq=16, seed=3):
     return rows
 
 
-COMMON = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=6, learning_rate=3e-3,
-              warmup_steps=2, lr_scheduler_type="cosine", max_grad_norm=0.5, weight_decay=0.05, seed=7,
-              logging_steps=1, report_to=[], use_cpu=True, save_strategy="no", dataloader_num_workers=0)
+COMMON = dict(
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    max_steps=6,
+    learning_rate=3e-3,
+    warmup_steps=2,
+    lr_scheduler_type="cosine",
+    max_grad_norm=0.5,
+    weight_decay=0.05,
+    seed=7,
+    logging_steps=1,
+    report_to=[],
+    use_cpu=True,
+    save_strategy="no",
+    dataloader_num_workers=0,
+)
 
 
 def losses(trainer):
@@ -35,13 +48,17 @@ def test_same_losses_and_weights_as_plain_trainer(tmp_path):
     _, model = tiny("llama_tied", layers=2)
     ref_model = copy.deepcopy(model)
     data = dataset()
-    ref = Trainer(model=ref_model, args=TrainingArguments(output_dir=str(tmp_path / "ref"), optim="adamw_torch", **COMMON),
-                  train_dataset=data)
+    ref = Trainer(
+        model=ref_model,
+        args=TrainingArguments(output_dir=str(tmp_path / "ref"), optim="adamw_torch", **COMMON),
+        train_dataset=data,
+    )
     ref.train()
     ssd = tmp_path / "ssd"
     ssd.mkdir()
-    args = FuyouTrainingArguments(output_dir=str(tmp_path / "fy"), optim="adamw_torch", ssd_dirs=[str(ssd)],
-                                  cpu_memory="64MiB", **COMMON)
+    args = FuyouTrainingArguments(
+        output_dir=str(tmp_path / "fy"), optim="adamw_torch", ssd_dirs=[str(ssd)], cpu_memory="64MiB", **COMMON
+    )
     fy = FuyouTrainer(model=model, args=args, train_dataset=data)
     fy.train()
     assert len(losses(fy)) == 6
@@ -57,11 +74,14 @@ def test_same_losses_and_weights_as_plain_trainer(tmp_path):
     assert fy.evaluate(eval_dataset=data[:4])["eval_loss"] > 0
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(optim="sgd"), "optim='sgd' is not supported"),
-    (dict(fp16=True), "fp16 is not supported"),
-    (dict(gradient_checkpointing=True), "gradient_checkpointing"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(optim="sgd"), "optim='sgd' is not supported"),
+        (dict(fp16=True), "fp16 is not supported"),
+        (dict(gradient_checkpointing=True), "gradient_checkpointing"),
+    ],
+)
 def test_unsupported_settings_fail_at_construction(tmp_path, bad, match):
     _, model = tiny("llama")
     kw = {**COMMON, "optim": "adamw_torch", **bad}
@@ -79,7 +99,9 @@ def test_plain_training_arguments_and_missing_ssd_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="FuyouTrainingArguments"):
         FuyouTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), optim="adamw_torch", report_to=[]))
     with pytest.raises(ConfigError, match="ssd_dirs is empty"):
-        FuyouTrainer(model=model, args=FuyouTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch", report_to=[]))
+        FuyouTrainer(
+            model=model, args=FuyouTrainingArguments(output_dir=str(tmp_path), optim="adamw_torch", report_to=[])
+        )
 
 
 def test_resume_from_checkpoint_matches_uninterrupted(tmp_path):
@@ -95,8 +117,9 @@ def test_resume_from_checkpoint_matches_uninterrupted(tmp_path):
         kw = {**COMMON, "max_steps": max_steps}
         if save_steps:
             kw.update(save_strategy="steps", save_steps=save_steps)
-        args = FuyouTrainingArguments(output_dir=str(tmp_path / name), optim="adamw_torch", ssd_dirs=[str(ssd)],
-                                      cpu_memory="64MiB", **kw)
+        args = FuyouTrainingArguments(
+            output_dir=str(tmp_path / name), optim="adamw_torch", ssd_dirs=[str(ssd)], cpu_memory="64MiB", **kw
+        )
         return FuyouTrainer(model=m, args=args, train_dataset=data)
 
     straight = trainer("straight")
@@ -114,9 +137,22 @@ def _cpu_profile(path):
     """A hand-written CPU profile, so the planner's choice does not depend on this machine's measurements."""
     from fuyou.planner.profile import HardwareProfile, save_profile
 
-    save_profile(HardwareProfile(name="tiny-cpu", device="cpu", ssd_read_Bps=2e8, ssd_write_Bps=1e8,
-                                 adam_params_per_s=5e7, device_peak_flops=2e10, host_mem_Bps=5e9, h2d_Bps=5e9,
-                                 d2h_Bps=5e9, device_memory_bytes=1 << 30, host_memory_bytes=1 << 30), str(path))
+    save_profile(
+        HardwareProfile(
+            name="tiny-cpu",
+            device="cpu",
+            ssd_read_Bps=2e8,
+            ssd_write_Bps=1e8,
+            adam_params_per_s=5e7,
+            device_peak_flops=2e10,
+            host_mem_Bps=5e9,
+            h2d_Bps=5e9,
+            d2h_Bps=5e9,
+            device_memory_bytes=1 << 30,
+            host_memory_bytes=1 << 30,
+        ),
+        str(path),
+    )
     return str(path)
 
 
@@ -132,11 +168,28 @@ def test_trainer_runs_the_plan_the_shared_chooser_picks(tmp_path, capsys):
     ssd = tmp_path / "ssd"
     ssd.mkdir()
     kw = {**COMMON, "max_steps": 2}
-    args = FuyouTrainingArguments(output_dir=str(tmp_path / "fy"), optim="adamw_torch", ssd_dirs=[str(ssd)],
-                                  cpu_memory="2MiB", seq_len=16, profile=profile, **kw)
+    args = FuyouTrainingArguments(
+        output_dir=str(tmp_path / "fy"),
+        optim="adamw_torch",
+        ssd_dirs=[str(ssd)],
+        cpu_memory="2MiB",
+        seq_len=16,
+        profile=profile,
+        **kw,
+    )
     fy = FuyouTrainer(model=model, args=args, train_dataset=dataset())
-    req = PlanRequest(model_config=cfg, store_dirs=(str(ssd),), cpu_memory="2MiB", device="cpu", precision="fp32",
-                      micro_batch_size=2, grad_accum=2, seq_len=16, clip=True, profile=profile)
+    req = PlanRequest(
+        model_config=cfg,
+        store_dirs=(str(ssd),),
+        cpu_memory="2MiB",
+        device="cpu",
+        precision="fp32",
+        micro_batch_size=2,
+        grad_accum=2,
+        seq_len=16,
+        clip=True,
+        profile=profile,
+    )
     chosen = choose_plan(req)
     assert fy.plan_choice.info["source"] == "planner" and fy.plan_choice.info["profile"] == profile
     assert fy.plan_choice.plan == chosen.plan
@@ -150,7 +203,13 @@ def test_trainer_runs_the_plan_the_shared_chooser_picks(tmp_path, capsys):
 
     ssd2 = tmp_path / "ssd2"
     ssd2.mkdir()
-    args = FuyouTrainingArguments(output_dir=str(tmp_path / "rules"), optim="adamw_torch", ssd_dirs=[str(ssd2)],
-                                  cpu_memory="64MiB", plan="rules", **kw)
+    args = FuyouTrainingArguments(
+        output_dir=str(tmp_path / "rules"),
+        optim="adamw_torch",
+        ssd_dirs=[str(ssd2)],
+        cpu_memory="64MiB",
+        plan="rules",
+        **kw,
+    )
     rules = FuyouTrainer(model=tiny("llama_tied", layers=2)[1], args=args, train_dataset=dataset())
     assert rules.plan_choice.info == {"source": "rules"} and rules.engine.plan.grad_accum == 2

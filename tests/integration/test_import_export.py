@@ -44,7 +44,11 @@ def test_sharded_import_train_export_round_trip(tmp_path, family):
     assert (out / "tokenizer_config.json").exists() and not (tmp_path / "out.partial").exists()
     loaded = AutoModelForCausalLM.from_pretrained(out)
     for k, v in loaded.state_dict().items():
-        key = k if k in trained else next(e for e in ("model.embed_tokens.weight", "transformer.wte.weight") if e in trained)
+        key = (
+            k
+            if k in trained
+            else next(e for e in ("model.embed_tokens.weight", "transformer.wte.weight") if e in trained)
+        )
         assert torch.equal(v, trained[key]), k
     gen = loaded.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
     assert gen.shape == (1, 7)

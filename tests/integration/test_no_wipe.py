@@ -27,9 +27,28 @@ def setup(tmp_path_factory):
 
 def finetune(setup, out, *extra, steps=3):
     model, data = setup
-    args = ["finetune", model, "--data", data, "--output", str(out), "--steps", str(steps), "--seq-len", "32",
-            "--micro-batch-size", "2", "--cpu-memory", "256MiB", "--precision", "fp32", "--plan", "rules",
-            "--no-progress", *extra]
+    args = [
+        "finetune",
+        model,
+        "--data",
+        data,
+        "--output",
+        str(out),
+        "--steps",
+        str(steps),
+        "--seq-len",
+        "32",
+        "--micro-batch-size",
+        "2",
+        "--cpu-memory",
+        "256MiB",
+        "--precision",
+        "fp32",
+        "--plan",
+        "rules",
+        "--no-progress",
+        *extra,
+    ]
     return CliRunner().invoke(main, args, catch_exceptions=False)
 
 
@@ -74,8 +93,14 @@ def test_fresh_start_over_an_earlier_run_refuses_and_overwrite_allows_it(setup, 
     assert list_checkpoints([str(store)]) == ["step-00000002", "step-00000001"]
     before = tree(out)
     msg = error_line(finetune(setup, out, "--save-every", "1"))
-    for what in ("run.json", "model/", f"a store in {store}", "checkpoint", "step-00000001",
-                 "pass --resume auto to continue, or --overwrite to start over"):
+    for what in (
+        "run.json",
+        "model/",
+        f"a store in {store}",
+        "checkpoint",
+        "step-00000001",
+        "pass --resume auto to continue, or --overwrite to start over",
+    ):
         assert what in msg, (what, msg)
     assert tree(out) == before  # nothing deleted, nothing touched
 
@@ -130,7 +155,6 @@ def test_auto_falls_back_past_a_damaged_checkpoint_and_deletes_nothing(setup, tm
     assert json.loads((out / "run.json").read_text())["resumed_from_step"] == 3
     assert list_checkpoints([stripe]) == ["step-00000004", "step-00000003"]
     assert [k.split(".")[0] for k in set_aside(stripe)] == ["step-00000004"]  # the damaged one, kept
-
 
 
 def test_auto_with_every_checkpoint_damaged_starts_fresh_and_deletes_nothing(setup, tmp_path):

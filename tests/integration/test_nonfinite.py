@@ -23,8 +23,14 @@ def test_nonfinite_step_is_skipped_exactly(tmp_path, clip, park, poison_block):
     cfg, model = tiny("llama", layers=3)
     data = batches(3)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", lr=1e-3, cpu_memory="64MiB", max_grad_norm=clip,
-                      plan=Plan(activation_policy=("keep", "keep", "recompute", "keep", "keep"), park_ram_blocks=park))
+    ec = EngineConfig(
+        ssd_dirs=(str(tmp_path),),
+        precision="fp32",
+        lr=1e-3,
+        cpu_memory="64MiB",
+        max_grad_norm=clip,
+        plan=Plan(activation_policy=("keep", "keep", "recompute", "keep", "keep"), park_ram_blocks=park),
+    )
     with Engine.from_state_dict(cfg, sd, ec) as eng:
         eng.train_step(*data[0])
         before, version = raw_state(eng), eng.store.version

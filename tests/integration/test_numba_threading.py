@@ -17,8 +17,14 @@ def test_training_under_the_workqueue_threading_layer_finishes_correctly(tmp_pat
     """Both schedules, a few steps each, in a child forced onto ``workqueue`` (which aborts the process
     on concurrent launches): it must finish and match plain PyTorch + AdamW."""
     env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
-    r = subprocess.run([sys.executable, "-m", "tests.integration.numba_layer_child", str(tmp_path)], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.integration.numba_layer_child", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, f"exit {r.returncode}: {r.stderr[-3000:]}"
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["layer"] == "workqueue"
@@ -29,6 +35,7 @@ def test_training_under_the_workqueue_threading_layer_finishes_correctly(tmp_pat
 def test_launches_are_serialised_only_where_the_layer_needs_it(monkeypatch, layer, locked):
     monkeypatch.setattr(parallel, "_layer", layer)
     if layer is None:  # numba has not chosen a layer yet: lock until it has
+
         def not_chosen():
             raise ValueError("Threading layer is not initialized.")
 

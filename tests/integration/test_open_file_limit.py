@@ -29,9 +29,22 @@ def test_thousands_of_store_files_train_under_ulimit_256(tmp_path):
     model_dir, ssd = tmp_path / "model", tmp_path / "ssd"
     model.save_pretrained(str(model_dir))
     ssd.mkdir()
-    r = subprocess.run([sys.executable, "-m", "tests.integration.nofile_child", str(model_dir), str(ssd), str(STEPS),
-                        str(STATE_CHUNK)], cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       preexec_fn=limit_open_files)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.integration.nofile_child",
+            str(model_dir),
+            str(ssd),
+            str(STEPS),
+            str(STATE_CHUNK),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        preexec_fn=limit_open_files,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["nofile"] == NOFILE

@@ -32,53 +32,113 @@ SMOLLM2_135M = ("llama", 576, 30, 1536, 9, 3, 49152, True)
 def model(family: str, hidden: int, layers: int, inter: int, heads: int, kv: int, vocab: int, tied: bool):
     """(HF config, the engine's blocks) of a model built on the meta device (no weights)."""
     if family == "gpt2":
-        cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=heads, n_inner=inter, vocab_size=vocab, n_positions=1024,
-                         bos_token_id=0, eos_token_id=0)
+        cfg = GPT2Config(
+            n_layer=layers,
+            n_embd=hidden,
+            n_head=heads,
+            n_inner=inter,
+            vocab_size=vocab,
+            n_positions=1024,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         cfg.architectures = ["GPT2LMHeadModel"]
     else:
         cls = LlamaConfig if family == "llama" else Qwen2Config
-        cfg = cls(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv,
-                  num_hidden_layers=layers, vocab_size=vocab, tie_word_embeddings=tied, max_position_embeddings=1024)
+        cfg = cls(
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            num_hidden_layers=layers,
+            vocab_size=vocab,
+            tie_word_embeddings=tied,
+            max_position_embeddings=1024,
+        )
         cfg.architectures = ["LlamaForCausalLM" if family == "llama" else "Qwen2ForCausalLM"]
     return cfg, tuple(make_adapter(cfg).blocks)
 
 
 models = st.builds(
     lambda fam, h, layers, mult, kvdiv, vocab, tied: (fam, h, layers, h * mult, 4, 4 // kvdiv, vocab, tied),
-    st.sampled_from(["llama", "qwen2", "gpt2"]), st.sampled_from([64, 128, 256, 512]), st.integers(1, 6),
-    st.integers(2, 4), st.sampled_from([1, 2, 4]), st.sampled_from([96, 1000, 32000]), st.booleans())
+    st.sampled_from(["llama", "qwen2", "gpt2"]),
+    st.sampled_from([64, 128, 256, 512]),
+    st.integers(1, 6),
+    st.integers(2, 4),
+    st.sampled_from([1, 2, 4]),
+    st.sampled_from([96, 1000, 32000]),
+    st.booleans(),
+)
 rates = st.floats(1e8, 1e11)
 profiles = st.builds(
-    lambda dev, r, w, adam, flops, mem: profile(device=dev, ssd_read_Bps=r, ssd_write_Bps=w, adam_params_per_s=adam,
-                                                device_peak_flops=flops, h2d_Bps=mem, d2h_Bps=mem, host_mem_Bps=mem,
-                                                device_mem_Bps=mem * 10),
-    st.sampled_from(["cpu", "cuda"]), rates, rates, st.floats(1e7, 1e10), st.floats(1e10, 1e15), rates)
+    lambda dev, r, w, adam, flops, mem: profile(
+        device=dev,
+        ssd_read_Bps=r,
+        ssd_write_Bps=w,
+        adam_params_per_s=adam,
+        device_peak_flops=flops,
+        h2d_Bps=mem,
+        d2h_Bps=mem,
+        host_mem_Bps=mem,
+        device_mem_Bps=mem * 10,
+    ),
+    st.sampled_from(["cpu", "cuda"]),
+    rates,
+    rates,
+    st.floats(1e7, 1e10),
+    st.floats(1e10, 1e15),
+    rates,
+)
 budgets = st.tuples(st.floats(-0.3, 5), st.floats(24, 36))
 """(log2 of the host budget ÷ the smallest buffer set any plan needs: 0.8 … 32×, so budgets that refuse,
 park gradients on SSD, shrink the chunk or fill a RAM tier all occur; log2 of the device budget, B)."""
 requests = st.builds(
-    lambda seq, seqs, mb, clip, prec, sprec, tiers: Request(seq_len=seq, tokens_per_step=seq * seqs,
-                                                            micro_batch_size=mb if seqs % mb == 0 else None,
-                                                            clip=clip, precision=prec, state_precision=sprec,
-                                                            ram_tiers=tiers),
-    st.sampled_from([16, 64, 256, 1024]), st.integers(1, 8), st.integers(1, 4), st.booleans(),
-    st.sampled_from(["bf16", "fp32"]), st.sampled_from(["fp32", "bf16"]), st.booleans())
+    lambda seq, seqs, mb, clip, prec, sprec, tiers: Request(
+        seq_len=seq,
+        tokens_per_step=seq * seqs,
+        micro_batch_size=mb if seqs % mb == 0 else None,
+        clip=clip,
+        precision=prec,
+        state_precision=sprec,
+        ram_tiers=tiers,
+    ),
+    st.sampled_from([16, 64, 256, 1024]),
+    st.integers(1, 8),
+    st.integers(1, 4),
+    st.booleans(),
+    st.sampled_from(["bf16", "fp32"]),
+    st.sampled_from(["fp32", "bf16"]),
+    st.booleans(),
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
-@example(m=SMOLLM2_135M, prof=profile(device="cpu", ssd_read_Bps=1e9, ssd_write_Bps=5e8, adam_params_per_s=2e8,
-                                      device_peak_flops=5e10, h2d_Bps=5e9, d2h_Bps=5e9, host_mem_Bps=5e9,
-                                      device_mem_Bps=5e9),
-         bud=Budgets(cpu_memory=GiB, gpu_memory=512 * MiB),
-         req=Request(seq_len=256, tokens_per_step=1024, micro_batch_size=2, clip=True, precision="fp32"))
+@example(
+    m=SMOLLM2_135M,
+    prof=profile(
+        device="cpu",
+        ssd_read_Bps=1e9,
+        ssd_write_Bps=5e8,
+        adam_params_per_s=2e8,
+        device_peak_flops=5e10,
+        h2d_Bps=5e9,
+        d2h_Bps=5e9,
+        host_mem_Bps=5e9,
+        device_mem_Bps=5e9,
+    ),
+    bud=Budgets(cpu_memory=GiB, gpu_memory=512 * MiB),
+    req=Request(seq_len=256, tokens_per_step=1024, micro_batch_size=2, clip=True, precision="fp32"),
+)
 @given(m=models, prof=profiles, bud=budgets, req=requests)
 def test_planner_plans_are_admitted_and_refusals_name_the_binding_budget(m, prof, bud, req):
     cfg, blocks = model(*m)
     shape = shape_from_config(cfg.to_dict())
     if not isinstance(bud, Budgets):
         cb, spp = (4 if req.precision == "fp32" else 2), (12 if req.state_precision == "fp32" else 8)
-        floor = sizing.host_need(shape.footprint(cb, spp), Plan(prefetch_depth=1, state_chunk=MIN_CHUNK,
-                                                                schedule="overlap_next_forward", park_ram_blocks=0))
+        floor = sizing.host_need(
+            shape.footprint(cb, spp),
+            Plan(prefetch_depth=1, state_chunk=MIN_CHUNK, schedule="overlap_next_forward", park_ram_blocks=0),
+        )
         bud = Budgets(cpu_memory=int(2 ** bud[0] * floor), gpu_memory=int(2 ** bud[1]))
     try:
         res = search(shape, prof, bud, req)
@@ -108,8 +168,12 @@ def test_the_issues_case_trains_inside_its_budget(tmp_path):
     fp = ModelLayout(tuple(make_adapter(cfg).blocks), torch.float32).footprint()
     floor = sizing.host_need(fp, sizing.fit_host(fp, Plan(schedule="overlap_next_forward"), 0))
     budget = floor + sum(fp.grad_bytes(b) for b in range(fp.nblocks)) // 2  # half the parked gradients fit
-    res = search(shape, prof, Budgets(cpu_memory=budget, gpu_memory=GiB),
-                 Request(seq_len=16, tokens_per_step=64, micro_batch_size=2, clip=True, precision="fp32"))
+    res = search(
+        shape,
+        prof,
+        Budgets(cpu_memory=budget, gpu_memory=GiB),
+        Request(seq_len=16, tokens_per_step=64, micro_batch_size=2, clip=True, precision="fp32"),
+    )
     assert res.plan.park_ram_blocks is not None and res.plan.park_ram_blocks < fp.nblocks
     sd = {k: v.detach().clone() for k, v in net.state_dict().items()}
     ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", cpu_memory=budget, max_grad_norm=1.0, plan=res.plan)
@@ -122,6 +186,10 @@ def test_the_issues_case_trains_inside_its_budget(tmp_path):
 def test_refusals_name_the_binding_budget(cpu, gpu, first):
     cfg, _ = model(*SMOLLM2_135M)
     with pytest.raises(InfeasibleError) as e:
-        search(shape_from_config(cfg.to_dict()), profile(device="cpu"), Budgets(cpu_memory=cpu, gpu_memory=gpu),
-               Request(seq_len=256, tokens_per_step=1024, clip=True, precision="fp32"))
+        search(
+            shape_from_config(cfg.to_dict()),
+            profile(device="cpu"),
+            Budgets(cpu_memory=cpu, gpu_memory=gpu),
+            Request(seq_len=256, tokens_per_step=1024, clip=True, precision="fp32"),
+        )
     assert str(e.value).startswith(first) and BINDING[first] in str(e.value)

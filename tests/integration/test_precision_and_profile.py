@@ -66,8 +66,26 @@ def run(args):
 
 
 def _finetune(model_dir, data, out, *extra):
-    return run(["finetune", model_dir, "--data", data, "--output", str(out), "--steps", "1", "--seq-len", "32",
-                "--micro-batch-size", "2", "--cpu-memory", "256MiB", "--no-progress", *extra])
+    return run(
+        [
+            "finetune",
+            model_dir,
+            "--data",
+            data,
+            "--output",
+            str(out),
+            "--steps",
+            "1",
+            "--seq-len",
+            "32",
+            "--micro-batch-size",
+            "2",
+            "--cpu-memory",
+            "256MiB",
+            "--no-progress",
+            *extra,
+        ]
+    )
 
 
 def _data(tmp_path):

@@ -19,11 +19,16 @@ NBLOCKS = 4  # tiny llama, 2 layers: embed, layer.0, layer.1, head
 
 
 def config(d, ram_w=0, ram_s=0, clip=0.0, cpu="256MiB", precision="fp32", **kw):
-    plan = Plan(activation_policy=("keep", "recompute", "swap_cpu", "keep"), ram_weight_blocks=ram_w,
-                ram_state_blocks=ram_s, **kw)
+    plan = Plan(
+        activation_policy=("keep", "recompute", "swap_cpu", "keep"),
+        ram_weight_blocks=ram_w,
+        ram_state_blocks=ram_s,
+        **kw,
+    )
     d.mkdir(exist_ok=True)
-    return EngineConfig(ssd_dirs=(str(d),), precision=precision, lr=LR, weight_decay=WD, cpu_memory=cpu,
-                        max_grad_norm=clip, plan=plan)
+    return EngineConfig(
+        ssd_dirs=(str(d),), precision=precision, lr=LR, weight_decay=WD, cpu_memory=cpu, max_grad_norm=clip, plan=plan
+    )
 
 
 def train(cfg, model, ec, data):
@@ -176,9 +181,16 @@ def test_nonfinite_step_with_ram_tier_is_skipped_exactly(tmp_path, clip):
     cfg, model = tiny("llama", layers=3)
     data = batches(3)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", lr=1e-3, cpu_memory="64MiB", max_grad_norm=clip,
-                      plan=Plan(activation_policy=("keep", "keep", "recompute", "keep", "keep"), ram_weight_blocks=4,
-                                ram_state_blocks=3))
+    ec = EngineConfig(
+        ssd_dirs=(str(tmp_path),),
+        precision="fp32",
+        lr=1e-3,
+        cpu_memory="64MiB",
+        max_grad_norm=clip,
+        plan=Plan(
+            activation_policy=("keep", "keep", "recompute", "keep", "keep"), ram_weight_blocks=4, ram_state_blocks=3
+        ),
+    )
     with Engine.from_state_dict(cfg, sd, ec) as eng:
         eng.train_step(*data[0])
         real = eng.runner.hand_off

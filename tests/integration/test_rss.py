@@ -19,8 +19,15 @@ FIXED_OVERHEAD = 400 << 20  # bytes; measured ~300–370 MB on the dev machine
 
 
 def run_child(tmp_path, layers: int, policy: str) -> dict:
-    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=256, intermediate_size=768, num_attention_heads=4,
-                      num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        num_hidden_layers=layers,
+        hidden_size=256,
+        intermediate_size=768,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     n = sum(p.numel() for p in model.parameters())
@@ -29,8 +36,13 @@ def run_child(tmp_path, layers: int, policy: str) -> dict:
     ssd.mkdir()
     del model
     budget = 12 * n // 10
-    r = subprocess.run([sys.executable, "-m", "tests.integration.rss_child", str(mdir), str(ssd), str(budget), policy, "2"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "tests.integration.rss_child", str(mdir), str(ssd), str(budget), policy, "2"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     out["state_bytes"] = 12 * n

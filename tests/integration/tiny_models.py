@@ -10,8 +10,15 @@ VOCAB = 96
 
 def tiny(family: str, layers: int = 2, hidden: int = 64):
     """(config, model) of a tiny random model of ``family``: llama, llama_tied, qwen2, gpt2."""
-    common = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
-                  vocab_size=VOCAB, max_position_embeddings=64, num_hidden_layers=layers)
+    common = dict(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        num_hidden_layers=layers,
+    )
     if family == "llama":
         cfg, cls = LlamaConfig(**common, tie_word_embeddings=False), LlamaForCausalLM
     elif family == "llama_tied":
@@ -19,8 +26,18 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
     elif family == "qwen2":
         cfg, cls = Qwen2Config(**common, tie_word_embeddings=False), Qwen2ForCausalLM
     elif family == "gpt2":
-        cfg = GPT2Config(n_layer=layers, n_embd=hidden, n_head=4, vocab_size=VOCAB, n_positions=64,
-                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        cfg = GPT2Config(
+            n_layer=layers,
+            n_embd=hidden,
+            n_head=4,
+            vocab_size=VOCAB,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         cls = GPT2LMHeadModel
     else:
         raise ValueError(family)

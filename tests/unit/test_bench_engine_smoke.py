@@ -10,8 +10,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def run_bench(script: str, tmp_path) -> list[dict]:
-    r = subprocess.run([sys.executable, script, "--smoke", "--dir", str(tmp_path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, script, "--smoke", "--dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
@@ -33,7 +38,9 @@ def test_engine_bench_smoke(tmp_path):
         assert r["p1_merged_median"] >= 1.0 - 1e-9 and r["p1_raw_median"] >= r["p1_merged_median"] - 1e-9
         assert set(r["busy_merged_s_median"]) == {"cpu", "ssd"}
     trace = next(r for r in recs if r["bench"] == "engine_trace")
-    assert trace["spans"] > 0 and all(trace["spans_per_resource"][k] > 0 for k in ("ssd_read", "ssd_write", "compute", "adam"))
+    assert trace["spans"] > 0 and all(
+        trace["spans_per_resource"][k] > 0 for k in ("ssd_read", "ssd_write", "compute", "adam")
+    )
     assert not os.listdir(tmp_path)  # stores cleaned up
 
 

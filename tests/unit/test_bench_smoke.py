@@ -11,8 +11,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def test_store_bench_smoke(tmp_path):
-    r = subprocess.run([sys.executable, "bench/bench_store.py", "--smoke", "--dir", str(tmp_path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "bench/bench_store.py", "--smoke", "--dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     recs = [json.loads(line) for line in r.stdout.splitlines()]
     ops = {rec["op"]: rec for rec in recs}
@@ -24,16 +29,26 @@ def test_store_bench_smoke(tmp_path):
 
 
 def test_checkpoint_bench_smoke(tmp_path):
-    r = subprocess.run([sys.executable, "bench/bench_checkpoint.py", "--smoke", "--dir", str(tmp_path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "bench/bench_checkpoint.py", "--smoke", "--dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout.splitlines()[-1])
     assert rec["link_s_median"] > 0 and len(rec["disk_bytes_after_each"]) == 2
 
 
 def test_gpu_bench_smoke_runs_on_any_device(tmp_path):
-    r = subprocess.run([sys.executable, "bench/bench_gpu.py", "--smoke", "--ssd", str(tmp_path)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "bench/bench_gpu.py", "--smoke", "--ssd", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout.splitlines()[-1])
     assert rec["tflops"] > 0 and 0 < rec["mfu"] and rec["flop_formula"]

@@ -26,7 +26,7 @@ def test_reference_against_an_independent_float64_oracle(dtype, n, scale):
     exact = g.float().numpy().astype(np.float64) * float(np.float32(scale))  # the scale is an fp32 operand
     got = out.float().numpy().astype(np.float64)
     ulp32 = np.spacing(np.abs(exact).astype(np.float32)).astype(np.float64)
-    ulp = ulp32 * (2.0 ** 16 if dtype == torch.bfloat16 else 1.0)
+    ulp = ulp32 * (2.0**16 if dtype == torch.bfloat16 else 1.0)
     assert np.all(np.abs(got - exact) <= ulp / 2 + ulp32 / 2 * (dtype == torch.bfloat16))  # bf16: rounded via fp32
     products = (g.float().numpy() * np.float32(scale)).astype(np.float64)
     assert s.item() == pytest.approx(float(np.sum(products * products)), rel=1e-5)
@@ -43,7 +43,11 @@ def test_reference_known_values_and_non_finite():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("src", sorted(glob.glob(os.path.join(SOURCES, "*.cu"))), ids=os.path.basename)
 def test_cuda_sources_compile_with_nvcc(tmp_path, src):
-    r = subprocess.run(["nvcc", "--std=c++17", "-arch=sm_90", "-ptx", src, "-o", str(tmp_path / "out.ptx")],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        ["nvcc", "--std=c++17", "-arch=sm_90", "-ptx", src, "-o", str(tmp_path / "out.ptx")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "grad_pack_bf16" in (tmp_path / "out.ptx").read_text()

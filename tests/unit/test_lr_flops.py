@@ -9,14 +9,18 @@ from fuyou.run.lr import lr_at
 from tests.integration.tiny_models import tiny
 
 
-@pytest.mark.parametrize("schedule,hf", [("linear", "linear"), ("cosine", "cosine"), ("constant", "constant_with_warmup")])
+@pytest.mark.parametrize(
+    "schedule,hf", [("linear", "linear"), ("cosine", "cosine"), ("constant", "constant_with_warmup")]
+)
 @pytest.mark.parametrize("warmup", [0, 3])
 def test_schedules_match_transformers(schedule, hf, warmup):
     total, base = 20, 1e-3
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=base)
     sched = get_scheduler(hf, opt, num_warmup_steps=warmup, num_training_steps=total)
     for step in range(total):
-        assert lr_at(step, base, schedule, warmup, total) == pytest.approx(opt.param_groups[0]["lr"], rel=1e-12, abs=1e-15)
+        assert lr_at(step, base, schedule, warmup, total) == pytest.approx(
+            opt.param_groups[0]["lr"], rel=1e-12, abs=1e-15
+        )
         opt.step()
         sched.step()
 
@@ -32,11 +36,28 @@ def _extra_configs():
     """Shapes the tiny families do not cover: multi-query attention with biases, Qwen3's head_dim ≠ hidden/heads."""
     from transformers import LlamaConfig, Qwen3Config
 
-    llama = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=1,
-                        vocab_size=96, num_hidden_layers=3, attention_bias=True, mlp_bias=True, tie_word_embeddings=True)
+    llama = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        vocab_size=96,
+        num_hidden_layers=3,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+    )
     llama.architectures = ["LlamaForCausalLM"]
-    qwen3 = Qwen3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                        vocab_size=96, num_hidden_layers=2, tie_word_embeddings=False)
+    qwen3 = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=96,
+        num_hidden_layers=2,
+        tie_word_embeddings=False,
+    )
     qwen3.architectures = ["Qwen3ForCausalLM"]
     return {"llama_mqa_bias_tied": llama, "qwen3_head_dim": qwen3}
 
@@ -53,8 +74,11 @@ def test_train_flops_count_linears_and_lm_head(family):
         model = AutoModelForCausalLM.from_config(cfg)
     else:
         cfg, model = tiny(family)
-    expected = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2
-                   and not any(s in n for s in ("embed_tokens", "wte", "wpe")))
+    expected = sum(
+        p.numel()
+        for n, p in model.named_parameters()
+        if p.dim() == 2 and not any(s in n for s in ("embed_tokens", "wte", "wpe"))
+    )
     if "lm_head.weight" not in dict(model.named_parameters()):  # tied: the head multiplies by the embedding
         expected += model.get_input_embeddings().weight.numel()
     layers, hidden = cfg.num_hidden_layers, cfg.hidden_size

@@ -4,10 +4,18 @@ from fuyou.errors import ConfigError
 from fuyou.units import align_up, format_size, parse_size
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("512MiB", 512 * 2**20), ("64GiB", 64 * 2**30), ("1.5GB", 1_500_000_000), ("4096", 4096),
-    ("2 tib", 2 * 2**40), ("10kb", 10_000), (7, 7),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("512MiB", 512 * 2**20),
+        ("64GiB", 64 * 2**30),
+        ("1.5GB", 1_500_000_000),
+        ("4096", 4096),
+        ("2 tib", 2 * 2**40),
+        ("10kb", 10_000),
+        (7, 7),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 

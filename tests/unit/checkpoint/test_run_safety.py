@@ -57,8 +57,10 @@ def corrupt(stripes, ckpt):
 
 
 def set_aside_dirs(stripes):
-    return [sorted(os.listdir(os.path.join(d, CKPT, SET_ASIDE))) if os.path.isdir(os.path.join(d, CKPT, SET_ASIDE))
-            else [] for d in stripes]
+    return [
+        sorted(os.listdir(os.path.join(d, CKPT, SET_ASIDE))) if os.path.isdir(os.path.join(d, CKPT, SET_ASIDE)) else []
+        for d in stripes
+    ]
 
 
 def all_files(stripes):
@@ -190,6 +192,7 @@ def test_replace_keeps_a_complete_checkpoint_at_every_instant(tmp_path, monkeypa
                 finally:
                     busy[0] = False
             return fn(*a, **kw)
+
         return wrapper
 
     monkeypatch.setattr(os, "rename", checked(os.rename))
@@ -246,8 +249,13 @@ CHILD = textwrap.dedent("""
 def test_too_many_open_files_while_validating_is_named_not_damage(tmp_path, which):
     stripes = with_steps(tmp_path, (1, 2))
     resume = "auto" if which == "auto" else os.path.join(stripes[0], CKPT, name(2))
-    r = subprocess.run([sys.executable, "-c", CHILD, json.dumps(stripes), resume], capture_output=True, text=True,
-                       cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD, json.dumps(stripes), resume],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert "ok" not in out, out  # with 3 free descriptors, checking a 6-file checkpoint cannot succeed

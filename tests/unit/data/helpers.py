@@ -32,8 +32,7 @@ def tiny_tokenizer(chat_template: str | None = CHATML, eos: str = "<eos>") -> An
     vocab = {w: i for i, w in enumerate(SPECIALS + WORDS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>",
-                                   eos_token=eos)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", pad_token="<pad>", eos_token=eos)
     fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     if chat_template is not None:
         fast.chat_template = chat_template

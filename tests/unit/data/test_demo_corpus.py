@@ -31,7 +31,6 @@ def test_demo_dataset_split_is_deterministic_and_about_five_percent(tmp_path: Pa
 
 def test_demo_dataset_packs_with_smollm2(tmp_path: Path, smollm_tok: Any) -> None:
     train_path, eval_path = write_demo_dataset(tmp_path)
-    train, held = build_datasets(train_path, smollm_tok, 512, eval_path=eval_path,
-                                 max_positions=8192)
+    train, held = build_datasets(train_path, smollm_tok, 512, eval_path=eval_path, max_positions=8192)
     assert held is not None and held.sequences_per_epoch >= 4
     assert train.sequences_per_epoch > 150  # ~100k tokens of Python documentation

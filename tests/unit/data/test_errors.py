@@ -17,8 +17,7 @@ OK = {"text": "hello world"}
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}
 
 
-def fails(exc: type[Exception], pattern: str, path: Any, tok: Any, seq_len: int = 2,
-          **kw: Any) -> str:
+def fails(exc: type[Exception], pattern: str, path: Any, tok: Any, seq_len: int = 2, **kw: Any) -> str:
     """Build datasets, expect ``exc`` matching ``pattern``; return the one-line message."""
     with pytest.raises(exc, match=pattern) as info:
         build_datasets(path, tok, seq_len, **kw)
@@ -32,16 +31,21 @@ def test_missing_file_and_directory(tmp_path: Path, tiny_tok: Any) -> None:
     fails(DataError, r"data path is not a file", tmp_path, tiny_tok)
 
 
-@pytest.mark.parametrize("line, pattern", [
-    ('{"text": "a"', r"bad\.jsonl:3: malformed JSON \(Expecting ',' delimiter at column 13\)"),
-    ("[1, 2]", r"bad\.jsonl:3: expected a JSON object, got list"),
-    ('{"txt": "a"}', r"bad\.jsonl:3: record has keys \['txt'\]; expected 'text'"),
-    ('{"text": 5}', r"bad\.jsonl:3: 'text' must be a string, got int"),
-    ('{"prompt": "a", "completion": "b"}', r"bad\.jsonl:3: record is in the 'prompt_completion' "
-     r"format but earlier records are 'text'; all records must share one format"),
-])
-def test_bad_line_reports_file_and_line(tmp_path: Path, tiny_tok: Any, line: str,
-                                        pattern: str) -> None:
+@pytest.mark.parametrize(
+    "line, pattern",
+    [
+        ('{"text": "a"', r"bad\.jsonl:3: malformed JSON \(Expecting ',' delimiter at column 13\)"),
+        ("[1, 2]", r"bad\.jsonl:3: expected a JSON object, got list"),
+        ('{"txt": "a"}', r"bad\.jsonl:3: record has keys \['txt'\]; expected 'text'"),
+        ('{"text": 5}', r"bad\.jsonl:3: 'text' must be a string, got int"),
+        (
+            '{"prompt": "a", "completion": "b"}',
+            r"bad\.jsonl:3: record is in the 'prompt_completion' "
+            r"format but earlier records are 'text'; all records must share one format",
+        ),
+    ],
+)
+def test_bad_line_reports_file_and_line(tmp_path: Path, tiny_tok: Any, line: str, pattern: str) -> None:
     path = write_jsonl(tmp_path / "bad.jsonl", [OK, "", line, OK])  # line 2 blank: still counted
     fails(DataError, pattern, path, tiny_tok)
 
@@ -52,24 +56,31 @@ def test_invalid_utf8(tmp_path: Path, tiny_tok: Any) -> None:
     fails(DataError, r"bin\.jsonl:2: not valid UTF-8", path, tiny_tok)
 
 
-@pytest.mark.parametrize("fmt, row, pattern", [
-    ("prompt_completion", {"prompt": "a"}, r"the 'prompt_completion' format needs key 'completion'"),
-    ("prompt_completion", {"prompt": "a", "completion": None}, r"'completion' must be a string, got NoneType"),
-    ("messages", {"text": "a"}, r"the 'messages' format needs key 'messages'"),
-    ("messages", {"messages": []}, r"'messages' must be a non-empty list"),
-    ("messages", {"messages": [{"role": "user"}]}, r"messages\[0\] must be an object with string 'role'"),
-    ("text", CHAT, r"the 'text' format needs key 'text'"),
-])
-def test_explicit_format_mismatch(tmp_path: Path, tiny_tok: Any, fmt: str, row: dict[str, Any],
-                                  pattern: str) -> None:
+@pytest.mark.parametrize(
+    "fmt, row, pattern",
+    [
+        ("prompt_completion", {"prompt": "a"}, r"the 'prompt_completion' format needs key 'completion'"),
+        ("prompt_completion", {"prompt": "a", "completion": None}, r"'completion' must be a string, got NoneType"),
+        ("messages", {"text": "a"}, r"the 'messages' format needs key 'messages'"),
+        ("messages", {"messages": []}, r"'messages' must be a non-empty list"),
+        ("messages", {"messages": [{"role": "user"}]}, r"messages\[0\] must be an object with string 'role'"),
+        ("text", CHAT, r"the 'text' format needs key 'text'"),
+    ],
+)
+def test_explicit_format_mismatch(tmp_path: Path, tiny_tok: Any, fmt: str, row: dict[str, Any], pattern: str) -> None:
     path = write_jsonl(tmp_path / "f.jsonl", [row])
     fails(DataError, r"f\.jsonl:1: " + pattern, path, tiny_tok, data_format=fmt)
 
 
 def test_unknown_format_name(tmp_path: Path, tiny_tok: Any) -> None:
     path = write_jsonl(tmp_path / "f.jsonl", [OK])
-    fails(ConfigError, r"--data-format must be auto, text, prompt_completion, messages; got 'chat'",
-          path, tiny_tok, data_format="chat")
+    fails(
+        ConfigError,
+        r"--data-format must be auto, text, prompt_completion, messages; got 'chat'",
+        path,
+        tiny_tok,
+        data_format="chat",
+    )
 
 
 @pytest.mark.parametrize("content", ["", "\n\n  \n"])
@@ -81,13 +92,25 @@ def test_empty_file(tmp_path: Path, tiny_tok: Any, content: str) -> None:
 
 def test_fewer_tokens_than_one_sequence(tmp_path: Path, tiny_tok: Any) -> None:
     path = write_jsonl(tmp_path / "small.jsonl", [OK, OK])  # 3 tokens each with EOS
-    msg = fails(DataError, r"small\.jsonl: 6 tokens after tokenization \(2 records\), but one "
-                r"sequence of --seq-len 64 needs 64; add data or lower --seq-len",
-                path, tiny_tok, seq_len=64)
+    msg = fails(
+        DataError,
+        r"small\.jsonl: 6 tokens after tokenization \(2 records\), but one "
+        r"sequence of --seq-len 64 needs 64; add data or lower --seq-len",
+        path,
+        tiny_tok,
+        seq_len=64,
+    )
     assert "6 tokens" in msg
     path = write_jsonl(tmp_path / "small.jsonl", [OK] * 3)
-    fails(DataError, r"small\.jsonl \(held-out 0.34 split\): 3 tokens after tokenization "
-          r"\(1 records\)", path, tiny_tok, seq_len=4, eval_fraction=0.34)
+    fails(
+        DataError,
+        r"small\.jsonl \(held-out 0.34 split\): 3 tokens after tokenization "
+        r"\(1 records\)",
+        path,
+        tiny_tok,
+        seq_len=4,
+        eval_fraction=0.34,
+    )
 
 
 def test_no_token_carries_loss(tmp_path: Path, tiny_tok: Any) -> None:
@@ -97,16 +120,26 @@ def test_no_token_carries_loss(tmp_path: Path, tiny_tok: Any) -> None:
 
 def test_seq_len_above_model_maximum_and_invalid(tmp_path: Path, tiny_tok: Any) -> None:
     path = write_jsonl(tmp_path / "f.jsonl", [OK])
-    fails(ConfigError, r"--seq-len 4,096 is above the model's maximum of 2,048 positions",
-          path, tiny_tok, seq_len=4096, max_positions=2048)
+    fails(
+        ConfigError,
+        r"--seq-len 4,096 is above the model's maximum of 2,048 positions",
+        path,
+        tiny_tok,
+        seq_len=4096,
+        max_positions=2048,
+    )
     fails(ConfigError, r"--seq-len must be a positive integer, got 0", path, tiny_tok, seq_len=0)
     fails(ConfigError, r"--seed must be a non-negative integer, got -1", path, tiny_tok, seed=-1)
 
 
 def test_messages_without_chat_template(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "chat.jsonl", [CHAT])
-    fails(DataError, r"chat\.jsonl: the 'messages' format needs a tokenizer with a chat template",
-          path, tiny_tokenizer(chat_template=None))
+    fails(
+        DataError,
+        r"chat\.jsonl: the 'messages' format needs a tokenizer with a chat template",
+        path,
+        tiny_tokenizer(chat_template=None),
+    )
 
 
 def test_bad_eval_fraction(tmp_path: Path, tiny_tok: Any) -> None:

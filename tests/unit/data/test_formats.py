@@ -15,11 +15,14 @@ from tests.unit.data.helpers import write_jsonl
 CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}]}
 
 
-@pytest.mark.parametrize("row, fmt", [
-    ({"text": "hello world", "id": 3}, "text"),  # extra keys are ignored
-    ({"prompt": "what is", "completion": "four", "text": "x"}, "prompt_completion"),
-    ({**CHAT, "text": "x"}, "messages"),
-])
+@pytest.mark.parametrize(
+    "row, fmt",
+    [
+        ({"text": "hello world", "id": 3}, "text"),  # extra keys are ignored
+        ({"prompt": "what is", "completion": "four", "text": "x"}, "prompt_completion"),
+        ({**CHAT, "text": "x"}, "messages"),
+    ],
+)
 def test_auto_detects_format(tmp_path: Path, tiny_tok: Any, row: dict[str, Any], fmt: str) -> None:
     index = build_index(write_jsonl(tmp_path / "f.jsonl", [row, row]), Encoder(tiny_tok))
     assert index.fmt == fmt and index.n_records == 2

@@ -37,8 +37,8 @@ def run(loader: BatchLoader, steps: int) -> list[Batch]:
 
 def same(a: list[Batch], b: list[Batch]) -> bool:
     return len(a) == len(b) and all(
-        torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["labels"], y["labels"])
-        for x, y in zip(a, b))
+        torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["labels"], y["labels"]) for x, y in zip(a, b)
+    )
 
 
 def test_batches_shape_dtype(data_file: Path, tiny_tok: Any) -> None:
@@ -62,8 +62,7 @@ def test_same_seed_same_order_different_seed_different(data_file: Path, tiny_tok
 
 def test_each_epoch_covers_same_tokens(data_file: Path, tiny_tok: Any) -> None:
     ds = dataset(data_file, tiny_tok)
-    counts = [np.bincount(np.concatenate([a for a, _ in ds.sequences(e)]), minlength=64)
-              for e in range(2)]
+    counts = [np.bincount(np.concatenate([a for a, _ in ds.sequences(e)]), minlength=64) for e in range(2)]
     total = int(ds.index.lengths.sum())
     assert counts[0].sum() == counts[1].sum() == ds.sequences_per_epoch * SEQ > total - SEQ
 

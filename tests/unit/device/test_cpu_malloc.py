@@ -23,8 +23,9 @@ print(cpu_malloc.keep_freed_memory(), *[burst() for _ in range(4)])
 
 
 def run_child(**env: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, check=True,
-                         env={**os.environ, **env})
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD], capture_output=True, text=True, check=True, env={**os.environ, **env}
+    )
     return out.stdout.split()
 
 

@@ -42,9 +42,7 @@ def make_grads(n: int, steps: int, seed: int = 0) -> list[torch.Tensor]:
     return out
 
 
-def make_state(
-    n: int, state_dtype: torch.dtype = torch.float32, seed: int = 1
-) -> list[torch.Tensor]:
+def make_state(n: int, state_dtype: torch.dtype = torch.float32, seed: int = 1) -> list[torch.Tensor]:
     """(master, m, v): a random fp32 master and zero moments, as at the start of training."""
     gen = torch.Generator().manual_seed(seed)
     master = torch.randn(n, generator=gen)

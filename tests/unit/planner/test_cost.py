@@ -1,6 +1,5 @@
 """The cost model on hand-computed cases, and monotonicity in every speed."""
 
-
 import pytest
 
 from fuyou.planner.cost import predict
@@ -28,7 +27,9 @@ def test_sim_fifo_and_dependencies():
 def test_ssd_only_step_is_every_byte_at_the_drive_rate():
     # forward reads embed+layer, head once, backward layer+embed again (2 B/param each); Adam reads
     # and writes 12 B/param of state and writes 2 B/param of new weights: 30/30/28 B per param.
-    p = predict(toy_shape(), Plan(activation_policy=("keep", "keep", "keep")), CFG, profile(ssd_read_Bps=1e9, ssd_write_Bps=1e9))
+    p = predict(
+        toy_shape(), Plan(activation_policy=("keep", "keep", "keep")), CFG, profile(ssd_read_Bps=1e9, ssd_write_Bps=1e9)
+    )
     assert p.step_s == pytest.approx((30 * N0 + 30 * N1 + 28 * N2) / 1e9, rel=1e-7)
     assert p.ssd_read_bytes == 16 * N0 + 16 * N1 + 14 * N2 and p.ssd_write_bytes == 14 * (N0 + N1 + N2)
     assert p.bottleneck == "ssd"
@@ -85,8 +86,18 @@ def test_state_chunks_pipeline_read_adam_write():
     assert four < whole
 
 
-SPEEDS = ("ssd_read_Bps", "ssd_write_Bps", "adam_params_per_s", "h2d_Bps", "d2h_Bps", "host_mem_Bps", "device_mem_Bps",
-          "grad_add_elems_per_s", "grad_norm_elems_per_s", "device_peak_flops")
+SPEEDS = (
+    "ssd_read_Bps",
+    "ssd_write_Bps",
+    "adam_params_per_s",
+    "h2d_Bps",
+    "d2h_Bps",
+    "host_mem_Bps",
+    "device_mem_Bps",
+    "grad_add_elems_per_s",
+    "grad_norm_elems_per_s",
+    "device_peak_flops",
+)
 
 
 @pytest.mark.parametrize("policy", ["recompute", "swap_cpu", "swap_ssd", "keep"])
@@ -94,12 +105,30 @@ SPEEDS = ("ssd_read_Bps", "ssd_write_Bps", "adam_params_per_s", "h2d_Bps", "d2h_
 @pytest.mark.parametrize("ram", [0, 4])
 def test_faster_hardware_never_predicts_a_slower_step(policy, schedule, ram):
     shape = small_llama()
-    base = dict(ssd_read_Bps=2e9, ssd_write_Bps=2.5e9, adam_params_per_s=1.5e9, h2d_Bps=1e10, d2h_Bps=1e10,
-                pageable_Bps=5e9, host_mem_Bps=1e10, device_mem_Bps=5e11, device_peak_flops=5e12,
-                grad_add_elems_per_s=8e10, grad_norm_elems_per_s=2.5e11, flops_efficiency=0.7,
-                flops_half_tokens=256, commit_s=0.003)
-    plan = Plan(grad_accum=2, activation_policy=("keep",) + (policy,) * 8 + ("keep",), schedule=schedule,
-                state_chunk=1 << 22, ram_weight_blocks=ram, ram_state_blocks=ram)
+    base = dict(
+        ssd_read_Bps=2e9,
+        ssd_write_Bps=2.5e9,
+        adam_params_per_s=1.5e9,
+        h2d_Bps=1e10,
+        d2h_Bps=1e10,
+        pageable_Bps=5e9,
+        host_mem_Bps=1e10,
+        device_mem_Bps=5e11,
+        device_peak_flops=5e12,
+        grad_add_elems_per_s=8e10,
+        grad_norm_elems_per_s=2.5e11,
+        flops_efficiency=0.7,
+        flops_half_tokens=256,
+        commit_s=0.003,
+    )
+    plan = Plan(
+        grad_accum=2,
+        activation_policy=("keep",) + (policy,) * 8 + ("keep",),
+        schedule=schedule,
+        state_chunk=1 << 22,
+        ram_weight_blocks=ram,
+        ram_state_blocks=ram,
+    )
     cfg = StepConfig(micro_batch_size=2, seq_len=128)
     t0 = predict(shape, plan, cfg, profile(**base)).step_s
     for k in SPEEDS:
@@ -111,8 +140,10 @@ def test_faster_hardware_never_predicts_a_slower_step(policy, schedule, ram):
 def test_memory_per_tier_counts_what_the_policies_hold():
     shape, hw = small_llama(), profile(device_peak_flops=1e12)
     cfg = StepConfig(micro_batch_size=2, seq_len=128)
-    mem = {pol: predict(shape, Plan(grad_accum=2, activation_policy=("keep",) + (pol,) * 8 + ("keep",)), cfg, hw).memory
-           for pol in ("recompute", "keep", "swap_cpu", "swap_ssd")}
+    mem = {
+        pol: predict(shape, Plan(grad_accum=2, activation_policy=("keep",) + (pol,) * 8 + ("keep",)), cfg, hw).memory
+        for pol in ("recompute", "keep", "swap_cpu", "swap_ssd")
+    }
     act = 8 * shape.blocks[1].act_bytes_per_token * 2 * 2 * 128
     assert mem["keep"].device - mem["recompute"].device == pytest.approx(act)
     assert mem["swap_cpu"].host_activations == pytest.approx(act)

@@ -85,16 +85,22 @@ def test_profile_json_round_trip(tmp_path):
 
 def test_result_json_round_trip():
     gib = 1 << 30
-    r = search(small_llama(), profile(device_peak_flops=1e12, ssd_read_Bps=2e9, ssd_write_Bps=2e9),
-               Budgets(cpu_memory=4 * gib, gpu_memory=gib), Request(seq_len=128, tokens_per_step=512))
+    r = search(
+        small_llama(),
+        profile(device_peak_flops=1e12, ssd_read_Bps=2e9, ssd_write_Bps=2e9),
+        Budgets(cpu_memory=4 * gib, gpu_memory=gib),
+        Request(seq_len=128, tokens_per_step=512),
+    )
     back = PlannerResult.from_json(json.loads(json.dumps(r.to_json())))
     assert back == r and back.plan.activation_policy == r.plan.activation_policy
     assert r.plan.state_chunk % 32 == 0  # the plan carries every choice, the state chunk included
 
 
 def test_planner_imports_without_torch():
-    code = ("import sys; import fuyou.planner.search, fuyou.planner.measure, fuyou.cli.plan_cmd; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys; import fuyou.planner.search, fuyou.planner.measure, fuyou.cli.plan_cmd; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
@@ -102,16 +108,44 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
     from fuyou.cli.plan_cmd import plan_cmd
 
     out = tmp_path / "plan.json"
-    r = CliRunner().invoke(plan_cmd, ["GPT-3-13B", "--profile", LOHAN, "--tokens-per-step", "8192",
-                                      "--cpu-memory", "700GiB", "--gpu-memory", "22GiB", "--json", str(out)])
+    r = CliRunner().invoke(
+        plan_cmd,
+        [
+            "GPT-3-13B",
+            "--profile",
+            LOHAN,
+            "--tokens-per-step",
+            "8192",
+            "--cpu-memory",
+            "700GiB",
+            "--gpu-memory",
+            "22GiB",
+            "--json",
+            str(out),
+        ],
+    )
     assert r.exit_code == 0, r.output
     for word in ("micro-batch", "TFLOPS", "drive-writes/day", "bottleneck", "6·N_matmul"):
         assert word in r.output
     d = json.loads(out.read_text())  # 700 GiB holds all 13 B params' weights and state: no SSD traffic
     assert d["prediction"]["bottleneck"] == "compute" and d["executable"]
     assert d["plan"]["ram_weight_blocks"] == d["plan"]["ram_state_blocks"] == 42
-    r = CliRunner().invoke(plan_cmd, ["GPT-3-13B", "--profile", LOHAN, "--tokens-per-step", "8192",
-                                      "--cpu-memory", "64GiB", "--gpu-memory", "22GiB", "--json", str(out)])
+    r = CliRunner().invoke(
+        plan_cmd,
+        [
+            "GPT-3-13B",
+            "--profile",
+            LOHAN,
+            "--tokens-per-step",
+            "8192",
+            "--cpu-memory",
+            "64GiB",
+            "--gpu-memory",
+            "22GiB",
+            "--json",
+            str(out),
+        ],
+    )
     d = json.loads(out.read_text())  # 64 GiB: state stays on SSD, which bounds the step at batch 8
     assert d["prediction"]["bottleneck"] == "ssd" and d["plan"]["ram_state_blocks"] == 0
     r = CliRunner().invoke(plan_cmd, ["GPT-3-13B", "--profile", LOHAN, "--gpu-memory", "1GiB"])
@@ -125,9 +159,26 @@ def test_cli_plan_precision_sizes_the_store_and_buffers(tmp_path):
     sizes = {}
     for p in ("bf16", "fp32"):
         out = tmp_path / f"{p}.json"
-        r = CliRunner().invoke(plan_cmd, ["llama-3-8b", "--profile", LOHAN, "--tokens-per-step", "2048", "--seq-len",
-                                          "1024", "--cpu-memory", "64GiB", "--gpu-memory", "22GiB", "--precision", p,
-                                          "--json", str(out)])
+        r = CliRunner().invoke(
+            plan_cmd,
+            [
+                "llama-3-8b",
+                "--profile",
+                LOHAN,
+                "--tokens-per-step",
+                "2048",
+                "--seq-len",
+                "1024",
+                "--cpu-memory",
+                "64GiB",
+                "--gpu-memory",
+                "22GiB",
+                "--precision",
+                p,
+                "--json",
+                str(out),
+            ],
+        )
         assert r.exit_code == 0, r.output
         sizes[p] = json.loads(out.read_text())["prediction"]["memory"]["ssd"]
     assert sizes["fp32"] > sizes["bf16"]

@@ -10,9 +10,20 @@ from fuyou.schedule.plan import Plan
 from tests.unit.planner.helpers import profile, small_llama
 
 GiB = 1 << 30
-HW = profile(ssd_read_Bps=2e9, ssd_write_Bps=2.5e9, adam_params_per_s=1.5e9, h2d_Bps=1e10, d2h_Bps=1e10,
-             pageable_Bps=5e9, host_mem_Bps=1e10, device_mem_Bps=5e11, device_peak_flops=2e12,
-             flops_efficiency=0.7, flops_half_tokens=256, commit_s=0.003)
+HW = profile(
+    ssd_read_Bps=2e9,
+    ssd_write_Bps=2.5e9,
+    adam_params_per_s=1.5e9,
+    h2d_Bps=1e10,
+    d2h_Bps=1e10,
+    pageable_Bps=5e9,
+    host_mem_Bps=1e10,
+    device_mem_Bps=5e11,
+    device_peak_flops=2e12,
+    flops_efficiency=0.7,
+    flops_half_tokens=256,
+    commit_s=0.003,
+)
 REQ = Request(seq_len=256, tokens_per_step=2048)
 
 
@@ -37,11 +48,14 @@ def test_clipping_forces_the_next_forward_schedule():
     assert r.plan.schedule == "overlap_next_forward"
 
 
-@pytest.mark.parametrize("budgets, words", [
-    (Budgets(cpu_memory=2 * GiB, gpu_memory=100 << 20), ["device memory", "--gpu-memory", "--seq-len", "MiB"]),
-    (Budgets(cpu_memory=50 << 20, gpu_memory=GiB), ["host memory", "--cpu-memory", "MiB"]),
-    (Budgets(cpu_memory=2 * GiB, gpu_memory=GiB, ssd_bytes=1 << 30), ["SSD space", "--ssd", "GiB"]),
-])
+@pytest.mark.parametrize(
+    "budgets, words",
+    [
+        (Budgets(cpu_memory=2 * GiB, gpu_memory=100 << 20), ["device memory", "--gpu-memory", "--seq-len", "MiB"]),
+        (Budgets(cpu_memory=50 << 20, gpu_memory=GiB), ["host memory", "--cpu-memory", "MiB"]),
+        (Budgets(cpu_memory=2 * GiB, gpu_memory=GiB, ssd_bytes=1 << 30), ["SSD space", "--ssd", "GiB"]),
+    ],
+)
 def test_infeasible_budgets_name_the_binding_constraint(budgets, words):
     with pytest.raises(InfeasibleError) as e:
         search(small_llama(), HW, budgets, REQ)
@@ -66,8 +80,9 @@ def test_clipping_under_a_small_host_budget_parks_gradients_on_ssd():
     roomy = search(shape, HW, Budgets(cpu_memory=8 * GiB, gpu_memory=GiB), req)
     assert roomy.plan.park_ram_blocks is None
     parks = sum(2 * b.numel for b in shape.blocks)
-    smallest_chunks = host_buffers(shape, Plan(prefetch_depth=2, schedule="overlap_next_forward", state_chunk=1 << 20),
-                                   StepConfig(1, 256))
+    smallest_chunks = host_buffers(
+        shape, Plan(prefetch_depth=2, schedule="overlap_next_forward", state_chunk=1 << 20), StepConfig(1, 256)
+    )
     tight_budget = smallest_chunks - parks // 2
     tight = search(shape, HW, Budgets(cpu_memory=tight_budget, gpu_memory=GiB), req)
     assert tight.plan.park_ram_blocks is not None and tight.plan.park_ram_blocks < len(shape.blocks)

@@ -11,9 +11,11 @@ W = 32000 * 512 * 2  # largest bf16 block, 4 KiB aligned already
 
 
 def footprint():
-    blocks = (BlockSpec("embed", (ParamSpec("e", (32000, 512)),)),
-              BlockSpec("layer.0", (ParamSpec("w", (1024, 1024)),)),
-              BlockSpec("head", (ParamSpec("h", (32000, 512)),)))
+    blocks = (
+        BlockSpec("embed", (ParamSpec("e", (32000, 512)),)),
+        BlockSpec("layer.0", (ParamSpec("w", (1024, 1024)),)),
+        BlockSpec("head", (ParamSpec("h", (32000, 512)),)),
+    )
     return ModelLayout(blocks).footprint()
 
 
@@ -38,8 +40,15 @@ def test_need_counts_every_class():
     assert host_need(fp, plan) == 2 * W + 2 * W + 2 * W + 2 * (12 << 20)
     clip = Plan(prefetch_depth=1, schedule="overlap_next_forward", state_chunk=1 << 20)
     assert host_need(fp, clip) == host_need(fp, plan) + 2 * W + 1024 * 1024 * 2
-    assert [c.name for c in buffer_classes(fp, clip)] == ["weights", "grads", "state", "new-weights",
-                                                          "park/0", "park/1", "park/2"]
+    assert [c.name for c in buffer_classes(fp, clip)] == [
+        "weights",
+        "grads",
+        "state",
+        "new-weights",
+        "park/0",
+        "park/1",
+        "park/2",
+    ]
 
 
 def test_ram_tier_counts_page_rounded_extents_in_layout_order():
@@ -58,8 +67,9 @@ def test_fit_parks_gradients_on_ssd_before_shrinking_depth():
     budget = host_need(fp, clip) - W  # one large parked gradient too many
     plan2 = fit_host(fp, clip, budget)
     assert plan2.park_ram_blocks == 2 and plan2.prefetch_depth == 2 and host_need(fp, plan2) <= budget
-    none_parked = host_need(fp, Plan(prefetch_depth=2, schedule="overlap_next_forward", park_ram_blocks=0,
-                                     state_chunk=1 << 20))
+    none_parked = host_need(
+        fp, Plan(prefetch_depth=2, schedule="overlap_next_forward", park_ram_blocks=0, state_chunk=1 << 20)
+    )
     plan3 = fit_host(fp, clip, none_parked)
     assert plan3.park_ram_blocks == 0 and plan3.prefetch_depth == 2
     plan4 = fit_host(fp, clip, none_parked - W)
@@ -69,8 +79,11 @@ def test_fit_parks_gradients_on_ssd_before_shrinking_depth():
 def test_device_floor_is_the_largest_block_with_what_the_head_borrows():
     fp = footprint()
     assert device_floor(fp) == 2 * W
-    blocks = (BlockSpec("embed", (ParamSpec("e", (32000, 512)),)), BlockSpec("layer.0", (ParamSpec("w", (64, 64)),)),
-              BlockSpec("head", (ParamSpec("n", (512,)),), borrows=("embed",)))
+    blocks = (
+        BlockSpec("embed", (ParamSpec("e", (32000, 512)),)),
+        BlockSpec("layer.0", (ParamSpec("w", (64, 64)),)),
+        BlockSpec("head", (ParamSpec("n", (512,)),), borrows=("embed",)),
+    )
     tied = ModelLayout(blocks).footprint()
     assert tied.borrowed == (0,) and device_floor(tied) == 2 * W + 2 * 512 * 2
 

@@ -22,8 +22,9 @@ def test_sigkill_at_random_moments_never_loses_the_committed_version(tmp_path):
     rng = random.Random(1234)
     last_seen = 0
     for _ in range(10):
-        child = subprocess.Popen([sys.executable, "-m", "tests.unit.storage.crash_child", *dirs], cwd=ROOT,
-                                 stdout=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "tests.unit.storage.crash_child", *dirs], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
         first = child.stdout.readline()  # it is committing: kill it somewhere in the next cycles
         assert first.strip(), "child died before its first commit"
         time.sleep(rng.uniform(0.0, 0.3))

@@ -64,8 +64,10 @@ def test_round_trip_odd_sizes(tmp_path, direct, aligned):
 
 @pytest.mark.parametrize("ndirs", [2, 3])
 def test_striped_round_trip_and_reopen(tmp_path, ndirs):
-    exts = [ExtentSpec(f"l{i}", (TensorSpec("w", (300, 77), torch.float32), TensorSpec("b", (5,), torch.bfloat16)))
-            for i in range(4)]
+    exts = [
+        ExtentSpec(f"l{i}", (TensorSpec("w", (300, 77), torch.float32), TensorSpec("b", (5,), torch.bfloat16)))
+        for i in range(4)
+    ]
     st = store(tmp_path, exts, ndirs)
     data = {e.name: pattern(e.nbytes, i) for i, e in enumerate(exts)}
     for name, src in data.items():
@@ -268,9 +270,11 @@ def test_writes_from_another_thread(tmp_path):
     """The Adam worker writes while the main thread reads other extents."""
     exts = [byte_extent(f"e{i}", 70_000) for i in range(16)]
     with store(tmp_path, exts, threads=4) as st:
+
         def writer():
             for i in range(0, 16, 2):
                 st.write(f"e{i}", pattern(70_000, i)).result()
+
         for i in range(16):
             st.write(f"e{i}", pattern(70_000, 100 + i))
         st.commit()
@@ -292,6 +296,7 @@ def test_engine_selection_on_cpu():
     with pytest.raises(ConfigError):
         make_io("spdk")
     import ctypes
+
     try:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
