@@ -17,7 +17,6 @@ kept, never listed, never pruned.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import shutil
@@ -369,8 +368,3 @@ def disk_usage(stripes: list[str]) -> int:
                     seen.add((st.st_dev, st.st_ino))
                     total += st.st_blocks * 512
     return total
-
-
-def trainer_json(state: dict) -> str:
-    """Canonical JSON of a trainer state (for comparisons in tests and logs)."""
-    return json.dumps(state, sort_keys=True)

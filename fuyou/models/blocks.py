@@ -46,8 +46,3 @@ class BlockSpec:
     def extent(self, prefix: str, dtype: torch.dtype) -> ExtentSpec:
         """The store extent ``prefix + name`` holding this block's parameters in ``dtype``."""
         return ExtentSpec(prefix + self.name, tuple(TensorSpec(p.key, p.shape, dtype) for p in self.params))
-
-
-def attention_flops_per_token(seq_len: int, hidden: int, layers: int) -> int:
-    """Forward attention-score FLOPs per token (QKᵀ and AV, causal average ≈ seq_len/2 keys)."""
-    return 2 * 2 * layers * hidden * seq_len // 2

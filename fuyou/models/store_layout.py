@@ -64,10 +64,6 @@ class ModelLayout:
             ),
         )
 
-    def state_bytes(self) -> int:
-        """Largest state chunk in bytes (the size of one host state buffer)."""
-        return max(self.s(b, c).nbytes for b in range(len(self.blocks)) for c in range(len(self.chunks(b))))
-
     def footprint(self) -> Footprint:
         """What host-memory sizing (``fuyou.schedule.sizing``) needs of this layout."""
         nb = range(len(self.blocks))
@@ -91,12 +87,6 @@ class ModelLayout:
     def index(self, name: str) -> int:
         """Block index of block ``name``."""
         return [blk.name for blk in self.blocks].index(name)
-
-    def flatten(self, b: int, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Block ``b``'s parameters as one flat ``dtype`` vector in the ``w`` extent's element layout."""
-        out = torch.empty(self.numel(b), dtype=dtype)
-        self.flatten_into(b, tensors, out, 0, self.numel(b))
-        return out
 
     def flatten_into(self, b: int, tensors: dict[str, torch.Tensor], out: torch.Tensor, lo: int, hi: int) -> None:
         """Write elements [lo, hi) of block ``b``'s flat vector into ``out`` (``hi - lo`` elements,

@@ -1,33 +1,26 @@
-"""One training step as the engine executes it (``fuyou/engine/step.py``), as a graph for ``sim.Sim``.
+"""One training step as operations with dependencies, for the discrete-event simulator (``sim.Sim``).
 
-What is modelled, by engine phase (resources: ``ssd`` read and write share one server; ``h2d``,
-``d2h``, ``compute``, ``adam`` and ``thread`` — the Python training thread; on a ``cpu`` device
-all but ``ssd`` are one server, the cores):
+The graph follows the step's own rules (``fuyou.schedule.rules``: the schedule, the load order, which
+gradients park and where, which RAM-tier blocks are held back) and the engine's phases (forward,
+turnaround, backward, finish: ``fuyou/engine/step.py``); what it adds is what each operation costs
+and which resource it occupies. Resources: ``ssd`` (reads and writes share one server), ``h2d``,
+``d2h``, ``compute``, ``adam`` and ``thread`` (the Python training thread); on a ``cpu`` device all
+but ``ssd`` are one server, the cores. Modelled beyond the rules:
 
-* loader — forward 0…H−1, the head (+ the tied embedding), backward H−1…0; block p+depth+1's SSD
-  read is issued once block p's host→device copy is done (depth+1 host weight buffers); the thread
-  waits for each read; compute waits for the copy.
-* activations — ``swap_cpu``: saved tensors copied out in forward and back in backward, synchronously
-  on the compute stream (pageable copies); ``swap_ssd``: also packed by the thread and written to the
-  SSD, read back one block ahead in backward; ``recompute``: forward again before backward.
-* backward — per block: the flat gradient buffer zeroed, the backward FLOPs, and for decoder layers
-  the add of their fresh weight gradients into it (``grad_add_rate``; the head accumulates in its
-  GEMM, the embedding's backward is a sparse scatter).
-* hand-off — the gradient norm (``grad_norm_rate``) syncs the thread with compute; gradient device→host copy; Adam per
-  state chunk: SSD read → Adam (one worker, FIFO) → SSD write; the new weights written after the
-  last chunk. The thread blocks acquiring buffers: 2 gradient buffers, 2 new-weight buffers and
-  ``state_buffers`` state buffers (so a block with more chunks than buffers holds the thread until
-  most of its chunks are written).
-* ``overlap_backward`` waits for every write and commits; ``overlap_next_forward`` parks gradients
-  (blocks from ``Plan.park_ram_blocks`` on: written to SSD after their device→host copy, read back
-  before their Adam), submits Adam(0…H) after backward, and the next step's forward reads of block b wait for Adam(b)'s
-  weight write; the next step's turnaround waits for every write (``settle``).
+* weights — a block's SSD read is issued once the copy ``prefetch_depth`` + 1 positions earlier is
+  done (that many host weight buffers); RAM-tier reads are memcpys done by the issuing thread.
+* activations — ``swap_cpu`` copies synchronously on the compute stream (pageable); ``swap_ssd`` also
+  packs on the thread and writes, read back a block ahead; ``recompute`` runs forward again.
+* backward — the flat gradient buffer zeroed, the backward FLOPs, and for layers the add of fresh
+  weight gradients into it (``grad_add_rate``; the head accumulates in its GEMM, the embedding scatters).
+* hand-off — the gradient norm syncs the thread with compute; device→host copy; Adam per state chunk
+  (SSD read → Adam on one FIFO worker → SSD write), the new weights written after the last chunk; the
+  thread blocks on 2 gradient, 2 new-weight and ``state_buffers`` state buffers; parked gradients on
+  SSD are written after their copy and read back before their Adam; with the clipping schedule the
+  next step's reads of block b wait for Adam(b)'s weight write and its turnaround for every write.
 
-RAM tiers (``StepConfig.ram_*``, executed by ``fuyou.transfer.ram_tier``) turn the SSD reads and
-writes of the first blocks' weights into host memcpys and let Adam update their state in place; with ``overlap_backward`` RAM-tier
-blocks 1…R−1 park their gradients and update after block 0's backward (a non-finite step cannot be
-rolled back in RAM). Not-yet-executable options (``boundary_offload``, ``async_swap``) add copies for
-offloaded block boundaries and move swaps to the copy streams.
+Not-yet-executable options (``boundary_offload``, ``async_swap``) add copies for offloaded block
+boundaries and move swaps to the copy streams.
 """
 
 from __future__ import annotations

@@ -29,14 +29,6 @@ def _median(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
-def ssd_bandwidth(
-    dirs: list[str], size_bytes: int = 512 << 20, extent_bytes: int = 64 << 20, threads: int = 16, repeats: int = 3
-) -> tuple[float, float]:
-    """(read, write) bytes/s of the store's own I/O path striped over ``dirs``; see ``ssd_measure``."""
-    r, w, _ = ssd_measure(dirs, size_bytes, extent_bytes, threads, repeats)
-    return r, w
-
-
 def ssd_measure(
     dirs: list[str], size_bytes: int = 512 << 20, extent_bytes: int = 64 << 20, threads: int = 16, repeats: int = 3
 ) -> tuple[float, float, float]:

@@ -23,11 +23,6 @@ class RunData:
     eval_batches: list[tuple[torch.Tensor, torch.Tensor]]
     total_steps: int
 
-    @property
-    def steps_per_epoch(self) -> int:
-        """Batches in one epoch."""
-        return max(1, self.loader.dataset.sequences_per_epoch // self.loader.batch_size)
-
     def train_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(input_ids, labels) per step, ``total_steps`` of them."""
         for b in self.loader.batches(steps=self.total_steps):
