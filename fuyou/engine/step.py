@@ -34,9 +34,10 @@ from fuyou.engine import activations
 from fuyou.engine.adam_stage import AdamStage
 from fuyou.models.adapters import Adapter
 from fuyou.models.store_layout import ModelLayout
-from fuyou.optim.norm import sum_squares
+from fuyou.optim.norm import read_scalars, sum_squares_lazy
 from fuyou.schedule import rules
 from fuyou.schedule.plan import Plan
+from fuyou.schedule.sizing import loss_chunk_tokens
 from fuyou.timeline import Timeline
 from fuyou.transfer.activation_files import ActivationSpace
 from fuyou.transfer.futures import done_future
@@ -125,9 +126,14 @@ class StepState:
     weights: dict[int, torch.Tensor] = field(default_factory=dict)
     params: dict[int, dict[str, torch.nn.Parameter]] = field(default_factory=dict)
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
-    loss: float = 0.0
-    norm_sq: float = 0.0
-    finite: bool = True
+    loss_sum: float | torch.Tensor = 0.0
+    """Σ of the micro-batches' losses, where they were computed (read back once: ``StepRunner.read_back``)."""
+    sq_sum: float | torch.Tensor = 0.0
+    """Σ of the blocks' squared gradient norms, where the gradients are (read back once)."""
+    loss: float = math.nan
+    norm_sq: float = math.nan
+    read: bool = False
+    """Whether ``loss`` and ``norm_sq`` hold the read-back values."""
     written: dict[int, Future] = field(default_factory=dict)
     parked: dict[int, Parked] = field(default_factory=dict)
 
@@ -231,34 +237,45 @@ class StepRunner:
             self._release_weights(st, b, keep_views=policy != "recompute")
 
     def turnaround(self, st: StepState) -> None:
-        """Head forward, loss, head backward — per micro-batch, so logits never pile up."""
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
+        """Head forward, loss, head backward — per micro-batch and, within one, per chunk of
+        ``sizing.loss_chunk_tokens`` tokens, so logits never pile up."""
         c = self.c
         H = len(c.layout.blocks) - 1
         st.weights[H] = self._load(st, H)
         borrowed = {o: self._load(st, o) for o in self.borrowed()}
         st.params[H] = self._bind(st, H, borrowed)
         self._attach_grads(st, H)
-        dys = []
         with c.timeline.span("compute", "head fwd+bwd"):
-            for k, x in enumerate(st.xs):
-                x_in = x.detach().requires_grad_()
-                with torch.enable_grad():
-                    logits, _ = c.adapter.forward(H, x_in, st.ctxs[k])
-                    # transformers annotates num_items_in_batch as a Tensor; it divides by it, an int works
-                    n_items: Any = st.num_items
-                    loss = ForCausalLMLoss(
-                        logits, st.labels[k], c.adapter.config.vocab_size, num_items_in_batch=n_items
-                    )
-                loss.backward()
-                st.loss += loss.item()
-                dys.append(x_in.grad)
-        st.xs = dys
+            st.xs = [self._head(st, k, x) for k, x in enumerate(st.xs)]
         self._drop_params(st, H)
         del borrowed
         st.weights.pop(H)
         self.hand_off(st, H)
+
+    def _head(self, st: StepState, k: int, x: torch.Tensor) -> torch.Tensor:
+        """Loss of micro-batch ``k`` (``[b, t, hidden]`` into the head) token chunk by token chunk, each
+        chunk's backward run at once; returns the gradient of ``x``. The loss is summed over labelled
+        tokens and divided by the step's count (``transformers``' ``num_items_in_batch`` loss)."""
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        c, H = self.c, len(self.c.layout.blocks) - 1
+        vocab = c.adapter.config.vocab_size
+        tokens = loss_chunk_tokens(vocab, c.layout.footprint().compute_bytes)
+        shift = torch.nn.functional.pad(st.labels[k], (0, 1), value=-100)[:, 1:]  # token i predicts label i + 1
+        n_items: Any = st.num_items  # transformers annotates it as a Tensor; it divides by it, an int works
+        pieces = [p.requires_grad_() for p in x.detach().split(max(1, tokens // x.shape[0]), dim=1)]
+        start = 0
+        for piece in pieces:
+            stop = start + piece.shape[1]
+            with torch.enable_grad():
+                logits, _ = c.adapter.forward(H, piece, st.ctxs[k])
+                loss = ForCausalLMLoss(
+                    logits, None, vocab, num_items_in_batch=n_items, shift_labels=shift[:, start:stop].contiguous()
+                )
+            loss.backward()
+            st.loss_sum = st.loss_sum + loss.detach().double()  # no device→host read per micro-batch
+            start = stop
+        return torch.cat([p.grad for p in pieces], dim=1) if len(pieces) > 1 else pieces[0].grad
 
     def backward(self, st: StepState) -> None:
         c = self.c
@@ -282,21 +299,38 @@ class StepRunner:
         p = self.c.progress
         return self.c.stage.update(b, grad, ready, p.lr, p.step + 1, scale)
 
+    def read_back(self, st: StepState) -> None:
+        """The step's one device→host read: its loss and squared gradient norm, once backward has
+        handed off every block (block 0 last)."""
+        if not st.read:
+            st.loss, st.norm_sq = read_scalars(st.loss_sum, st.sq_sum)
+            st.read = True
+
+    @staticmethod
+    def finite(st: StepState) -> bool:
+        """Whether every gradient of the step was finite (after ``read_back``)."""
+        return math.isfinite(st.norm_sq)
+
     def hand_off(self, st: StepState, b: int) -> None:
-        """Block ``b``'s gradient is complete: send it to the Adam stage, or park it (``rules.parked``)."""
+        """Block ``b``'s gradient is complete: its squared norm joins the step's sum on the device, and
+        it goes to the Adam stage, or is parked (``rules.parked``). ``overlap_backward`` updates SSD-tier
+        blocks without waiting to know the step finite (a non-finite step is rolled back by
+        ``store.abort``); block 0, the last gradient, reads the step's norm back first, and only a
+        finite step updates it and the held-back RAM-tier blocks, whose writes cannot be rolled back."""
         c = self.c
         grad = st.grads.pop(b)
-        sq = sum_squares(grad)
-        st.norm_sq += sq
-        st.finite = st.finite and math.isfinite(sq)
-        if c.plan.clips or (st.finite and b in rules.held_back(c.plan)):
+        st.sq_sum = st.sq_sum + sum_squares_lazy(grad)
+        if c.plan.clips or b in rules.held_back(c.plan):
             st.parked[b] = c.parking.park(b, grad)
-        elif st.finite:
-            if b == 0:  # the whole step is finite: RAM-tier blocks held back may update now
-                for o in sorted(st.parked, reverse=True):
-                    st.written[o] = self._update(o, *c.parking.source(st.parked.pop(o)), 1.0)
-            buf, ready = c.stage.offload(b, grad)
-            st.written[b] = self._update(b, buf, ready, 1.0)
+            return
+        if b == 0:
+            self.read_back(st)
+            if not self.finite(st):
+                return
+            for o in sorted(st.parked, reverse=True):  # RAM-tier blocks held back may update now
+                st.written[o] = self._update(o, *c.parking.source(st.parked.pop(o)), 1.0)
+        buf, ready = c.stage.offload(b, grad)
+        st.written[b] = self._update(b, buf, ready, 1.0)
 
     def finish(self, st: StepState) -> bool:
         """After backward: commit (overlap_backward) or submit clipped updates (next_forward).
@@ -304,12 +338,13 @@ class StepRunner:
         Returns whether an update was applied (False: non-finite gradient, step skipped).
         """
         c = self.c
+        self.read_back(st)
         if not c.plan.clips:
             wait(list(st.written.values()))
             for p in st.parked.values():  # held-back RAM-tier gradients of a non-finite step
                 c.parking.discard(p)
             st.parked.clear()
-            if not st.finite:
+            if not self.finite(st):
                 c.stage.worker.wait()
                 c.tier.abort()
                 return False
@@ -318,7 +353,7 @@ class StepRunner:
             c.progress.step += 1
             c.tier.commit(c.commit_meta())
             return True
-        if not st.finite:
+        if not self.finite(st):
             for p in st.parked.values():
                 c.parking.discard(p)
             return False

@@ -108,7 +108,8 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     layer_ws = max(2 * cb * blk.numel + 2 * g.act_bytes(b) / K for b, blk in enumerate(shape.blocks[:H]))
     head = shape.blocks[H]
     tied = sum(2 * cb * blk.numel for blk in shape.blocks if blk.name in head.borrows)
-    head_ws = 2 * cb * head.numel + tied + (8 + 2 * cb) * mbt * shape.vocab
+    logit_tokens = min(mbt, sizing.loss_chunk_tokens(shape.vocab, cb))  # the loss runs in token chunks
+    head_ws = 2 * cb * head.numel + tied + (8 + 2 * cb) * logit_tokens * shape.vocab
     device = int(boundary + keep + max(layer_ws, head_ws))
     swap_cpu = sum(g.act_bytes(b) for b in range(H) if pol[b] == "swap_cpu")
     ssd_blocks = [b for b in range(H) if pol[b] == "swap_ssd"]

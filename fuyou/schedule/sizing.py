@@ -130,6 +130,18 @@ def device_floor(fp: Footprint) -> int:
     return max(max(per), per[-1] + sum(per[o] for o in fp.borrowed))
 
 
+LOSS_CHUNK_BYTES = 256 << 20
+"""Device bytes of logits (and their gradients) the LM head's loss holds at once."""
+
+
+def loss_chunk_tokens(vocab: int, compute_bytes: int) -> int:
+    """Tokens whose logits the head computes at once: the loss runs over a micro-batch in chunks of
+    this many tokens, so its logits — per token and vocabulary entry the compute-dtype logit, its fp32
+    upcast, their gradients: 8 + 2 × ``compute_bytes`` bytes — stay within ``LOSS_CHUNK_BYTES`` (a
+    128 k vocabulary at 16 k tokens would otherwise hold ~24 GiB)."""
+    return max(1, LOSS_CHUNK_BYTES // ((8 + 2 * compute_bytes) * vocab))
+
+
 def halve_chunk(chunk: int) -> int:
     """The next smaller state chunk the budget rules try: half, a multiple of 32, ≥ ``MIN_CHUNK``."""
     return max(MIN_CHUNK, chunk // 2 // 32 * 32)

@@ -79,6 +79,26 @@ def test_families_and_policies(tmp_path, family, policy):
     assert_same(model, ref_losses, losses, weights)
 
 
+@pytest.mark.parametrize("family", ["llama_tied", "gpt2"])
+@pytest.mark.parametrize("tokens, tol", [(16, 1e-5), (10, 1e-4)])
+def test_loss_in_token_chunks_equals_the_whole_micro_batch(tmp_path, monkeypatch, family, tokens, tol):
+    """The LM head's loss runs in chunks of ``sizing.loss_chunk_tokens`` tokens (so fp32 logits never
+    fill the device). Micro-batches of 2 sequences × 16 tokens: chunks of 16 tokens cut each sequence in
+    two even pieces; chunks of 10 in pieces of 5, 5, 5, 1. The step still equals plain PyTorch: at the
+    suite's 1e-5 for even pieces; uneven ones sum the head's gradients in another order (1.5e-7
+    relative, fp32 rounding), which Adam's division by √v amplifies for near-zero gradients to a few
+    1e-6 of the weights after 3 steps."""
+    from fuyou.schedule import sizing
+    from tests.integration.tiny_models import VOCAB
+
+    monkeypatch.setattr(sizing, "LOSS_CHUNK_BYTES", tokens * (8 + 2 * 4) * VOCAB)
+    assert sizing.loss_chunk_tokens(VOCAB, 4) == tokens
+    cfg, model = tiny(family)
+    data = batches(3)
+    losses, weights = run_fuyou(cfg, model, tmp_path, data, K=2)
+    assert_same(model, reference_steps(model, data, 2, LR, WD), losses, weights, tol=tol)
+
+
 @pytest.mark.parametrize("K,depth,ndirs", [(4, 1, 1), (4, 3, 2), (1, 3, 2), (2, 1, 2)])
 @pytest.mark.parametrize("clip", [0.0, 0.5])
 def test_accumulation_prefetch_stripes_and_schedules(tmp_path, K, depth, ndirs, clip):

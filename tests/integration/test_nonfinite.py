@@ -53,3 +53,26 @@ def test_nonfinite_step_is_skipped_exactly(tmp_path, clip, park, poison_block):
     for k, w in weights.items():
         ref = model.state_dict()[k]
         assert (w - ref).abs().max().item() <= 1e-5 * ref.abs().max().item() + 1e-12, k
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+@pytest.mark.parametrize("ram", [0, 3])
+def test_a_step_reads_the_device_back_once(tmp_path, monkeypatch, clip, ram):
+    """Loss and gradient norm stay where they are computed and are read back once per step (one
+    device→host wait on a GPU), not once per micro-batch and block; RAM-tier blocks (whose writes cannot
+    be rolled back) still update only after that read proved the step finite."""
+    import fuyou.engine.step as step_mod
+
+    cfg, model = tiny("llama", layers=3)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    plan = Plan(grad_accum=2, ram_weight_blocks=ram, ram_state_blocks=ram)
+    ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", lr=1e-3, max_grad_norm=clip, plan=plan)
+    reads, items = [], []
+    real_read, real_item = step_mod.read_scalars, torch.Tensor.item
+    monkeypatch.setattr(step_mod, "read_scalars", lambda *v: reads.append(len(v)) or real_read(*v))
+    with Engine.from_state_dict(cfg, sd, ec) as eng:
+        monkeypatch.setattr(torch.Tensor, "item", lambda t: items.append(1) or real_item(t))
+        results = [eng.train_step(*d) for d in batches(2)]
+        monkeypatch.setattr(torch.Tensor, "item", real_item)
+    assert reads == [2, 2] and items == []  # (loss, norm) once per step; no per-micro-batch or per-block read
+    assert all(r.applied and r.loss > 0 and r.grad_norm > 0 for r in results)

@@ -65,7 +65,7 @@ def test_infeasible_budgets_name_the_binding_constraint(budgets, words):
 
 def test_engine_changes_only_when_allowed():
     big = Request(seq_len=1024, tokens_per_step=64 * 1024)
-    bud = Budgets(cpu_memory=16 * GiB, gpu_memory=int(1.2 * GiB))
+    bud = Budgets(cpu_memory=16 * GiB, gpu_memory=GiB)
     with pytest.raises(InfeasibleError, match="allow-engine-changes") as e:
         search(small_llama(), HW, bud, big)
     assert "block inputs kept for backward" in str(e.value) and "--tokens-per-step to ≤" in str(e.value)
