@@ -299,7 +299,14 @@ class Engine:
             labels=[lab.to(dev) for lab in labels],
             num_items=num_items,
         )
-        applied, t0, t1 = self.runner.run(st)
+        try:
+            applied, t0, t1 = self.runner.run(st)
+        except torch.OutOfMemoryError as e:  # the device's own allocator: what Fuyou's budget does not count
+            raise DeviceMemoryError(
+                f"the device ran out of memory during a step ({str(e).splitlines()[0][:160]}); lower "
+                "--micro-batch-size or --seq-len, choose --activations recompute, or give the planner the "
+                "real --gpu-memory (it keeps activations and logits within it)"
+            ) from None
         tokens = sum(x.numel() for x in input_ids)
         return StepResult(
             step=self.step,

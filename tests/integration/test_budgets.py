@@ -43,3 +43,25 @@ def test_device_budget_too_small_fails_up_front(tmp_path):
     ec = EngineConfig(ssd_dirs=(str(tmp_path),), gpu_memory="8KiB")
     with pytest.raises(DeviceMemoryError, match="largest block needs.*8.0 KiB.*--gpu-memory"):
         Engine.from_state_dict(cfg, sd, ec)
+
+
+def test_the_devices_own_out_of_memory_is_the_one_line_budget_error(tmp_path, monkeypatch):
+    """Memory Fuyou's budget does not count (activations, logits, library workspaces) can still run the
+    device out: torch's OutOfMemoryError becomes DeviceMemoryError, one line, naming the ways out; the
+    last committed version stays readable."""
+    cfg, model = tiny("llama", layers=2)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with Engine.from_state_dict(cfg, sd, EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32")) as eng:
+        real = eng.adapter.forward
+
+        def oom(b, x, ctx):
+            if b == 1:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 23.6 GiB total)")
+            return real(b, x, ctx)
+
+        monkeypatch.setattr(eng.adapter, "forward", oom)
+        with pytest.raises(DeviceMemoryError, match="ran out of memory during a step.*--gpu-memory") as e:
+            eng.train_step(*batches(1)[0])
+        assert "\n" not in str(e.value) and "Tried to allocate 2.00 GiB" in str(e.value)
+        monkeypatch.setattr(eng.adapter, "forward", real)
+        assert eng.train_step(*batches(1)[0]).applied  # the engine still trains after the refused step
