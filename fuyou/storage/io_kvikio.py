@@ -7,6 +7,11 @@ so it is only used when asked for (``io="kvikio"``) and usable — never on CPU,
 pool (which also computes checksums); each block is one kvikio ``pread``/``pwrite``. Handles are
 ``CuFile`` objects, not descriptors (``io_pyfile.PyFileIO`` stands in for them in CPU tests);
 each may hold two descriptors (compat mode opens the file with and without O_DIRECT).
+
+kvikio's defaults would serialise everything: its thread pool has one thread, and it reads through
+the page cache (which then eats the host budget). ``KvikioIO`` sets, process-wide (``kvikio_settings``),
+a pool of at least Fuyou's own I/O threads and, for files the store opens with O_DIRECT, kvikio's
+opportunistic O_DIRECT reads and writes (it falls back where alignment or the filesystem refuse).
 """
 
 from __future__ import annotations
@@ -20,6 +25,33 @@ import numpy as np
 from fuyou.errors import StoreError, error_number
 from fuyou.storage.dirs import fsync_path
 from fuyou.storage.io_base import FileHandle, IOBackend
+
+
+def kvikio_settings(threads: int, direct: bool, current_threads: int = 1) -> dict[str, Any]:
+    """The kvikio defaults Fuyou sets: a thread pool of at least ``threads`` (never shrinking
+    ``current_threads``), and opportunistic O_DIRECT reads and writes when ``direct``."""
+    return {"num_threads": max(threads, current_threads), "auto_direct_io_read": direct,
+            "auto_direct_io_write": direct}  # fmt: skip
+
+
+def _apply(kvikio: Any, settings: dict[str, Any]) -> None:
+    """Set kvikio's process-wide defaults (``kvikio.defaults.set``; older kvikio lacks the O_DIRECT
+    settings: those are skipped, the thread pool is set through ``num_threads_reset``)."""
+    d = kvikio.defaults
+    for key, value in settings.items():
+        try:
+            if hasattr(d, "set"):
+                d.set(key, value)
+            elif key == "num_threads":
+                d.num_threads_reset(value)
+        except (KeyError, ValueError, RuntimeError, TypeError):
+            if key == "num_threads":
+                raise
+
+
+def _threads(kvikio: Any) -> int:
+    d = kvikio.defaults
+    return int(d.get("num_threads") if hasattr(d, "get") else d.get_num_threads())
 
 
 def kvikio_usable() -> bool:
@@ -44,6 +76,8 @@ class KvikioIO(IOBackend):
         import kvikio
 
         self._kvikio: Any = kvikio
+        self._direct: bool | None = None
+        _apply(kvikio, {"num_threads": kvikio_settings(threads, False, _threads(kvikio))["num_threads"]})
         super().__init__(threads, block_bytes, max_open)
 
     def _open_raw(self, path: str, direct: bool) -> Any:
@@ -51,6 +85,10 @@ class KvikioIO(IOBackend):
 
         Raises OSError (with the errno kvikio reports, else EIO) if kvikio cannot open it.
         """
+        if direct and not self._direct:  # the store asks O_DIRECT for this filesystem: turn kvikio's on
+            settings = kvikio_settings(self.threads, True, _threads(self._kvikio))
+            _apply(self._kvikio, {k: v for k, v in settings.items() if k != "num_threads"})
+            self._direct = True
         try:
             return self._kvikio.CuFile(path, "r+")
         except RuntimeError as e:  # kvikio reports open failures as RuntimeError

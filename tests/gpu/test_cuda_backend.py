@@ -59,3 +59,23 @@ def test_kvikio_store_round_trip(tmp_path):
             out = b.host_empty(n)
             st.read(e.name, out).result()
             assert torch.equal(out, src)
+
+
+def test_kvikio_runs_with_a_thread_pool_and_o_direct(tmp_path):
+    """kvikio's defaults (one thread, page-cache reads) would serialise the store's I/O: the backend
+    sets a pool of at least the store's I/O threads, and O_DIRECT where the store uses it."""
+    from fuyou.storage import ExtentSpec, TensorSpec, TensorStore
+    from fuyou.storage.io_kvikio import _threads, kvikio_usable
+
+    if not kvikio_usable():
+        pytest.skip("kvikio not installed")
+    import kvikio
+
+    exts = [ExtentSpec("e", (TensorSpec("b", (1 << 22,), torch.uint8),))]
+    with TensorStore.create([str(tmp_path)], exts, io="kvikio") as st:
+        src = get_backend("cuda").host_empty(1 << 22)
+        st.write("e", src).result()
+        st.read("e", src).result()
+        assert _threads(kvikio) >= st.io.threads
+        if st.direct[0] and hasattr(kvikio.defaults, "get"):
+            assert kvikio.defaults.get("auto_direct_io_read") and kvikio.defaults.get("auto_direct_io_write")

@@ -195,3 +195,13 @@ def test_store_with_a_tiny_open_file_cap_keeps_data_and_checkpoint_links(tmp_pat
     for f in linked:  # the checkpointed version (v == 2) is intact: first float of each file
         e = int(f.split(".")[0])
         assert np.fromfile(d / "ck" / f, dtype=np.float32, count=1)[0] == 2 + e
+
+
+def test_kvikio_settings_give_it_threads_and_o_direct():
+    """What the kvikio backend sets (applied and checked on a GPU machine: tests/gpu): a pool of at least
+    the store's threads, never shrunk, and O_DIRECT reads and writes exactly when the store uses them."""
+    from fuyou.storage.io_kvikio import kvikio_settings
+
+    assert kvikio_settings(16, True) == {"num_threads": 16, "auto_direct_io_read": True, "auto_direct_io_write": True}
+    assert kvikio_settings(16, False, current_threads=32)["num_threads"] == 32
+    assert not kvikio_settings(4, False)["auto_direct_io_read"]
