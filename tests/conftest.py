@@ -1,4 +1,5 @@
-"""Shared fixtures: GPU skipping, real small filesystems (tmpfs/ramfs) for disk-full and O_DIRECT tests."""
+"""Shared fixtures: GPU skipping, real small filesystems (tmpfs/ramfs) for disk-full and O_DIRECT tests,
+and ``--cpu-async`` (the asynchronous CPU backend for the whole session)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,29 @@ def fuyou_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         os.environ.pop("FUYOU_CACHE", None)
     else:
         os.environ["FUYOU_CACHE"] = old
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-async",
+        choices=["arena", "resize"],
+        default=None,
+        help="run the CPU backend in its asynchronous test mode (FUYOU_CPU_ASYNC: copies on worker threads "
+        "after random delays, released memory poisoned; see fuyou/device/cpu_async.py); resize: free and "
+        "restore device memory by storage resize, as the CUDA backend does",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``--cpu-async``: every ``get_backend("cpu")`` of the session is the asynchronous CPU backend."""
+    mode = config.getoption("--cpu-async")
+    if mode:
+        os.environ["FUYOU_CPU_ASYNC"] = mode
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    mode = os.environ.get("FUYOU_CPU_ASYNC", "")
+    return f"CPU backend: asynchronous test mode (FUYOU_CPU_ASYNC={mode})" if mode not in ("", "0") else None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

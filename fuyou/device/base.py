@@ -3,6 +3,11 @@
 One code path serves CPU and GPU. The CPU backend (``cpu.py``) has null streams and completed
 events and enforces a *fake* device capacity, so a tiny model that "does not fit" in 2 MB exercises
 the same budget logic as 70B in 80 GB. Only ``cuda.py`` touches ``torch.cuda``.
+
+Copies between host and device go through ``Backend.copy`` (not raw ``copy_`` under ``on(stream)``),
+so a backend can run them asynchronously: the asynchronous CPU backend (``cpu_async.py``, a test mode
+selected with ``FUYOU_CPU_ASYNC=1``) runs them on worker threads after random delays and poisons
+released memory, so a missing wait fails on CPU the way it would corrupt data on a GPU.
 """
 
 from __future__ import annotations
@@ -96,6 +101,11 @@ class _DeviceAccounting:
     def _release(self, key: int) -> None:
         self.refund(self._held.pop(key, 0))
 
+    def forget(self, storage: torch.UntypedStorage) -> None:
+        """Refund what ``storage`` holds now, not when it is freed: its tensors are gone, only queued
+        copies still reference it (the asynchronous CPU backend)."""
+        self._release(id(storage))
+
     def resize(self, tensor: torch.Tensor, nbytes: int, what: str) -> None:
         """Charge or refund the change of ``tensor``'s storage to ``nbytes`` (before resizing it)."""
         key = id(tensor.untyped_storage())
@@ -172,12 +182,26 @@ class Backend(ABC):
         """Context in which torch work is issued on ``stream``."""
 
     @abstractmethod
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any | None = None) -> Event:
+        """Copy ``src`` into ``dst`` (same shape; host ↔ device) on ``stream``; return an event after it.
+
+        Asynchronous where the backend can be (CUDA: ``non_blocking`` on ``stream``, the host side
+        pinned), so the caller must order ``stream`` after whatever last wrote or used ``dst`` and
+        ``src`` (``record().wait(stream)``), wait on the event before reading ``dst`` or reusing
+        ``src``, and ``keep_alive`` device memory it drops before then. ``None``: the current stream.
+        """
+
+    @abstractmethod
     def record(self, stream: Any | None = None) -> Event:
         """An event marking all work issued so far on ``stream`` (default: the current stream)."""
 
     @abstractmethod
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
         """Keep ``tensor``'s memory from being reused until ``stream``'s queued work is done."""
+
+    def poison(self, tensor: torch.Tensor) -> None:  # noqa: B027 (optional hook)
+        """``tensor``'s memory was just given back (a host buffer returned to its pool): nothing to do
+        here; the asynchronous CPU backend overwrites it with 0xFF bytes (NaN in every float dtype)."""
 
     @abstractmethod
     def synchronize(self) -> None:

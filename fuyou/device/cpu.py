@@ -74,13 +74,18 @@ class CPUBackend(Backend):
         """Keep the fake capacity exact across free/restore of a storage (no-arena fallback)."""
         self._acct.resize(tensor, nbytes, what)
 
-    def new_stream(self) -> None:
+    def new_stream(self) -> Any:
         """CPU work is synchronous: the null stream."""
         return None
 
     def on(self, stream: Any) -> AbstractContextManager[Any]:
         """No-op context."""
         return nullcontext()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any | None = None) -> Event:
+        """Copy now, on the calling thread; the event is already complete."""
+        dst.copy_(src)
+        return CompletedEvent()
 
     def record(self, stream: Any | None = None) -> Event:
         """An already-completed event."""

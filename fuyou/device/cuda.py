@@ -112,6 +112,13 @@ class CUDABackend(Backend):
         """Issue torch work on ``stream``."""
         return torch.cuda.stream(stream)
 
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any | None = None) -> Event:
+        """``dst.copy_(src, non_blocking=True)`` issued on ``stream`` (default: the current stream);
+        an event after it."""
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+        return self.record(stream)
+
     def record(self, stream: Any | None = None) -> Event:
         """An event after all work issued so far on ``stream`` (default: the current stream)."""
         return CUDAEvent(stream if stream is not None else torch.cuda.current_stream(self.device))

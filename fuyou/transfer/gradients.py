@@ -33,13 +33,10 @@ class GradientOffload:
         buf = self.pool.acquire(cls)
         n = grad.numel()
         self.backend.record().wait(self.stream)  # hazard: copying the gradient before backward finished writing it
-        with (
-            self.timeline.span("d2h", self.layout.blocks[b].name, n * grad.element_size()),
-            self.backend.on(self.stream),
-        ):
-            buf.view(grad.dtype, n).copy_(grad, non_blocking=True)
+        with self.timeline.span("d2h", self.layout.blocks[b].name, n * grad.element_size()):
+            copied = self.backend.copy(buf.view(grad.dtype, n), grad, self.stream)
             self.backend.keep_alive(grad, self.stream)  # hazard: the caller frees grad while the copy still reads it
-        return buf, self.backend.record(self.stream)
+        return buf, copied
 
 
 class Offloads(Protocol):

@@ -112,11 +112,16 @@ class HostBufferPool:
             return self._free[kind].pop()
 
     def release(self, buf: HostBuffer) -> None:
-        """Return ``buf`` to its class; raises ConfigError on a double release."""
+        """Return ``buf`` to its class; raises ConfigError on a double release.
+
+        The backend may poison its contents (the asynchronous CPU backend does: a copy or read still
+        using a released buffer then sees NaN), so release only what nothing reads any more.
+        """
         with self._cond:
             free = self._free[buf.kind]
             if any(b is buf for b in free):
                 raise ConfigError(f"host buffer {buf.kind}[{buf.index}] released twice")
+            self.backend.poison(buf.data)
             free.append(buf)
             self._cond.notify_all()
 

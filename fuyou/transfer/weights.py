@@ -97,9 +97,9 @@ class WeightLoader:
             alias = self.backend.restore_storage(into, n, what)
         # hazard: a restored/new device buffer may still be in use by compute queued before it was freed
         self.backend.record().wait(self.stream)
-        with self.timeline.span("h2d", self.layout.blocks[b].name, n), self.backend.on(self.stream):
-            alias.copy_(buf.data[:n], non_blocking=True)
-        self._copies.append((buf, self.backend.record(self.stream)))
+        with self.timeline.span("h2d", self.layout.blocks[b].name, n):
+            copied = self.backend.copy(alias, buf.data[:n], self.stream)
+        self._copies.append((buf, copied))
         self._reap(wait=False)
         self._issue()
         return into

@@ -33,6 +33,26 @@ def test_side_stream_copy_ordered_by_events():
     assert ev.query()
 
 
+def test_backend_copy_runs_on_the_stream_and_its_event_orders_compute():
+    """``Backend.copy`` (the data path's copies): issued on a side stream, complete once its event is."""
+    b = get_backend("cuda")
+    host = b.host_empty(256 << 20).view(torch.float32)
+    host.fill_(1.0)
+    dev = b.device_empty(host.shape, torch.float32, "copy target")
+    dev.zero_()
+    s = b.new_stream()
+    b.record().wait(s)  # the side stream follows compute (which zeroed dev)
+    ev = b.copy(dev, host, s)
+    ev.wait(b.current_stream())
+    assert dev.sum().item() == host.numel()
+    back = b.host_empty(host.numel() * 4).view(torch.float32)
+    b.record().wait(s)
+    ev = b.copy(back, dev, s)
+    b.keep_alive(dev, s)
+    ev.wait()
+    assert ev.query() and torch.equal(back, host)
+
+
 def test_device_capacity_cap():
     b = get_backend("cuda", capacity=64 << 20)
     keep = b.device_empty((8 << 20,), torch.float32, "a")  # 32 MiB

@@ -1,0 +1,42 @@
+"""Activations swapped to SSD come back only once their read has landed (``activation_files``)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from fuyou.device import CPUBackend
+from fuyou.storage.io_posix import PosixIO
+from fuyou.timeline import Timeline
+from fuyou.transfer.activation_files import ActivationSpace, SSDRecord
+from fuyou.transfer.host_pool import HostBufferPool
+
+
+class SlowReads(PosixIO):
+    """A drive whose reads land 50 ms late (the future completes when they have)."""
+
+    def _read_block(self, raw, h, arr, offset):
+        time.sleep(0.05)
+        super()._read_block(raw, h, arr, offset)
+
+
+def test_unpack_waits_for_the_read_back(tmp_path):
+    backend, io = CPUBackend(), SlowReads(threads=2)
+    space = ActivationSpace(backend, HostBufferPool(backend, 1 << 20), io, [str(tmp_path)], [False], Timeline())
+    try:
+        rec = SSDRecord(space, block=0, micro=0)
+        saved = [torch.arange(1000.0), torch.full((3, 7), -2.5)]
+        idx = [rec.pack(t) for t in saved]
+        rec.flush()
+        deadline = time.monotonic() + 10
+        while rec.staging is not None and time.monotonic() < deadline:  # the write lands, the host copy goes
+            time.sleep(0.005)
+        assert rec.staging is None
+        rec.prefetch()  # the read back starts (slowly)
+        for i, t in zip(idx, saved):
+            assert torch.equal(rec.unpack(i), t)
+        rec.release()
+    finally:
+        space.close()
+        io.shutdown()
