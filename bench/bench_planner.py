@@ -97,6 +97,19 @@ def profile_for(cfg: object, store_dir: str, mb: int, seq: int, threads: int, a:
     )
 
 
+def engine_config(store: str, plan: Plan, chunk: int | None, threads: int, a: argparse.Namespace) -> EngineConfig:
+    """The benchmark's engine settings for ``plan`` (with ``chunk``, when given, as its state chunk)."""
+    return EngineConfig(
+        ssd_dirs=(store,),
+        precision="bf16",
+        lr=1e-4,
+        weight_decay=0.01,
+        cpu_memory=a.cpu_memory,
+        plan=replace(plan, state_chunk=chunk) if chunk else plan,
+        adam_threads=threads or None,
+    )
+
+
 def run_engine(
     cfg: object,
     sd: dict,
@@ -108,16 +121,7 @@ def run_engine(
     a: argparse.Namespace,
 ) -> tuple[float, list[float], Plan, int, dict]:
     """Median step time of the real engine running ``plan``: (median s, all, plan run, chunk, busy)."""
-    ec = EngineConfig(
-        ssd_dirs=(store,),
-        precision="bf16",
-        lr=1e-4,
-        weight_decay=0.01,
-        cpu_memory=a.cpu_memory,
-        plan=replace(plan, state_chunk=chunk) if chunk else plan,
-        adam_threads=threads or None,
-    )
-    eng = Engine.from_state_dict(cfg, sd, ec)
+    eng = Engine.from_state_dict(cfg, sd, engine_config(store, plan, chunk, threads, a))
     try:
         times, busy = [], {}
         for rep in range(a.warmup + a.repeats):
@@ -147,15 +151,7 @@ def run_interleaved(
         for i, (plan, chunk) in enumerate(specs):
             d = os.path.join(work, f"cmp{i}")
             os.makedirs(d)
-            ec = EngineConfig(
-                ssd_dirs=(d,),
-                precision="bf16",
-                lr=1e-4,
-                weight_decay=0.01,
-                cpu_memory=a.cpu_memory,
-                plan=replace(plan, state_chunk=chunk) if chunk else plan,
-                adam_threads=threads or None,
-            )
+            ec = engine_config(d, plan, chunk, threads, a)
             engines.append(Engine.from_state_dict(cfg, sd, ec))
         times: list[list[float]] = [[] for _ in specs]
         n = len(engines)

@@ -33,7 +33,7 @@ from fuyou.device.base import Backend
 from fuyou.engine import activations
 from fuyou.engine.adam_stage import AdamStage
 from fuyou.models.adapters import Adapter
-from fuyou.models.store_layout import ModelLayout
+from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.optim.norm import read_scalars, sum_squares_lazy
 from fuyou.schedule import rules
 from fuyou.schedule.plan import Plan
@@ -260,7 +260,7 @@ class StepRunner:
 
         c, H = self.c, len(self.c.layout.blocks) - 1
         vocab = c.adapter.config.vocab_size
-        tokens = loss_chunk_tokens(vocab, c.layout.footprint().compute_bytes)
+        tokens = loss_chunk_tokens(vocab, elem_size(c.layout.compute_dtype))
         shift = torch.nn.functional.pad(st.labels[k], (0, 1), value=-100)[:, 1:]  # token i predicts label i + 1
         n_items: Any = st.num_items  # transformers annotates it as a Tensor; it divides by it, an int works
         pieces = [p.requires_grad_() for p in x.detach().split(max(1, tokens // x.shape[0]), dim=1)]
