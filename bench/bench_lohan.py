@@ -1,10 +1,10 @@
 """Planner sanity check against LoHan's published curve (issue 6): pure prediction, no hardware.
 
 Hand-written profile ``bench/profiles/lohan_4090.json`` (RTX 4090, PCIe 4.0, 12 SSDs, 768 GB RAM),
-GPT-3-13B shape, seq 1024, batch 8…128 sequences. Three columns per batch: the SSD-resident plan
-the engine runs today (``ram_tiers`` off, as Fuyou/LoHan keep state on SSD), the same with the
-not-yet-executable engine changes allowed (block-input offload, asynchronous swaps), and the plan
-with RAM tiers allowed (700 GiB host budget: all weights and state fit in RAM).
+GPT-3-13B shape, seq 1024, batch 8…128 sequences. Two columns per batch: the SSD-resident plan
+(``ram_tiers`` off, as Fuyou/LoHan keep state on SSD; block inputs in host RAM where the 22 GiB
+device cannot hold them: ``recompute_cpu``), and the plan with RAM tiers allowed (700 GiB host
+budget: all weights and state fit in RAM).
 
     python bench/bench_lohan.py            # prints the Markdown table
 """
@@ -38,7 +38,9 @@ def cell(shape: object, prof: object, batch: int, **req: object) -> tuple[str, d
         return "infeasible (" + str(e).split(":")[0] + ")", None
     p, plan = r.prediction, r.plan
     pols = plan.activation_policy[1:-1]
-    mix = ", ".join(f"{k} {pols.count(k)}" for k in ("keep", "swap_cpu", "swap_ssd", "recompute") if pols.count(k))
+    mix = ", ".join(
+        f"{k} {pols.count(k)}" for k in ("keep", "swap_cpu", "swap_ssd", "recompute", "recompute_cpu") if pols.count(k)
+    )
     ram = f"; RAM w {plan.ram_weight_blocks}/s {plan.ram_state_blocks}" if plan.ram_weight_blocks else ""
     mb = r.step.micro_batch_size
     return (
@@ -49,14 +51,11 @@ def cell(shape: object, prof: object, batch: int, **req: object) -> tuple[str, d
 
 def main() -> None:
     shape, prof = load_shape("GPT-3-13B"), load_profile(PROFILE)
-    print(
-        "| batch | LoHan TFLOPS | SSD-resident (today's engine) | + block-input offload, async swaps | + RAM tiers (700 GiB) |"
-    )
-    print("|---|---|---|---|---|")
+    print("| batch | LoHan TFLOPS | SSD-resident | + RAM tiers (700 GiB) |")
+    print("|---|---|---|---|")
     for batch in (8, 16, 32, 48, 64, 128):
         cols = [
             cell(shape, prof, batch, ram_tiers=False),
-            cell(shape, prof, batch, ram_tiers=False, allow_engine_changes=True),
             cell(shape, prof, batch, ram_tiers=True),
         ]
         print(f"| {batch} | {LOHAN_TFLOPS.get(batch, '—')} | " + " | ".join(c for c, _ in cols) + " |", flush=True)

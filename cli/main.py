@@ -11,6 +11,7 @@ import sys
 import click
 
 from fuyou import __version__
+from fuyou.schedule.plan import POLICIES
 
 
 class FuyouGroup(click.Group):
@@ -129,7 +130,7 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 @click.option("--prefetch-depth", type=int, help="Fix the weight prefetch depth instead of planning it.")
 @click.option(
     "--activations",
-    type=click.Choice(["keep", "swap_cpu", "swap_ssd", "recompute"]),
+    type=click.Choice(list(POLICIES)),
     help="Fix every layer's activation policy instead of planning it.",
 )
 @click.option("--config", "config_file", type=click.Path(), help="YAML file whose keys mirror these flags.")

@@ -11,6 +11,8 @@ import os
 
 import click
 
+from fuyou.schedule.plan import POLICIES
+
 DEFAULT_PROFILE = "$FUYOU_CACHE/hw.json (default ~/.cache/fuyou/hw.json)"
 """How the default profile path reads in help texts; ``_default_profile()`` is the path."""
 
@@ -61,13 +63,8 @@ def _profile_path(path: str | None) -> str:
 @click.option("--prefetch-depth", type=int, help="Fix the prefetch depth.")
 @click.option(
     "--activations",
-    type=click.Choice(["keep", "swap_cpu", "swap_ssd", "recompute"]),
+    type=click.Choice(list(POLICIES)),
     help="One activation policy for every layer instead of searching.",
-)
-@click.option(
-    "--allow-engine-changes",
-    is_flag=True,
-    help="Choose a plan that needs a not-yet-implemented engine feature if nothing else fits.",
 )
 @click.option("--json", "json_out", type=click.Path(), help="Also write the result as JSON here ('-' for stdout only).")
 def plan_cmd(
@@ -85,7 +82,6 @@ def plan_cmd(
     schedule: str | None,
     prefetch_depth: int | None,
     activations: str | None,
-    allow_engine_changes: bool,
     json_out: str | None,
 ) -> None:
     """Plan a run of MODEL (a model directory, a config.json, or a named shape such as GPT-3-13B)."""
@@ -111,7 +107,6 @@ def plan_cmd(
         schedule=schedule,
         prefetch_depth=prefetch_depth,
         activations=activations,
-        allow_engine_changes=allow_engine_changes,
         precision=precision,
     )
     res = search(shape, prof, bud, req)
@@ -136,21 +131,18 @@ def _policies(pol: tuple[str, ...]) -> str:
 
 
 def print_result(res: object, params: int) -> None:
-    """Print a PlannerResult (and its alternative) as rich tables."""
+    """Print a PlannerResult as a rich table."""
     from rich.console import Console
     from rich.table import Table
 
     from fuyou.units import format_size as fs
 
     con = Console()
-    for r, title in ((res, "plan"), (res.alternative, "faster with engine changes (NOT YET EXECUTABLE)")):
-        if r is None:
-            continue
+    for r, title in ((res, "plan"),):
         p, s, pr, m = r.plan, r.step, r.prediction, r.prediction.memory
         t = Table(title=f"{title}: {r.model} ({params / 1e9:.2f} B params) on {r.profile}", show_header=False)
         t.add_column(style="bold")
         t.add_column()
-        t.add_row("executable", "yes" if r.executable else "[red]NO — needs: " + "; ".join(r.needs) + "[/]")
         t.add_row(
             "batch",
             f"micro-batch {s.micro_batch_size} × accumulation {p.grad_accum} × seq {s.seq_len} "
@@ -162,11 +154,10 @@ def print_result(res: object, params: int) -> None:
             f"state chunk {p.state_chunk} elements",
         )
         t.add_row("activations", _policies(p.activation_policy))
-        if not s.executable:
+        if p.ram_weight_blocks or p.ram_state_blocks:
             t.add_row(
-                "tiers",
-                f"weights of {p.ram_weight_blocks} blocks and state of {p.ram_state_blocks} blocks in RAM; "
-                f"block inputs offloaded: {s.boundary_offload}; async swaps: {s.async_swap}",
+                "RAM tiers",
+                f"weights of {p.ram_weight_blocks} blocks and state of {p.ram_state_blocks} blocks in RAM",
             )
         t.add_row(
             "memory",

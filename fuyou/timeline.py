@@ -3,6 +3,13 @@
 Resources: ``ssd_read``, ``ssd_write``, ``h2d``, ``d2h``, ``compute``, ``adam``. A resource's busy
 time is the *union* of its spans (several reads in flight at once count once), and the bottleneck
 is the busiest resource. Spans are recorded from any thread.
+
+Work a device runs asynchronously (compute, host↔device copies) is timed by the device:
+``device_span`` records a pair of clock events (``Backend.clock``: CUDA timing events on a GPU,
+the moment a stream's thread ran the work under the asynchronous CPU backend, the host clock on
+the plain CPU backend, where such work is synchronous) and the span is resolved — its times read
+from the events — when they have completed, at the latest by ``summary`` at step end. Host clocks
+around an asynchronous call would time only its launch.
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
+
+from fuyou.device.base import Backend, Event
 
 RESOURCES = ("ssd_read", "ssd_write", "h2d", "d2h", "compute", "adam")
 
@@ -45,6 +55,8 @@ class Timeline:
 
     def __init__(self) -> None:
         self.spans: list[Span] = []
+        self._device: list[tuple[str, str, int, Event, Event]] = []
+        """Device-timed spans whose events have not been read yet (``resolve``)."""
         self._lock = threading.Lock()
         self.origin = time.perf_counter()
 
@@ -62,6 +74,34 @@ class Timeline:
         finally:
             self.add(resource, label, t0, time.perf_counter(), nbytes)
 
+    @contextmanager
+    def device_span(
+        self, resource: str, label: str, backend: Backend, stream: Any | None, nbytes: int = 0
+    ) -> Iterator[None]:
+        """Time the work the body issues on ``stream`` (None: the current stream) as the device runs it:
+        from when the device reaches the work issued before the body to when it finishes the body's."""
+        start = backend.clock(stream)
+        try:
+            yield
+        finally:
+            end = backend.clock(stream)
+            with self._lock:
+                self._device.append((resource, label, nbytes, start, end))
+
+    def resolve(self) -> None:
+        """Turn device-timed spans whose events have completed into spans (the rest wait)."""
+        with self._lock:
+            pending, self._device = self._device, []
+        for item in pending:
+            resource, label, nbytes, start, end = item
+            t1 = end.when()
+            t0 = start.when() if t1 is not None else None
+            if t0 is None or t1 is None:
+                with self._lock:
+                    self._device.append(item)
+            else:
+                self.add(resource, label, t0, t1, nbytes)
+
     def track(self, fut: Future, resource: str, label: str, nbytes: int = 0) -> Future:
         """Record ``fut`` as a span from now until it completes; returns ``fut``."""
         t0 = time.perf_counter()
@@ -69,7 +109,9 @@ class Timeline:
         return fut
 
     def summary(self, t0: float, t1: float) -> dict:
-        """Busy seconds and bytes per resource within [t0, t1], the bottleneck, and the wall time."""
+        """Busy seconds and bytes per resource within [t0, t1], the bottleneck, and the wall time
+        (device-timed spans resolved first)."""
+        self.resolve()
         with self._lock:
             spans = [s for s in self.spans if s.t1 > t0 and s.t0 < t1]
         busy = {r: union_length([(max(s.t0, t0), min(s.t1, t1)) for s in spans if s.resource == r]) for r in RESOURCES}
@@ -87,6 +129,7 @@ class Timeline:
 
     def to_chrome_trace(self, path: str) -> None:
         """Write all spans as Chrome-trace JSON (open in ui.perfetto.dev or chrome://tracing), one row per resource."""
+        self.resolve()
         with self._lock:
             spans = list(self.spans)
         tid = {r: i for i, r in enumerate(RESOURCES)}
@@ -111,3 +154,4 @@ class Timeline:
         """Forget recorded spans (long runs keep only the recent ones)."""
         with self._lock:
             self.spans.clear()
+            self._device.clear()

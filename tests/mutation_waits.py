@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass(frozen=True)
 class Mutation:
-    """Delete the ``occurrence``-th line of ``path`` that contains ``statement`` (replaced by ``pass``)."""
+    """Delete the ``occurrence``-th line of ``path`` that contains ``statement`` (replaced by ``replacement``)."""
 
     name: str
     path: str
@@ -43,6 +43,8 @@ class Mutation:
     why: str = ""
     redundant: str = ""
     """Why no test can fail without this wait (a known-redundant wait; its row then reads "redundant")."""
+    replacement: str = "pass"
+    """What replaces the statement: ``pass``, or an expression statement that drops the wait."""
 
 
 MUTATIONS = [
@@ -67,10 +69,17 @@ MUTATIONS = [
         why="evaluate's head reads weights mid-copy",
     ),
     Mutation(
-        "weights.next: copy stream waits for compute",
+        "weights.next: compute named a user of the weights' memory (keep_alive / record_stream)",
         "fuyou/transfer/weights.py",
-        "self.backend.record().wait(self.stream)",
-        why="the copy writes a device buffer compute may still be using",
+        "self.backend.keep_alive(into, self.compute)",
+        why="the copy stream's allocator pool refills a device buffer compute may still be reading",
+    ),
+    Mutation(
+        "weights._buffer: a recycled host buffer's upload landed before the next read fills it",
+        "fuyou/transfer/weights.py",
+        "landed = event_future(ev)",
+        replacement="landed = done_future()",
+        why="an SSD read refills a host buffer while its host→device copy still reads it",
     ),
     Mutation(
         "weights._reap: copy done before its host buffer is released",
@@ -126,9 +135,59 @@ MUTATIONS = [
         why="Adam's read of a parked gradient overtakes its write",
     ),
     Mutation(
+        "activation_copies.upload: compute named a user of the copied-back activation (keep_alive)",
+        "fuyou/transfer/activation_copies.py",
+        "self.backend.keep_alive(dev, self.compute)",
+        why="the host-to-device stream's pool refills an activation compute may still be reading",
+    ),
+    Mutation(
+        "activation_copies.upload: the copy off landed before the copy back reads the host copy",
+        "fuyou/transfer/activation_copies.py",
+        "c.landed.wait(self.h2d)",
+        why="an activation is copied back from host staging the device-to-host copy is still filling",
+    ),
+    Mutation(
+        "activation_copies.take: compute waits for the copy back",
+        "fuyou/transfer/activation_copies.py",
+        "c.ready.wait(self.compute)",
+        why="backward reads a swapped activation before its copy back landed",
+    ),
+    Mutation(
+        "activation_copies.off: device-to-host stream waits for compute",
+        "fuyou/transfer/activation_copies.py",
+        "self.backend.record().wait(self.d2h)",
+        why="the copy off reads an activation compute may still be writing",
+        redundant="on CPU compute is synchronous and activations are torch's own allocations (not stamped "
+        "by the backend), so no CPU test can see it; the GPU fidelity tests can",
+    ),
+    Mutation(
+        "activation_copies.off: keep_alive(activation) until the copy off ran",
+        "fuyou/transfer/activation_copies.py",
+        "self.backend.keep_alive(t, self.d2h)",
+        why="an activation's device memory is reused while the copy off still reads it",
+        redundant="the asynchronous CPU backend's queued copy holds the source tensor itself, and torch's "
+        "own allocations are not recycled by the backend, so the memory cannot be reused on CPU; the "
+        "GPU fidelity tests can see it",
+    ),
+    Mutation(
+        "activation_files._pack: the copies off landed before staging is packed (future)",
+        "fuyou/transfer/activation_files.py",
+        "self.packed = chain(event_future(self.landed), lambda: self._pack(staging, pieces))",
+        replacement="self.packed = chain(done_future(), lambda: self._pack(staging, pieces))",
+        why="swapped activations are packed and written to SSD before their device-to-host copies landed",
+    ),
+    Mutation(
+        "activation_files.unpack: staging packed before use (future)",
+        "fuyou/transfer/activation_files.py",
+        "for f in (self.packed, self.io):",
+        replacement="for f in (self.io,):",
+        why="backward reads swapped activations from staging before it was packed",
+    ),
+    Mutation(
         "activation_files.unpack: SSD read landed before use (future)",
         "fuyou/transfer/activation_files.py",
-        "self.io.result()",
+        "for f in (self.packed, self.io):",
+        replacement="for f in (self.packed,):",
         why="backward reads swapped activations before they are read back from SSD",
     ),
     Mutation(
@@ -197,7 +256,7 @@ def apply(tree: Path, m: Mutation) -> tuple[str, str]:
     if original.strip().split("#")[0].strip() != m.statement:
         raise SystemExit(f"{m.path}:{i + 1}: {original.strip()!r} is more than the statement {m.statement!r}")
     indent = original[: len(original) - len(original.lstrip())]
-    lines[i] = f"{indent}pass  # mutated: {m.statement}\n"
+    lines[i] = f"{indent}{m.replacement}  # mutated: {m.statement}\n"
     path.write_text("".join(lines))
     return before, original
 

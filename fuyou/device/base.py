@@ -28,11 +28,14 @@ from fuyou.units import HOST_ALIGN, align_up, format_size  # noqa: F401 - HOST_A
 
 @dataclass(frozen=True)
 class MemoryStats:
-    """Device memory in bytes: currently allocated, peak since start, and the usable capacity."""
+    """Device memory in bytes: currently allocated, peak since start, the usable capacity, and what
+    the backend's allocator holds now (``reserved`` ≥ ``allocated``: live tensors plus cached free
+    blocks; on CUDA ``torch.cuda.memory_reserved``, which ``--gpu-memory`` caps)."""
 
     allocated: int
     peak: int
     capacity: int
+    reserved: int
 
 
 class Event(ABC):
@@ -46,18 +49,39 @@ class Event(ABC):
     def query(self) -> bool:
         """Return True if the work before this event has completed."""
 
+    def when(self) -> float | None:
+        """When the device reached this event, in ``time.perf_counter`` seconds; None while it has
+        not, or for an event not made by ``Backend.clock``."""
+        return None
+
 
 def host_aligned_empty(nbytes: int) -> torch.Tensor:
     """Allocate an uninitialised, page-aligned uint8 CPU tensor of exactly ``nbytes`` bytes.
 
     Backed by an anonymous mmap (page aligned, returned to the OS when the tensor dies). Pages
-    are touched here, so later I/O into the buffer does not pay first-touch faults.
+    are touched here, so later I/O into the buffer does not pay first-touch faults. The mapping is
+    not inherited by forked children (``MADV_DONTFORK``, Linux): a DataLoader worker forked from a
+    trainer holding gigabytes of (pinned) host buffers neither shares nor copies them; a child that
+    touched one would fault (nothing in a worker does).
     """
     size = max(align_up(nbytes, HOST_ALIGN), HOST_ALIGN)
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    _dont_fork(mm)
     t = torch.frombuffer(mm, dtype=torch.uint8)  # keeps ``mm`` alive
     t.fill_(0)
     return t[:nbytes]
+
+
+def _dont_fork(mm: mmap.mmap) -> None:
+    """Keep ``mm`` out of forked children (``madvise(MADV_DONTFORK)``). Never raises: where the
+    platform lacks the advice (not Linux) or the kernel refuses it, children inherit the mapping as
+    before (hygiene, not correctness)."""
+    flag = getattr(mmap, "MADV_DONTFORK", None)
+    if flag is not None:
+        try:
+            mm.madvise(flag)
+        except OSError:
+            pass
 
 
 def device_full(nbytes: int, used: int, capacity: int, what: str, verb: str = "allocating") -> DeviceMemoryError:
@@ -128,14 +152,25 @@ class Backend(ABC):
         return self.name
 
     @abstractmethod
-    def host_empty(self, nbytes: int) -> torch.Tensor:
-        """A page-aligned uint8 host tensor of exactly ``nbytes`` (pinned on CUDA)."""
+    def host_empty(self, nbytes: int, pinned: bool = True) -> torch.Tensor:
+        """A page-aligned uint8 host tensor of exactly ``nbytes``, not inherited by forked children.
+
+        ``pinned``: the buffer crosses PCIe (host ↔ device copies), so CUDA page-locks it; memory
+        only the host touches (optimizer state, the RAM tier: ``fuyou.schedule.sizing.crosses_pcie``)
+        asks for ``pinned=False`` and stays pageable. The CPU backends ignore it.
+        """
 
     @abstractmethod
-    def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "a tensor") -> torch.Tensor:
+    def device_empty(
+        self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "a tensor", stream: Any | None = None
+    ) -> torch.Tensor:
         """An uninitialised device tensor, counted against the capacity.
 
-        Raises DeviceMemoryError naming ``what`` if it would pass the capacity.
+        ``stream``: the stream that first uses the memory (None: the current stream). On CUDA the
+        caching allocator hands it out from that stream's pool, so a copy issued there needs no wait
+        for compute to be done with recycled memory (the FSDP pattern); every other stream that uses
+        it must be named with ``keep_alive`` before the memory is dropped, and the engine does that
+        at once. Raises DeviceMemoryError naming ``what`` if it would pass the capacity.
         """
 
     def free_storage(self, tensor: torch.Tensor) -> None:
@@ -147,10 +182,13 @@ class Backend(ABC):
         self._account_resize(tensor, 0, "")
         tensor.untyped_storage().resize_(0)
 
-    def restore_storage(self, tensor: torch.Tensor, nbytes: int, what: str = "a tensor") -> torch.Tensor:
+    def restore_storage(
+        self, tensor: torch.Tensor, nbytes: int, what: str = "a tensor", stream: Any | None = None
+    ) -> torch.Tensor:
         """Re-allocate ``nbytes`` under a tensor freed by ``free_storage``; return a flat uint8 alias.
 
         Fill the alias (not ``tensor``), so autograd's version counters of the views are not bumped.
+        ``stream``: as for ``device_empty`` (here unused: the CUDA backend allocates under it).
         Raises DeviceMemoryError naming ``what`` past the capacity.
         """
         self._account_resize(tensor, nbytes, what)
@@ -195,9 +233,21 @@ class Backend(ABC):
     def record(self, stream: Any | None = None) -> Event:
         """An event marking all work issued so far on ``stream`` (default: the current stream)."""
 
+    def clock(self, stream: Any | None = None) -> Event:
+        """Like ``record``, and the event knows when the device reached it (``Event.when``): the
+        timeline's device-timed spans (CUDA events with timing on a GPU)."""
+        return self.record(stream)
+
     @abstractmethod
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
         """Keep ``tensor``'s memory from being reused until ``stream``'s queued work is done."""
+
+    def host_staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor for a transient copy off or onto the device (swapped activations): pinned on
+        CUDA, from torch's caching host allocator (allocated per step, so not registered one by one
+        like ``host_empty``'s long-lived buffers); plain memory here. The caller charges it to the host
+        budget."""
+        return torch.empty(shape, dtype=dtype)
 
     def poison(self, tensor: torch.Tensor) -> None:  # noqa: B027 (optional hook)
         """``tensor``'s memory was just given back (a host buffer returned to its pool): nothing to do

@@ -8,6 +8,7 @@ torch's own temporaries stay cached in the C library's heap (``cpu_malloc.py``).
 from __future__ import annotations
 
 import math
+import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -19,6 +20,13 @@ from fuyou.device.base import Backend, Event, MemoryStats, _DeviceAccounting, ho
 
 class CompletedEvent(Event):
     """An event whose work is always done: CPU ops run synchronously on the issuing thread."""
+
+    def __init__(self) -> None:
+        self._t = time.perf_counter()
+
+    def when(self) -> float:
+        """When the event was recorded (its work was done then)."""
+        return self._t
 
     def wait(self, stream: Any | None = None) -> None:
         """Nothing to wait for."""
@@ -39,12 +47,15 @@ class CPUBackend(Backend):
         self._arena = cpu_arena.CachingArena(capacity) if cpu_arena.SUPPORTED else None
         self._acct = _DeviceAccounting(capacity)  # used only where torch lacks what the arena needs
 
-    def host_empty(self, nbytes: int) -> torch.Tensor:
-        """A page-aligned uint8 host tensor of exactly ``nbytes`` (not pinned: no GPU)."""
+    def host_empty(self, nbytes: int, pinned: bool = True) -> torch.Tensor:
+        """A page-aligned uint8 host tensor of exactly ``nbytes``; ``pinned`` changes nothing (no GPU)."""
         return host_aligned_empty(nbytes)
 
-    def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "a tensor") -> torch.Tensor:
-        """A CPU tensor counted against the fake capacity; raises DeviceMemoryError past it."""
+    def device_empty(
+        self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "a tensor", stream: Any | None = None
+    ) -> torch.Tensor:
+        """A CPU tensor counted against the fake capacity (``stream``: unused, CPU work is synchronous);
+        raises DeviceMemoryError past it."""
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if self._arena is not None:
             return self._arena.empty(tuple(shape), dtype, nbytes, what)
@@ -64,8 +75,11 @@ class CPUBackend(Backend):
         else:
             self._arena.release(tensor)
 
-    def restore_storage(self, tensor: torch.Tensor, nbytes: int, what: str = "a tensor") -> torch.Tensor:
-        """Re-allocate ``nbytes`` under a freed tensor (from the cache if it can); DeviceMemoryError past capacity."""
+    def restore_storage(
+        self, tensor: torch.Tensor, nbytes: int, what: str = "a tensor", stream: Any | None = None
+    ) -> torch.Tensor:
+        """Re-allocate ``nbytes`` under a freed tensor (from the cache if it can; ``stream`` unused);
+        DeviceMemoryError past capacity."""
         if self._arena is None:
             return super().restore_storage(tensor, nbytes, what)
         return self._arena.restore(tensor, nbytes, what)
@@ -98,9 +112,12 @@ class CPUBackend(Backend):
         """Nothing is queued on CPU."""
 
     def memory(self) -> MemoryStats:
-        """Bytes of live device tensors, their peak, and the fake capacity."""
+        """Bytes of live device tensors, their peak, the fake capacity, and what is reserved: live
+        plus the arena's cached free blocks (without the arena, just the live bytes)."""
         if self._arena is not None:
-            allocated, peak, _ = self._arena.stats()
-            return MemoryStats(allocated=allocated, peak=peak, capacity=self._arena.capacity)
+            allocated, peak, cached = self._arena.stats()
+            return MemoryStats(
+                allocated=allocated, peak=peak, capacity=self._arena.capacity, reserved=allocated + cached
+            )
         a = self._acct
-        return MemoryStats(allocated=a.allocated, peak=a.peak, capacity=a.capacity)
+        return MemoryStats(allocated=a.allocated, peak=a.peak, capacity=a.capacity, reserved=a.allocated)

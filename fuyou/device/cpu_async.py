@@ -24,6 +24,12 @@ bit-identical to the plain backend's) but makes the data path asynchronous and h
   stream last waited for compute raises ``OrderingHazard``. Compute is synchronous here, so a copy
   stream that does not wait for compute cannot read half-written data on CPU, but on a GPU it could;
   this makes the missing ``record().wait(stream)`` fail instead.
+* Memory handed out for a stream (``device_empty(..., stream=s)``: CUDA's caching allocator takes it
+  from ``s``'s pool, the FSDP pattern) may be copied into on ``s`` without that wait, since ``s``
+  reuses it only after what ``s`` itself queued; compute reading it must say so
+  (``keep_alive(t, compute)``, CUDA's ``record_stream``) before the next allocation for a stream,
+  else that allocation raises ``OrderingHazard``: on a GPU the stream could refill the memory while
+  compute still reads it.
 
 Device memory goes through the same caching arena as the plain backend (``arena=True``), or, with
 ``arena=False``, through ``Backend.free_storage``/``restore_storage``'s storage resize — the path the
@@ -237,10 +243,16 @@ class AsyncEvent(Event):
         self.horizon = stream.horizon
         self.error: BaseException | None = None
         self._done = threading.Event()
+        self._t: float | None = None
 
     def _set(self, stream: _Stream) -> None:
         self.error = stream.error
+        self._t = time.perf_counter()
         self._done.set()
+
+    def when(self) -> float | None:
+        """When the stream's thread reached this event (None until it has)."""
+        return self._t
 
     def wait(self, stream: Any | None = None) -> None:
         """Order ``stream``'s later work after this event, or block the calling thread (``None``)."""
@@ -263,6 +275,11 @@ class ComputeEvent(Event):
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
+        self._t = time.perf_counter()
+
+    def when(self) -> float:
+        """When compute (synchronous) reached this event: when it was recorded."""
+        return self._t
 
     def wait(self, stream: Any | None = None) -> None:
         """Nothing to wait for; a stream records that its later work follows compute up to here."""
@@ -293,16 +310,25 @@ class AsyncCPUBackend(CPUBackend):
         self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
         self._count = 0
         self._epoch = 0
-        self._stamps: dict[int, tuple[int, str]] = {}
-        """Device storage (``_cdata``) → (compute epoch it was handed out in, what it holds)."""
+        self._stamps: dict[int, tuple[int, str, Any]] = {}
+        """Device storage (``_cdata``) → (compute epoch it was handed out in, what it holds, the stream
+        it was handed out for or None)."""
+        self._unkept: dict[int, str] = {}
+        """Storages handed out for a stream that compute has not yet been named a user of (``keep_alive``)."""
         self._watch: dict[int, torch.UntypedStorage] = {}
         """Without the arena: device storages queued copies reference, until their tensors are gone
         (``_sweep``)."""
 
     # ---------------------------------------------------------------- memory
-    def host_empty(self, nbytes: int) -> torch.Tensor:
-        """A page-aligned host buffer, poisoned until written."""
+    def host_empty(self, nbytes: int, pinned: bool = True) -> torch.Tensor:
+        """A page-aligned host buffer, poisoned until written (``pinned`` changes nothing)."""
         t = host_aligned_empty(nbytes)
+        _poison_tensor(t)
+        return t
+
+    def host_staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor for a transient copy, poisoned until written."""
+        t = torch.empty(shape, dtype=dtype)
         _poison_tensor(t)
         return t
 
@@ -310,14 +336,18 @@ class AsyncCPUBackend(CPUBackend):
         """Overwrite memory just given back with 0xFF bytes (NaN in every float dtype)."""
         _poison_tensor(tensor)
 
-    def device_empty(self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "a tensor") -> torch.Tensor:
-        """A poisoned device tensor, stamped with compute's epoch; DeviceMemoryError past capacity."""
+    def device_empty(
+        self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "a tensor", stream: Any | None = None
+    ) -> torch.Tensor:
+        """A poisoned device tensor, stamped with compute's epoch and ``stream``; DeviceMemoryError past
+        capacity, OrderingHazard if memory handed out for a stream before was never kept for compute."""
         with self._pending.lock:
+            self._check_kept(stream)
             self._sweep()
             t = super().device_empty(shape, dtype, what)
             if self._arena is None:
                 _poison_tensor(t)
-            self._stamp(t, what)
+            self._stamp(t, what, stream)
         return t
 
     def free_storage(self, tensor: torch.Tensor) -> None:
@@ -327,15 +357,30 @@ class AsyncCPUBackend(CPUBackend):
                 _poison_storage(tensor.untyped_storage())
             super().free_storage(tensor)
 
-    def restore_storage(self, tensor: torch.Tensor, nbytes: int, what: str = "a tensor") -> torch.Tensor:
-        """Poisoned memory back under a freed tensor, stamped with compute's epoch."""
+    def restore_storage(
+        self, tensor: torch.Tensor, nbytes: int, what: str = "a tensor", stream: Any | None = None
+    ) -> torch.Tensor:
+        """Poisoned memory back under a freed tensor, stamped with compute's epoch and ``stream``
+        (raises as ``device_empty``)."""
         with self._pending.lock:
+            self._check_kept(stream)
             self._sweep()
             alias = super().restore_storage(tensor, nbytes, what)
             if self._arena is None:
                 _poison_tensor(alias)
-            self._stamp(alias, what)
+            self._stamp(alias, what, stream)
         return alias
+
+    def _check_kept(self, stream: Any | None) -> None:
+        """Before memory is handed out for ``stream``: every earlier such hand-out was kept for compute."""
+        if stream is not None and self._unkept:
+            what = next(iter(self._unkept.values()))
+            self._unkept.clear()
+            raise OrderingHazard(
+                f"device memory handed out for a copy stream ({what}) was never kept for compute "
+                "(keep_alive(tensor, compute stream)): on a GPU the stream could refill it while compute "
+                "still reads it"
+            )
 
     def memory(self) -> MemoryStats:
         """As the plain backend's (serialised with the streams' copies)."""
@@ -365,12 +410,14 @@ class AsyncCPUBackend(CPUBackend):
                 if c in self._stamps:
                     self._watch.setdefault(c, a.untyped_storage())
 
-    def _stamp(self, t: torch.Tensor, what: str) -> None:
+    def _stamp(self, t: torch.Tensor, what: str, stream: Any | None) -> None:
         storage = t.untyped_storage()
         c = storage._cdata
         if c not in self._stamps:
             weakref.finalize(storage, self._stamps.pop, c, None)
-        self._stamps[c] = (self._epoch, what)
+        self._stamps[c] = (self._epoch, what, stream)
+        if stream is not None:
+            self._unkept[c] = what
 
     # ---------------------------------------------------------------- streams
     def new_stream(self) -> _Stream:
@@ -407,7 +454,7 @@ class AsyncCPUBackend(CPUBackend):
             return self.record(None)
         for t in (dst, src):
             stamp = self._stamps.get(_cdata(t))
-            if stamp is not None and stamp[0] > stream.horizon:
+            if stamp is not None and stamp[2] is not stream and stamp[0] > stream.horizon:
                 raise OrderingHazard(
                     f"a copy on {stream!r} touches device memory ({stamp[1]}) compute handed out after the "
                     "stream last waited for compute: on a GPU the copy could run before compute is done "
@@ -439,8 +486,10 @@ class AsyncCPUBackend(CPUBackend):
         return self.record(stream)
 
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Keep ``tensor``'s memory from reuse until ``stream``'s queued copies have run."""
+        """Keep ``tensor``'s memory from reuse until ``stream``'s queued copies have run (``None``:
+        compute, synchronous here, uses it: memory handed out for a stream is then kept for compute)."""
         if stream is None:
+            self._unkept.pop(_cdata(tensor), None)
             return
         p = self._pending
         with p.lock:

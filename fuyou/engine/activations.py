@@ -2,12 +2,17 @@
 
 * ``keep`` — the autograd graph stays on the device.
 * ``swap_cpu`` — the graph stays, but every saved tensor that is not a weight moves to host memory
-  at pack time and back at unpack (saved-tensor hooks). Weights are recognised by their storage
-  and left alone: their storage is freed after forward and refilled before backward.
+  at pack time and back at unpack (saved-tensor hooks), on the copy streams
+  (``fuyou.transfer.activation_copies``): off the device without the training thread waiting, back
+  one micro-batch ahead of its backward (``upload``). Weights are recognised by their storage and
+  left alone: their storage is freed after forward and refilled before backward.
 * ``swap_ssd`` — like ``swap_cpu``, then written to a scratch file on the SSD and read back a block
   ahead of its backward (``fuyou.transfer.activation_files``).
 * ``recompute`` — only the block input (and the RNG state, for dropout) is kept; backward re-runs
   the forward with gradients enabled.
+* ``recompute_cpu`` — ``recompute`` with the block input in host memory: copied off the device
+  after forward and back one micro-batch ahead of its backward, on the copy streams (for long
+  sequences the inputs of every block, kept for the whole step, are what fills the device).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch
 
 from fuyou.device.base import Backend
 from fuyou.models.adapters import Adapter, MicroBatchContext
+from fuyou.schedule.plan import RECOMPUTES
+from fuyou.transfer.activation_copies import ActivationCopies, HostCopy
 from fuyou.transfer.activation_files import ActivationSpace, SSDRecord
 from fuyou.transfer.host_pool import HostBufferPool
 
@@ -28,23 +35,69 @@ class Saved:
     """What one (block, micro-batch) forward left for its backward."""
 
     policy: str
-    x: torch.Tensor
+    x: torch.Tensor | None
+    """The block input on the device (None: ``offloaded``)."""
     y: torch.Tensor | None
     ctx: MicroBatchContext | None
     rng: Any = None
     swap: _Swap | None = None
+    offloaded: _Offloaded | None = None
+    """recompute_cpu: the block input in host memory."""
 
     def release(self) -> None:
         """Return swapped bytes to the host budget (after backward)."""
-        if self.swap is not None:
-            self.swap.release()
+        for part in (self.swap, self.offloaded):
+            if part is not None:
+                part.release()
+
+    def input(self) -> torch.Tensor:
+        """The block input on the device (recompute_cpu: copied back now, if ``upload`` did not start it)."""
+        if self.offloaded is not None:
+            return self.offloaded.take()
+        assert self.x is not None  # kept on the device unless offloaded
+        return self.x
+
+
+class _Offloaded:
+    """A recompute block's input in host memory (recompute_cpu), charged to the host budget."""
+
+    def __init__(self, x: torch.Tensor, space: ActivationSpace, what: str) -> None:
+        self.nbytes = x.numel() * x.element_size()
+        space.pool.charge(self.nbytes, "block inputs offloaded to host memory")
+        self.space, self.what = space, what
+        self.copy: HostCopy | None = space.copies.off(x)
+
+    def upload(self) -> None:
+        """Start copying the input back onto the device."""
+        assert self.copy is not None  # not released before its backward
+        self.space.copies.upload(self.copy, self.what)
+
+    def take(self) -> torch.Tensor:
+        """The input back on the device (for compute)."""
+        assert self.copy is not None  # not released before its backward
+        return self.space.copies.take(self.copy, self.what)
+
+    def release(self) -> None:
+        """Drop the host copy and return its bytes to the host budget."""
+        if self.copy is not None:
+            self.copy = None
+            self.space.pool.refund(self.nbytes)
 
 
 class _Swap:
     """Saved-tensor hooks that move non-weight tensors to host memory (swap_cpu) or on to SSD (swap_ssd)."""
 
-    def __init__(self, weight_storages: set[int], pool: HostBufferPool, record: SSDRecord | None) -> None:
+    def __init__(
+        self,
+        weight_storages: set[int],
+        pool: HostBufferPool,
+        record: SSDRecord | None,
+        copies: ActivationCopies,
+        what: str,
+    ) -> None:
         self.weights, self.pool, self.record, self.charged = weight_storages, pool, record, 0
+        self.copies, self.what = copies, what
+        self.packed: list[HostCopy] = []
 
     def pack(self, t: torch.Tensor) -> Any:
         if t.untyped_storage().data_ptr() in self.weights or t.numel() == 0:
@@ -54,7 +107,8 @@ class _Swap:
         n = t.numel() * t.element_size()
         self.pool.charge(n, "activations swapped to host memory")
         self.charged += n
-        return t.device, t.to("cpu", copy=True)
+        self.packed.append(self.copies.off(t))
+        return self.packed[-1]
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -62,10 +116,15 @@ class _Swap:
         if isinstance(packed, int):
             assert self.record is not None  # pack() gives ints only into an SSD record
             return self.record.unpack(packed)
-        device, t = packed
-        return t.to(device, non_blocking=True)
+        return self.copies.take(packed, self.what)
+
+    def upload(self) -> None:
+        """Start copying the swapped tensors back onto the device (swap_cpu; before backward)."""
+        for c in self.packed:
+            self.copies.upload(c, self.what)
 
     def release(self) -> None:
+        self.packed.clear()
         if self.record is not None:
             self.record.release()
         self.pool.refund(self.charged)
@@ -89,16 +148,20 @@ def forward(
     k: int = 0,
 ) -> tuple[torch.Tensor, MicroBatchContext | None, Saved]:
     """Run block ``b`` forward (micro-batch ``k``) under ``policy``; return (output, context, what backward needs)."""
-    if policy == "recompute":
+    if policy in RECOMPUTES:
         rng = backend.rng_state()
         with torch.no_grad():
             y, ctx2 = adapter.forward(b, x, ctx)
+        if policy == "recompute_cpu":
+            offloaded = _Offloaded(x.detach(), space, f"input of block {b}")
+            return y, ctx2, Saved(policy, None, None, ctx, rng, offloaded=offloaded)
         return y, ctx2, Saved(policy, x.detach(), None, ctx, rng)
     x_in = _input(x)
     with torch.enable_grad():
         if policy in ("swap_cpu", "swap_ssd"):
             record = SSDRecord(space, b, k) if policy == "swap_ssd" else None
-            hooks = _Swap({w.untyped_storage().data_ptr() for w in weights}, space.pool, record)
+            storages = {w.untyped_storage().data_ptr() for w in weights}
+            hooks = _Swap(storages, space.pool, record, space.copies, f"activations of block {b}")
             with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
                 y, ctx2 = adapter.forward(b, x_in, ctx)
             if record is not None:
@@ -114,14 +177,14 @@ def backward(adapter: Adapter, b: int, saved: Saved, dy: torch.Tensor, backend: 
     Returns the gradient of the block input (None for token ids).
     """
     x_in, y = saved.x, saved.y
-    if saved.policy == "recompute":
-        x_in = _input(saved.x)
+    if saved.policy in RECOMPUTES:
+        x_in = _input(saved.input())
         state = backend.rng_state()
         backend.set_rng_state(saved.rng)
         with torch.enable_grad():
             y, _ = adapter.forward(b, x_in, saved.ctx)
         backend.set_rng_state(state)
-    assert y is not None  # kept by forward, or recomputed just now
+    assert y is not None and x_in is not None  # kept by forward, or recomputed just now
     torch.autograd.backward(y, dy)
     saved.release()
     return x_in.grad if x_in.requires_grad else None
@@ -132,3 +195,15 @@ def prefetch(saved: list[Saved]) -> None:
     for s in saved:
         if s.swap is not None and s.swap.record is not None:
             s.swap.record.prefetch()
+
+
+def upload(saved: Saved | None) -> None:
+    """Start copying one (block, micro-batch)'s host-swapped activations or offloaded input back onto
+    the device, so the copy overlaps the compute queued before its backward (swap_cpu, recompute_cpu;
+    None or other policies: nothing)."""
+    if saved is None:
+        return
+    if saved.swap is not None and saved.swap.record is None:
+        saved.swap.upload()
+    if saved.offloaded is not None:
+        saved.offloaded.upload()

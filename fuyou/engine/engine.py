@@ -71,7 +71,9 @@ class Engine:
             layout = _stored_layout(blocks, store, cfg)
             plan = dataclasses.replace(plan, state_chunk=layout.state_chunk)
             self.progress.step = int(store.meta.get("step", 0))
-        self.plan: Plan = admit(layout, plan, cfg.cpu_bytes, self.backend.memory().capacity, store is not None)
+        self.plan: Plan = admit(
+            layout, plan, cfg.cpu_bytes, self.backend.memory().capacity, store is not None, self.backend.name
+        )
         """The plan this engine runs: ``cfg.plan`` with its schedule resolved, fitted to the host budget."""
         self.layout = dataclasses.replace(layout, state_chunk=self.plan.state_chunk)
         self.pool = HostBufferPool(self.backend, cfg.cpu_bytes)
@@ -110,6 +112,7 @@ class Engine:
             self.timeline,
             self.plan.prefetch_depth,
             self.backend.new_stream(),
+            self.compute_stream,
         )
         hyper = AdamWHyper(cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
         self.stage = AdamStage(
@@ -395,20 +398,24 @@ class Engine:
         self.close()
 
 
-def admit(layout: ModelLayout, plan: Plan, host_bytes: int, device_bytes: int, fixed_chunk: bool = False) -> Plan:
+def admit(
+    layout: ModelLayout, plan: Plan, host_bytes: int, device_bytes: int, fixed_chunk: bool = False, device: str = "cpu"
+) -> Plan:
     """The engine's budget check: ``plan`` (schedule resolved) fitted to ``host_bytes`` by the budget
     rules (``sizing.fit_host``; a plan that fits comes back unchanged). ``fixed_chunk``: the layout's
-    state chunk is a store's and cannot change.
+    state chunk is a store's and cannot change; ``device``: the backend's name (``cuda`` adds what its
+    libraries need to the floor).
 
     Raises DeviceMemoryError if ``device_bytes`` is below ``sizing.device_floor``. A plan whose
     smallest form still passes ``host_bytes`` is returned; the pool's reservation then refuses it,
     naming every buffer class.
     """
     fp = layout.footprint()
-    need = sizing.device_floor(fp)
+    need, lib = sizing.device_floor(fp, device), sizing.library_bytes(device)
     if need > device_bytes:
         raise DeviceMemoryError(
-            f"the largest block needs {format_size(need)} of device memory for its weights and gradients, "
+            f"the largest block needs {format_size(need)} of device memory for its weights and gradients"
+            f"{f' (with {format_size(lib)} of cuBLAS workspace)' if lib else ''}, "
             f"the device budget is {format_size(device_bytes)}; raise --gpu-memory (or use a GPU with more memory)"
         )
     return sizing.fit_host(fp, dataclasses.replace(plan, state_chunk=layout.state_chunk), host_bytes, fixed_chunk)

@@ -36,7 +36,7 @@ from fuyou.models.adapters import Adapter
 from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.optim.norm import read_scalars, sum_squares_lazy
 from fuyou.schedule import rules
-from fuyou.schedule.plan import Plan
+from fuyou.schedule.plan import RECOMPUTES, Plan
 from fuyou.schedule.sizing import loss_chunk_tokens
 from fuyou.timeline import Timeline
 from fuyou.transfer.activation_files import ActivationSpace
@@ -221,7 +221,7 @@ class StepRunner:
             policy = c.plan.policy(b, H + 1)
             st.weights[b] = self._load(st, b)
             st.params[b] = self._bind(st, b)
-            with c.timeline.span("compute", f"fwd {c.layout.blocks[b].name}"):
+            with c.timeline.device_span("compute", f"fwd {c.layout.blocks[b].name}", c.backend, c.compute_stream):
                 out = [
                     activations.forward(
                         c.adapter, b, st.xs[k], st.ctxs[k], policy, c.backend, [st.weights[b]], c.act_space, k
@@ -231,10 +231,10 @@ class StepRunner:
             st.xs = [o[0] for o in out]
             st.ctxs = [o[1] for o in out]
             st.saved[b] = [o[2] for o in out]
-            if policy == "recompute":
+            if policy in RECOMPUTES:
                 del st.params[b]
             c.adapter.unbind(b)
-            self._release_weights(st, b, keep_views=policy != "recompute")
+            self._release_weights(st, b, keep_views=policy not in RECOMPUTES)
 
     def turnaround(self, st: StepState) -> None:
         """Head forward, loss, head backward — per micro-batch and, within one, per chunk of
@@ -245,7 +245,7 @@ class StepRunner:
         borrowed = {o: self._load(st, o) for o in self.borrowed()}
         st.params[H] = self._bind(st, H, borrowed)
         self._attach_grads(st, H)
-        with c.timeline.span("compute", "head fwd+bwd"):
+        with c.timeline.device_span("compute", "head fwd+bwd", c.backend, c.compute_stream):
             st.xs = [self._head(st, k, x) for k, x in enumerate(st.xs)]
         self._drop_params(st, H)
         del borrowed
@@ -284,12 +284,17 @@ class StepRunner:
             policy = c.plan.policy(b, H + 1)
             for a in (b, b - 1):  # SSD-swapped activations: this block's and, ahead, the next one's
                 activations.prefetch(st.saved.get(a, []))
-            st.weights[b] = self._load(st, b, refill=policy != "recompute")
-            if policy == "recompute":
+            st.weights[b] = self._load(st, b, refill=policy not in RECOMPUTES)
+            if policy in RECOMPUTES:
                 st.params[b] = self._bind(st, b)
             self._attach_grads(st, b)
-            with c.timeline.span("compute", f"bwd {c.layout.blocks[b].name}"):
-                st.xs = [activations.backward(c.adapter, b, s, dy, c.backend) for s, dy in zip(st.saved.pop(b), st.xs)]
+            saved, ahead = st.saved.pop(b), st.saved.get(b - 1, [None])[0]
+            with c.timeline.device_span("compute", f"bwd {c.layout.blocks[b].name}", c.backend, c.compute_stream):
+                xs = []
+                for k, (s, dy) in enumerate(zip(saved, st.xs)):
+                    activations.upload(saved[k + 1] if k + 1 < len(saved) else ahead)  # host-swapped: one ahead
+                    xs.append(activations.backward(c.adapter, b, s, dy, c.backend))
+                st.xs = xs
             self._drop_params(st, b)
             st.weights.pop(b)
             self.hand_off(st, b)

@@ -85,7 +85,7 @@ class FuyouTrainingArguments(TrainingArguments):
     activations: str | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "Fix every layer's activation policy (keep|swap_cpu|swap_ssd|recompute) instead of planning it."
+            "help": "Fix every layer's activation policy (keep|swap_cpu|swap_ssd|recompute|recompute_cpu) instead of planning it."
         },
     )
 

@@ -4,13 +4,13 @@ memory per tier, SSD traffic and wear. Pure Python, no torch.
 Step time comes from simulating the step's operations with their dependencies (``graph.py``), not
 from a sum or a max. Memory per tier:
 
-* device — block inputs kept for backward (one ``tokens×hidden`` bf16 tensor per block and step,
-  whatever the policy), ``keep`` activations, and the larger of a layer's working set (weights +
+* device — block inputs kept for backward (one ``tokens×hidden`` tensor per block and step,
+  whatever the policy, except ``recompute_cpu`` blocks', which wait in host RAM), ``keep`` activations, and the larger of a layer's working set (weights +
   gradients + two micro-batches' activations) and the head's (its weights, the tied embedding,
   gradients and ~12 bytes per logit: bf16 logits, fp32 upcast, fp32 and bf16 gradients);
 * host — the engine's buffer pool and RAM tier, counted by the rules the engine reserves them with
-  (``fuyou.schedule.sizing``), ``swap_cpu`` activations (all alive at the turnaround) and transient
-  ``swap_ssd`` staging;
+  (``fuyou.schedule.sizing``), ``swap_cpu`` activations and ``recompute_cpu`` block inputs (all
+  alive at the turnaround) and transient ``swap_ssd`` staging;
 * SSD — two versions of the store (crash-safe commits) plus ``swap_ssd`` scratch files.
 """
 
@@ -103,7 +103,8 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     T = K * mbt
     pol = [g._policy(b) for b in range(H)]
     cb = cfg.compute_bytes
-    boundary = 0 if cfg.boundary_offload else H * T * shape.hidden * cb
+    offloaded = sum(p == "recompute_cpu" for p in pol)
+    boundary = (H - offloaded) * T * shape.hidden * cb
     keep = sum(g.act_bytes(b) for b in range(1, H) if pol[b] == "keep")
     layer_ws = max(2 * cb * blk.numel + 2 * g.act_bytes(b) / K for b, blk in enumerate(shape.blocks[:H]))
     head = shape.blocks[H]
@@ -114,8 +115,7 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     swap_cpu = sum(g.act_bytes(b) for b in range(H) if pol[b] == "swap_cpu")
     ssd_blocks = [b for b in range(H) if pol[b] == "swap_ssd"]
     staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)
-    if cfg.boundary_offload:
-        swap_cpu += H * T * shape.hidden * cb
+    swap_cpu += offloaded * T * shape.hidden * cb
     store = sum(cb * b.numel + cfg.state_bytes_per_param * b.numel for b in shape.blocks)
     return Memory(
         device=device,

@@ -19,8 +19,10 @@ but ``ssd`` are one server, the cores. Modelled beyond the rules:
   SSD are written after their copy and read back before their Adam; with the clipping schedule the
   next step's reads of block b wait for Adam(b)'s weight write and its turnaround for every write.
 
-Not-yet-executable options (``boundary_offload``, ``async_swap``) add copies for offloaded block
-boundaries and move swaps to the copy streams.
+Blocks under ``recompute_cpu`` copy their input off the device after forward and back before
+backward. On a CUDA device swaps and those copies run on the copy streams, overlapped with compute
+and read back ahead (``fuyou.transfer.activation_copies``); on the CPU device a copy is a memcpy on
+the training thread and adds to compute.
 """
 
 from __future__ import annotations
@@ -31,38 +33,21 @@ from fuyou.planner.profile import HardwareProfile
 from fuyou.planner.shapes import ModelShape
 from fuyou.planner.sim import Sim
 from fuyou.schedule import rules
-from fuyou.schedule.plan import Plan
+from fuyou.schedule.plan import RECOMPUTES, Plan
 from fuyou.schedule.sizing import state_chunks
 
 
 @dataclass(frozen=True)
 class StepConfig:
-    """What one step runs besides the ``Plan``: batch shape, element sizes, not-yet-executable options."""
+    """What one step runs besides the ``Plan``: batch shape, element sizes, how the device copies."""
 
     micro_batch_size: int
     seq_len: int
     state_bytes_per_param: int = 12
     """fp32 master + m + v = 12; bf16 m, v = 8."""
-    boundary_offload: bool = False
-    """NOT YET EXECUTABLE: block inputs kept for backward go to host RAM instead of device memory."""
-    async_swap: bool = False
-    """NOT YET EXECUTABLE: swapped activations move on the copy streams (pinned buffers) overlapped
-    with compute, read back a block ahead, instead of synchronous pageable copies on the compute stream."""
     compute_bytes: int = 2
     """Bytes per element of the compute dtype (``--precision``): 2 for bf16, 4 for fp32. Weights,
     gradients, block inputs and activations on the device and in host buffers are this size."""
-
-    @property
-    def needs(self) -> tuple[str, ...]:
-        """The engine changes this configuration needs (empty: executable today)."""
-        return tuple(
-            n for n, on in (("boundary_offload", self.boundary_offload), ("async_swap", self.async_swap)) if on
-        )
-
-    @property
-    def executable(self) -> bool:
-        """Whether today's engine can run this configuration."""
-        return not self.needs
 
 
 class StepGraph:
@@ -186,6 +171,10 @@ class StepGraph:
         self.backward()
         self.finish()
 
+    def boundary_bytes(self, pol: str) -> int:
+        """Bytes of a block's input the step copies off the device and back (``recompute_cpu``)."""
+        return (pol == "recompute_cpu") * self.K * self.mb_tokens * self.m.hidden * self.c.compute_bytes
+
     def forward(self) -> None:
         swap_out = self.hw.swap_Bps[0]
         for b in range(self.H):
@@ -193,8 +182,8 @@ class StepGraph:
             pol = self._policy(b)
             a = self.act_bytes(b)
             swapped = pol in ("swap_cpu", "swap_ssd")
-            boundary = self.c.boundary_offload * self.K * self.mb_tokens * self.m.hidden * self.c.compute_bytes
-            if self.c.async_swap:  # copy stream, overlapped with the next block's compute
+            boundary = self.boundary_bytes(pol)
+            if self.hw.device == "cuda":  # copy stream, overlapped with the next block's compute
                 f = self._compute(self._fwd_s(b), cp)
                 out = self.sim.op("d2h", (a * swapped + boundary) / self.hw.d2h_Bps, (f,))
                 if pol == "swap_ssd":
@@ -224,9 +213,9 @@ class StepGraph:
             cp = self._next(first + i)
             pol = self._policy(b)
             swapped = pol in ("swap_cpu", "swap_ssd")
-            boundary = self.c.boundary_offload * self.K * self.mb_tokens * self.m.hidden * self.c.compute_bytes
-            dur = self._bwd_s(b) + (self._fwd_s(b) if pol == "recompute" else 0.0)
-            if self.c.async_swap:  # back in on the copy stream, issued a block ahead
+            boundary = self.boundary_bytes(pol)
+            dur = self._bwd_s(b) + (self._fwd_s(b) if pol in RECOMPUTES else 0.0)
+            if self.hw.device == "cuda":  # back in on the copy stream, issued a block ahead
                 back = self.sim.op(
                     "h2d",
                     (self.act_bytes(b) * swapped + boundary) / self.hw.h2d_Bps,

@@ -29,7 +29,7 @@ class Budgets:
 
 @dataclass(frozen=True)
 class PlannerResult:
-    """A chosen plan with its prediction; ``executable`` is False if it needs an engine change."""
+    """A chosen plan (one the engine runs as it is) with its prediction."""
 
     model: str
     profile: str
@@ -37,11 +37,6 @@ class PlannerResult:
     step: StepConfig
     prediction: Prediction
     budgets: Budgets
-    executable: bool = True
-    needs: tuple[str, ...] = ()
-    """Engine changes this plan needs (empty when executable)."""
-    alternative: PlannerResult | None = None
-    """A faster plan that needs an engine change (block-input offload, asynchronous swaps), if one exists."""
     considered: int = 0
     """Candidate plans the search evaluated."""
 
@@ -54,10 +49,7 @@ class PlannerResult:
             "step": dataclasses.asdict(self.step),
             "prediction": self.prediction.to_json(),
             "budgets": dataclasses.asdict(self.budgets),
-            "executable": self.executable,
-            "needs": list(self.needs),
             "considered": self.considered,
-            "alternative": self.alternative.to_json() if self.alternative else None,
         }
 
     @staticmethod
@@ -67,7 +59,8 @@ class PlannerResult:
         plan["activation_policy"] = tuple(plan.get("activation_policy", ()))
         if "micro_batches" in plan:  # results written before 0.2 named the accumulation count so
             plan["grad_accum"] = plan.pop("micro_batches")
-        step = dict(d["step"])
+        gone = ("boundary_offload", "async_swap")  # before 0.2: a per-block policy and the device kind now
+        step = {k: v for k, v in d["step"].items() if k not in gone}
         for moved in ("state_chunk", "ram_weight_blocks", "ram_state_blocks"):  # results written before 0.2
             if moved in step:
                 plan.setdefault(moved, step.pop(moved))
@@ -80,8 +73,5 @@ class PlannerResult:
             step=StepConfig(**step),
             prediction=Prediction(memory=Memory(**mem), **pred),
             budgets=Budgets(**d["budgets"]),
-            executable=d["executable"],
-            needs=tuple(d["needs"]),
             considered=d.get("considered", 0),
-            alternative=PlannerResult.from_json(d["alternative"]) if d.get("alternative") else None,
         )

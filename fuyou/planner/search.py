@@ -8,7 +8,9 @@ Stages (every candidate is scored by ``cost.predict``; the best seen wins):
    ties: later layers first, their activations are needed first in backward); the first n of them
    are saved — kept on the device while it has room, then swapped to host RAM while the host budget
    has room, then to SSD — the rest recomputed. n is scanned over a fixed grid 0…L (the same grid
-   for any budget, so more memory can only turn a swap into a cheaper one).
+   for any budget, so more memory can only turn a swap into a cheaper one). Recomputed layers keep
+   their inputs on the device (``recompute``) or, in a second search taken when nothing else fits or
+   when it is predicted ≥ 1 % faster (larger micro-batches), in host RAM (``recompute_cpu``).
 3. prefetch depth, then state chunk × state buffers, under the host budget; then n again.
 4. schedule — clipping forces ``overlap_next_forward``; otherwise the faster of the two.
 5. RAM tiers (``Request.ram_tiers``) — spare host RAM filled with bf16 weights, then optimizer state
@@ -16,10 +18,7 @@ Stages (every candidate is scored by ``cost.predict``; the best seen wins):
    (``fuyou.transfer.ram_tier``): the returned ``Plan`` carries ``ram_weight_blocks``/``ram_state_blocks``.
 
 Host memory is counted, and shrunk to fit, by the engine's own rules (``fuyou.schedule.sizing``), so
-a returned plan is one the engine accepts as it is.
-
-A plan needing an engine change (``NEEDS``) is only returned as ``alternative`` (or as the result
-with ``allow_engine_changes`` when nothing else fits).
+a returned plan is one the engine accepts and runs as it is.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from fuyou.planner.profile import HardwareProfile
 from fuyou.planner.result import Budgets, PlannerResult
 from fuyou.planner.shapes import ModelShape
 from fuyou.schedule import sizing
-from fuyou.schedule.plan import MIN_CHUNK, Plan
+from fuyou.schedule.plan import MIN_CHUNK, RECOMPUTES, Plan
 from fuyou.units import format_size as fs
 
 CHUNKS = (1 << 20, 1 << 22, 1 << 23, 1 << 25)
@@ -51,12 +50,6 @@ from the engine's defaults outwards, and a knob is not moved for a gain inside t
 _Best = tuple[float, Plan, StepConfig, Prediction]
 """The fastest candidate so far: predicted step time, the plan, its step config, the prediction."""
 _B = TypeVar("_B", _Best, _Best | None)  # a candidate found stays found: _try/_scan never return None for one
-NEEDS = {
-    "boundary_offload": "block inputs saved for backward (activations.Saved.x / y) offloaded to host RAM and "
-    "copied back before each block's backward",
-    "async_swap": "activation swaps through pinned buffers on the copy streams, overlapped with compute and "
-    "read back a block ahead (today: synchronous pageable copies on the compute stream)",
-}
 
 
 def _chunk_for(numel: int, chunks: int) -> int:
@@ -83,8 +76,6 @@ class Request:
     prefetch_depth: int | None = None
     activations: str | None = None
     """One policy for every layer instead of searching (keep|swap_cpu|swap_ssd|recompute)."""
-    allow_engine_changes: bool = False
-    """Let the chosen plan need an engine change (block-input offload) when nothing else fits."""
     ram_tiers: bool = True
     """Consider keeping the first blocks' weights, then optimizer state, in host RAM when it is
     predicted faster."""
@@ -93,8 +84,10 @@ class Request:
 
 
 class _Search:
-    def __init__(self, shape: ModelShape, prof: HardwareProfile, bud: Budgets, req: Request, changes: bool) -> None:
-        self.m, self.hw, self.b, self.r, self.changes = shape, prof, bud, req, changes
+    def __init__(self, shape: ModelShape, prof: HardwareProfile, bud: Budgets, req: Request, offload: bool) -> None:
+        self.m, self.hw, self.b, self.r = shape, prof, bud, req
+        self.rc = "recompute_cpu" if offload else "recompute"
+        """What a layer whose activations are not saved runs: its input on the device or in host RAM."""
         self.H = len(shape.blocks) - 1
         self.seqs = max(1, math.ceil(req.tokens_per_step / req.seq_len))
         self.spp = 12 if req.state_precision == "fp32" else 8
@@ -128,8 +121,8 @@ class _Search:
             state_chunk=chunk,
         )
 
-    def cfg(self, mb: int, boundary: bool = False) -> StepConfig:
-        return StepConfig(mb, self.r.seq_len, self.spp, boundary, self.changes, self.cb)
+    def cfg(self, mb: int) -> StepConfig:
+        return StepConfig(mb, self.r.seq_len, self.spp, self.cb)
 
     def fits(self, plan: Plan, cfg: StepConfig) -> bool:
         mem = memory(self.m, plan, cfg, self.hw)
@@ -139,7 +132,7 @@ class _Search:
         self, mb: int, n: int, depth: int, bufs: int, sched: str, chunk: int, cfg: StepConfig
     ) -> tuple[str, ...] | None:
         """Policies with the first ``n`` layers (benefit order) saved in the cheapest tier that fits."""
-        pol = ["keep"] + ["recompute"] * (self.H - 1) + ["keep"]
+        pol = ["keep"] + [self.rc] * (self.H - 1) + ["keep"]
         if self.r.activations:
             pol[1 : self.H] = [self.r.activations] * (self.H - 1)
             return tuple(pol) if self.fits(self.plan(mb, tuple(pol), depth, bufs, sched, chunk), cfg) else None
@@ -151,7 +144,7 @@ class _Search:
                 if self.fits(self.plan(mb, tuple(pol), depth, bufs, sched, chunk), cfg):
                     break
             else:
-                pol[b] = "recompute"
+                pol[b] = self.rc
         return tuple(pol)
 
     def score(self, plan: Plan, cfg: StepConfig) -> Prediction:
@@ -184,18 +177,12 @@ class _Search:
                     f"{self.seqs} sequences of a step (--tokens-per-step / --seq-len)"
                 )
             mbs = [self.r.micro_batch_size]
-        boundary = False
         feasible = [mb for mb in mbs if self.assign(mb, 0, depth, bufs, sched, chunk, self.cfg(mb)) is not None]
         if not feasible:
-            if not self.changes:
-                self._device_error(mbs[-1], depth, bufs, sched, chunk)
-            boundary = True
-            feasible = [mb for mb in mbs if self.assign(mb, 0, depth, bufs, sched, chunk, self.cfg(mb, True))]
-            if not feasible:
-                self._device_error(mbs[-1], depth, bufs, sched, chunk)
+            self._device_error(mbs[-1], depth, bufs, sched, chunk)
         best: _Best | None = None
         for mb in feasible:
-            best = self._scan(mb, depth, bufs, sched, chunk, self.cfg(mb, boundary), best)
+            best = self._scan(mb, depth, bufs, sched, chunk, self.cfg(mb), best)
         assert best is not None  # a feasible micro-batch size has a plan that fits (assign() said so)
         _, plan, cfg, _ = best
         mb = cfg.micro_batch_size
@@ -214,7 +201,7 @@ class _Search:
             _, plan, cfg, _ = best
             pol = self.assign(
                 mb,
-                sum(p != "recompute" for p in plan.activation_policy[1:-1]),
+                sum(p not in RECOMPUTES for p in plan.activation_policy[1:-1]),
                 plan.prefetch_depth,
                 plan.state_buffers,
                 other,
@@ -273,11 +260,12 @@ class _Search:
             )
 
     def _device_error(self, mb: int, depth: int, bufs: int, sched: str, chunk: int) -> NoReturn:
-        pol = ("keep",) + ("recompute",) * (self.H - 1) + ("keep",)
+        pol = ("keep",) + (self.rc,) * (self.H - 1) + ("keep",)
         plan, cfg = self.plan(mb, pol, depth, bufs, sched, chunk), self.cfg(mb)
         mem = memory(self.m, plan, cfg, self.hw)
         per_tok = self.H * self.m.hidden * self.cb
-        boundary = per_tok * self.seqs * self.r.seq_len
+        inputs = per_tok * self.seqs * self.r.seq_len
+        boundary = 0 if self.rc == "recompute_cpu" else inputs
         work = mem.device - boundary
         fit_tokens = max(0, (self.b.gpu_memory - work) // per_tok // self.r.seq_len * self.r.seq_len)
         msg = (
@@ -292,25 +280,20 @@ class _Search:
                 f"{fs(work)} (weights, gradients, activations of one block, logits); --gpu-memory is "
                 f"{fs(self.b.gpu_memory)}. Lower --seq-len or raise --gpu-memory"
             )
-        ok = self.assign(mb, 0, depth, bufs, sched, chunk, self.cfg(mb, True)) is not None
-        hint = (
-            "; offloading block inputs to host RAM (an engine change) would fit: --allow-engine-changes"
-            if ok and not self.changes
-            else ""
-        )
-        raise InfeasibleError(msg + hint)
+        if not boundary:  # the device holds the working set: host RAM cannot hold the inputs
+            raise InfeasibleError(
+                f"host memory: with block inputs in host RAM (recompute_cpu, {fs(inputs)}) the host needs "
+                f"{fs(mem.host)}; --cpu-memory is {fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(mem.host)}, "
+                f"or lower --tokens-per-step to ≤ {fit_tokens} (or --seq-len)"
+            )
+        raise InfeasibleError(msg)
 
     # ------------------------------------------------------------------ result
     def _result(self, best: _Best) -> PlannerResult:
         if self.r.ram_tiers:
             best = self._ram_tiers(*best[1:]) or best
         _, plan, cfg, pred = best
-        if cfg.async_swap and not cfg.boundary_offload and not {"swap_cpu", "swap_ssd"} & set(plan.activation_policy):
-            cfg = dataclasses.replace(cfg, async_swap=False)  # nothing swapped: same prediction, no change needed
-        needs = tuple(NEEDS[n] for n in cfg.needs)
-        return PlannerResult(
-            self.m.name, self.hw.name, plan, cfg, pred, self.b, cfg.executable, needs, None, self.evals
-        )
+        return PlannerResult(self.m.name, self.hw.name, plan, cfg, pred, self.b, self.evals)
 
     def _ram_tiers(self, plan: Plan, cfg: StepConfig, pred: Prediction) -> _Best | None:
         """The plan with the first blocks' weights (then state) in RAM, as many as fit the host budget,
@@ -346,7 +329,11 @@ class _Search:
         if not w:
             return None
         p = self.score(alt, cfg)
-        return (p.step_s, alt, cfg, p)
+        best: _Best = (p.step_s, alt, cfg, p)
+        while w > 1:  # fewer RAM-tier blocks can be faster (overlap_backward holds their updates back)
+            w //= 2
+            best = self._try(dataclasses.replace(plan, ram_weight_blocks=w, ram_state_blocks=0), cfg, best)
+        return best
 
 
 def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Request = Request()) -> PlannerResult:
@@ -360,15 +347,19 @@ def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Requ
     if req.state_precision not in ("fp32", "bf16"):
         raise ConfigError(f"--state-precision must be fp32 or bf16, got {req.state_precision!r}")
     try:
-        main = _Search(shape, prof, budgets, req, changes=False).run()
-    except InfeasibleError:
-        if not req.allow_engine_changes:
+        main = _Search(shape, prof, budgets, req, offload=False).run()
+    except InfeasibleError as device_bound:
+        try:
+            return _Search(shape, prof, budgets, req, offload=True).run()
+        except InfeasibleError as e:
+            if str(e).startswith("host memory: with block inputs"):
+                raise InfeasibleError(f"{device_bound}; or, {e}") from None
             raise
-        return _Search(shape, prof, budgets, req, changes=True).run()
     try:
-        alt = _Search(shape, prof, budgets, req, changes=True).run()
+        alt = _Search(shape, prof, budgets, req, offload=True).run()
     except InfeasibleError:
         return main
-    if alt.prediction.step_s < main.prediction.step_s * 0.99:
-        main = dataclasses.replace(main, alternative=alt, considered=main.considered + alt.considered)
-    return main
+    considered = main.considered + alt.considered
+    return dataclasses.replace(
+        alt if alt.prediction.step_s < main.prediction.step_s * 0.99 else main, considered=considered
+    )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from fuyou.errors import ConfigError
 from fuyou.run.lr import SCHEDULES
+from fuyou.schedule.plan import POLICIES
 from fuyou.units import parse_size
 
 
@@ -66,7 +67,7 @@ class FinetuneConfig:
     prefetch_depth: int | None = None
     """Fix the prefetch depth (blocks of weights read ahead) instead of letting the planner choose."""
     activations: str | None = None
-    """Fix every layer's activation policy (keep|swap_cpu|swap_ssd|recompute) instead of planning it."""
+    """Fix every layer's activation policy (keep|swap_cpu|swap_ssd|recompute|recompute_cpu) instead of planning it."""
 
     def __post_init__(self) -> None:
         p = []
@@ -107,8 +108,8 @@ class FinetuneConfig:
             p.append(f"--plan must be auto or rules, got {self.plan!r}")
         if self.prefetch_depth is not None and (not isinstance(self.prefetch_depth, int) or self.prefetch_depth < 1):
             p.append(f"--prefetch-depth must be an integer ≥ 1, got {self.prefetch_depth!r}")
-        if self.activations is not None and self.activations not in ("keep", "swap_cpu", "swap_ssd", "recompute"):
-            p.append(f"--activations must be keep, swap_cpu, swap_ssd or recompute, got {self.activations!r}")
+        if self.activations is not None and self.activations not in POLICIES:
+            p.append(f"--activations must be one of {', '.join(POLICIES)}, got {self.activations!r}")
         if not 0 <= self.eval_fraction < 1:
             p.append(f"--eval-fraction must be in [0, 1), got {self.eval_fraction!r}")
         for flag, v in (("--cpu-memory", self.cpu_memory), ("--gpu-memory", self.gpu_memory)):

@@ -63,14 +63,16 @@ def check_ssd_dir(path: str) -> list[Check]:
 
 
 def check_memlock() -> Check:
-    """The locked-memory limit bounds pinned host buffers (root and CAP_IPC_LOCK are exempt)."""
+    """The locked-memory limit bounds pinned host buffers (root and CAP_IPC_LOCK are exempt): on a GPU
+    the weight and gradient buffers, those that cross PCIe (``fuyou.schedule.sizing.crosses_pcie``);
+    optimizer state and the RAM tier stay pageable and do not count."""
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft == resource.RLIM_INFINITY or os.geteuid() == 0:
         return Check("memlock", "ok", "unlimited" if soft == resource.RLIM_INFINITY else "root: not limited")
     return Check(
         "memlock",
         "warn",
-        f"ulimit -l is {format_size(soft)}: pinned buffers may fail on a GPU; "
+        f"ulimit -l is {format_size(soft)}: pinning the weight and gradient buffers may fail on a GPU; "
         "raise it (ulimit -l unlimited, or memlock in /etc/security/limits.conf)",
     )
 

@@ -75,7 +75,7 @@ class PlanRequest:
     prefetch_depth: int | None = None
     """Fix the prefetch depth instead of planning it."""
     activations: str | None = None
-    """Fix every layer's activation policy (keep|swap_cpu|swap_ssd|recompute) instead of planning it."""
+    """Fix every layer's activation policy (keep|swap_cpu|swap_ssd|recompute|recompute_cpu) instead of planning it."""
     profile: str | None = None
     """Hardware profile JSON; None: ``$FUYOU_PROFILE``, this machine's ``hw.json``, else measured."""
     profile_out: str | None = None

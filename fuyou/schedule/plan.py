@@ -8,7 +8,9 @@ from dataclasses import asdict, dataclass
 
 from fuyou.errors import ConfigError
 
-POLICIES = ("keep", "swap_cpu", "swap_ssd", "recompute")
+POLICIES = ("keep", "swap_cpu", "swap_ssd", "recompute", "recompute_cpu")
+RECOMPUTES = ("recompute", "recompute_cpu")
+"""Policies that keep only the block input and re-run the forward in backward."""
 SCHEDULES = ("overlap_backward", "overlap_next_forward")
 AUTO = "auto"
 """``Plan.schedule`` default: ``overlap_next_forward`` with clipping, else ``overlap_backward``
@@ -22,8 +24,9 @@ class Plan:
     """How one training step runs.
 
     ``activation_policy`` has one entry per block (embed, layers…, head): ``keep`` the autograd
-    graph on the device, ``swap_cpu`` its saved tensors to host memory, ``swap_ssd`` on to the SSD, or ``recompute`` (keep only
-    the block input, re-run the forward in backward). The head's activations never outlive the
+    graph on the device, ``swap_cpu`` its saved tensors to host memory, ``swap_ssd`` on to the SSD,
+    ``recompute`` (keep only the block input, re-run the forward in backward), or ``recompute_cpu``
+    (the same with the block input in host memory). The head's activations never outlive the
     turnaround, so its entry is ignored.
     """
 

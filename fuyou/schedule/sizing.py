@@ -7,7 +7,8 @@ Host memory a plan reserves (every buffer rounded up to ``HOST_ALIGN``, as the p
 ``prefetch_depth + 1`` weight buffers (largest block), 2 gradient and 2 new-weight buffers (largest
 block), ``state_buffers`` optimizer-state chunks, one parked gradient per block that parks in RAM
 (``rules.parked_in_ram``), and the RAM tier: the compute weights of the first ``ram_weight_blocks``
-blocks, the master + m + v of the first ``ram_state_blocks`` (12 B/param, 8 with bf16 m/v).
+blocks, the master + m + v of the first ``ram_state_blocks`` (12 B/param, 8 with bf16 m/v). Only
+the classes that cross PCIe are pinned on CUDA (``crosses_pcie``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from fuyou.units import HOST_ALIGN, align_up
 WEIGHTS, GRADS, STATE, NEW_WEIGHTS = "weights", "grads", "state", "new-weights"
 """Host buffer classes of the streaming path (names as the pool reports them)."""
 RAM_WEIGHTS, RAM_STATE = "ram-tier weights", "ram-tier optimizer state"
+HOST_ONLY = frozenset({STATE, NEW_WEIGHTS, RAM_WEIGHTS, RAM_STATE})
+"""Host buffer classes whose memory never takes part in a host ↔ device copy: optimizer state (SSD ↔
+CPU Adam), new compute weights (CPU Adam → SSD or the RAM tier) and the RAM tier (memcpy'd into and
+out of ``WEIGHTS``/``STATE`` buffers). Every other class — weights uploaded, gradients downloaded
+(``GRADS``, ``park/<b>``), any class not named here — crosses PCIe (``crosses_pcie``)."""
 TENSOR_ALIGN = 64
 """Byte alignment of each tensor inside a store extent (``fuyou.storage`` packs them so)."""
 
@@ -29,6 +35,14 @@ TENSOR_ALIGN = 64
 def park_class(b: int) -> str:
     """Host buffer class for block ``b``'s gradient parked in RAM."""
     return f"park/{b}"
+
+
+def crosses_pcie(name: str) -> bool:
+    """Whether buffers of class ``name`` are copied to or from the device, so must be page-locked
+    (pinned) on CUDA for asynchronous copies at full PCIe bandwidth; False for ``HOST_ONLY`` classes,
+    which stay pageable (pinned memory is scarce: ``ulimit -l``, and the kernel cannot swap or
+    compact it)."""
+    return name not in HOST_ONLY
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,11 @@ class BufferClass:
     def reserved(self) -> int:
         """Bytes the pool counts for the class (each buffer page-rounded)."""
         return align_up(self.nbytes, HOST_ALIGN) * self.count
+
+    @property
+    def crosses_pcie(self) -> bool:
+        """Whether the class's buffers are copied to or from the device (pinned on CUDA)."""
+        return crosses_pcie(self.name)
 
 
 def state_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
@@ -123,11 +142,27 @@ def host_need(fp: Footprint, plan: Plan) -> int:
     return host_buffer_bytes(fp, plan) + ram_tier_bytes(fp, plan)
 
 
-def device_floor(fp: Footprint) -> int:
-    """Device bytes no plan can go below: the largest block's weights and gradients (the head's with
-    the blocks it borrows)."""
+CUDA_LIBRARY_BYTES = 32 << 20
+"""Device bytes the CUDA backend's libraries take from the capped caching allocator besides the
+tensors a plan counts: cuBLAS's workspace for the compute stream (allocated at the first matmul;
+torch's default 32 MiB on Hopper and later, about 8 MiB before; cuBLASLt's is 1 MiB or shares it).
+A floor, so the common case rather than the worst: the allocator's segment rounding (2 MiB pools
+for small blocks, 20 MiB segments for blocks of 1–10 MiB) comes on top, and the CUDA context (several
+hundred MB) lies outside the allocator and outside ``--gpu-memory``."""
+
+
+def library_bytes(device: str) -> int:
+    """Device bytes the ``device`` backend's libraries need beyond a plan's tensors: on ``cuda``
+    ``CUDA_LIBRARY_BYTES``; 0 on ``cpu`` (its fake capacity counts tensors only)."""
+    return CUDA_LIBRARY_BYTES if device == "cuda" else 0
+
+
+def device_floor(fp: Footprint, device: str = "cpu") -> int:
+    """Device bytes no plan can go below on a ``device`` backend: the largest block's weights and
+    gradients (the head's with the blocks it borrows), plus what its libraries need
+    (``library_bytes``)."""
     per = [fp.weight_bytes[b] + fp.grad_bytes(b) for b in range(fp.nblocks)]
-    return max(max(per), per[-1] + sum(per[o] for o in fp.borrowed))
+    return max(max(per), per[-1] + sum(per[o] for o in fp.borrowed)) + library_bytes(device)
 
 
 LOSS_CHUNK_BYTES = 256 << 20

@@ -1,9 +1,11 @@
 """Activations on SSD: saved tensors of one (block, micro-batch) packed into one file, read back ahead.
 
 Staging buffers are page-aligned (O_DIRECT) but not pinned: pinning per record would cost more than
-it saves. Forward: the saved-tensor pack hook copies each tensor to host memory; when the block is done,
-``flush`` packs them into one page-aligned staging buffer and writes it (one large, checksummed
-I/O through the store's I/O backend) to a scratch file reused across steps. Backward: ``prefetch``
+it saves. Forward: the saved-tensor pack hook starts copying each tensor to host memory on the
+device-to-host stream (``activation_copies``); when the block is done, ``flush`` chains, after the
+last of those copies, packing them into one page-aligned staging buffer and writing it (one large,
+checksummed I/O through the store's I/O backend) to a scratch file reused across steps: the training
+thread waits for neither. Backward: ``prefetch``
 reads the file back (issued a block early), and the unpack hook serves views of it. Host bytes
 are charged to the host budget while they exist.
 """
@@ -17,11 +19,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fuyou.device.base import Backend, host_aligned_empty
+from fuyou.device.base import Backend, Event, host_aligned_empty
 from fuyou.storage.dirs import preallocate
 from fuyou.storage.extents import TENSOR_ALIGN
 from fuyou.storage.io_base import FileHandle, IOBackend
 from fuyou.timeline import Timeline
+from fuyou.transfer.activation_copies import ActivationCopies
+from fuyou.transfer.futures import chain, done_future, event_future
 from fuyou.transfer.host_pool import HostBufferPool
 from fuyou.units import align_up
 
@@ -39,6 +43,8 @@ class ActivationSpace:
         timeline: Timeline,
     ) -> None:
         self.backend, self.pool, self.io, self.timeline = backend, pool, io, timeline
+        self.copies = ActivationCopies(backend)
+        """Device ↔ host copies of swapped tensors, on their own streams."""
         self.dirs = [os.path.join(d, "activations") for d in dirs]
         self.direct = direct
         self._files: dict[tuple[int, int], tuple[FileHandle, int]] = {}
@@ -78,7 +84,11 @@ class SSDRecord:
     micro: int
     metas: list[tuple[torch.device, torch.Size, torch.dtype, int, int]] = field(default_factory=list)
     pending: list[torch.Tensor] = field(default_factory=list)
+    landed: Event | None = None
+    """The event after the last copy off the device into ``pending``."""
     staging: torch.Tensor | None = None
+    packed: Future | None = None
+    """``staging`` filled from ``pending`` (after their copies landed)."""
     io: Future | None = None
     """The read back from SSD, if one was needed."""
     wfut: Future | None = None
@@ -99,7 +109,9 @@ class SSDRecord:
         off = align_up(self.metas[-1][3] + self.metas[-1][4], TENSOR_ALIGN) if self.metas else 0
         self._charge(n)
         self.metas.append((t.device, t.shape, t.dtype, off, n))
-        self.pending.append(t.detach().to("cpu", copy=True))
+        c = self.space.copies.off(t.detach())
+        self.pending.append(c.host)
+        self.landed = c.landed
         return len(self.metas) - 1
 
     @property
@@ -113,16 +125,25 @@ class SSDRecord:
             return
         n = self.nbytes
         self._charge(n)
-        self.staging = host_aligned_empty(n)
-        for (_, _, _, off, size), t in zip(self.metas, self.pending):
-            self.staging[off : off + size].copy_(t.reshape(-1).view(torch.uint8))
-        self.pending.clear()
-        self.space.pool.refund(self.charged - n)
-        self.charged = n
+        self.staging = staging = host_aligned_empty(n)
+        pieces, self.pending = self.pending, []
         h = self.space.handle(self.block, self.micro, n)
-        fut = self.space.io.write(h, self.staging.numpy())
+        assert self.landed is not None  # set by every pack()
+        self.packed = chain(event_future(self.landed), lambda: self._pack(staging, pieces))
+        fut = chain(self.packed, lambda: self.space.io.write(h, staging.numpy()))
         self.wfut = self.space.timeline.track(fut, "ssd_write", f"act b{self.block} k{self.micro}", n)
         self.wfut.add_done_callback(self._written)
+
+    def _pack(self, staging: torch.Tensor, pieces: list[torch.Tensor]) -> Future:
+        """Copy the host copies (landed) into ``staging`` and return their bytes to the budget."""
+        for (_, _, _, off, size), t in zip(self.metas, pieces):
+            staging[off : off + size].copy_(t.reshape(-1).view(torch.uint8))
+        n = sum(t.numel() * t.element_size() for t in pieces)
+        pieces.clear()
+        with self.lock:
+            self.space.pool.refund(n)
+            self.charged -= n
+        return done_future()
 
     def _written(self, f: Future) -> None:
         """Write landed: free the host copy, unless backward already claimed it (``wanted``)."""
@@ -155,8 +176,9 @@ class SSDRecord:
     def unpack(self, i: int) -> torch.Tensor:
         """Tensor ``i`` back on its device (waits for the read, if one was needed)."""
         self.prefetch()
-        if self.io is not None:
-            self.io.result()
+        for f in (self.packed, self.io):  # staging filled in memory, or read back from SSD
+            if f is not None:
+                f.result()
         device, shape, dtype, off, size = self.metas[i]
         staging = self.staging
         assert staging is not None  # prefetch() kept it or read it back

@@ -33,7 +33,9 @@ class GradientOffload:
         buf = self.pool.acquire(cls)
         n = grad.numel()
         self.backend.record().wait(self.stream)  # hazard: copying the gradient before backward finished writing it
-        with self.timeline.span("d2h", self.layout.blocks[b].name, n * grad.element_size()):
+        with self.timeline.device_span(
+            "d2h", self.layout.blocks[b].name, self.backend, self.stream, n * grad.element_size()
+        ):
             copied = self.backend.copy(buf.view(grad.dtype, n), grad, self.stream)
             self.backend.keep_alive(grad, self.stream)  # hazard: the caller frees grad while the copy still reads it
         return buf, copied

@@ -1,8 +1,9 @@
-"""A fixed pool of pre-allocated host buffers (pinned on CUDA), accounted against a host budget.
+"""A fixed pool of pre-allocated host buffers, accounted against a host budget.
 
 Buffers are created once, at ``reserve`` time, in named classes of equal-size buffers (e.g. 4 ×
 "layer weights"). ``acquire`` blocks until one is free, so a full pool is back-pressure, not an
-allocation: nothing is allocated per step.
+allocation: nothing is allocated per step. A class is pinned on CUDA only if its buffers cross PCIe
+(``fuyou.schedule.sizing.crosses_pcie``: weights and gradients, not optimizer state or the RAM tier).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from fuyou.device.base import HOST_ALIGN, Backend
 from fuyou.errors import ConfigError, FuyouError, HostMemoryError
+from fuyou.schedule.sizing import crosses_pcie
 from fuyou.units import align_up, format_size
 
 
@@ -59,15 +61,19 @@ class HostBufferPool:
         self.budget = budget
         self.reserved = 0
         self.peak = 0
+        self.pinned = 0
+        """Bytes of reserved buffers asked for pinned (page-rounded): the classes that cross PCIe."""
         self._free: dict[str, list[HostBuffer]] = {}
         self._sizes: dict[str, tuple[int, int]] = {}
         self._cond = threading.Condition()
 
     def reserve(self, kind: str, nbytes: int, count: int) -> None:
-        """Pre-allocate ``count`` buffers of ``nbytes`` each in class ``kind``.
+        """Pre-allocate ``count`` buffers of ``nbytes`` each in class ``kind``, pinned if the class
+        crosses PCIe (``crosses_pcie``).
 
         Sizes are rounded up to 4 KiB for the budget. Raises HostMemoryError if the budget would
-        be passed (naming what is already reserved), ConfigError if ``kind`` exists already.
+        be passed (naming what is already reserved), ConfigError if ``kind`` exists already,
+        FuyouError if the backend cannot pin the buffers (CUDA: ``ulimit -l`` too low).
         """
         if kind in self._sizes:
             raise ConfigError(f"host buffer class {kind!r} is already reserved")
@@ -77,11 +83,13 @@ class HostBufferPool:
                 f"host buffers need {format_size(self.reserved + need)} ({self._describe({**self._sizes, kind: (nbytes, count)})})"
                 f" but the host budget is {format_size(self.budget)}; {WAYS_OUT}"
             )
-        bufs = [HostBuffer(kind, i, self.backend.host_empty(nbytes)) for i in range(count)]
+        pinned = crosses_pcie(kind)
+        bufs = [HostBuffer(kind, i, self.backend.host_empty(nbytes, pinned=pinned)) for i in range(count)]
         with self._cond:
             self._sizes[kind] = (nbytes, count)
             self._free[kind] = bufs
             self.reserved += need
+            self.pinned += need if pinned else 0
             self.peak = max(self.peak, self.reserved)
 
     @staticmethod

@@ -6,6 +6,14 @@ The loader walks one step's load order — forward 0…H, then backward H−1…
 embedding loaded again for the head — issuing reads ahead into a fixed set of host buffers. A
 read can be *gated*: in the clipping schedule, block b's read starts only once Adam has written
 block b's new weights (the gate future), without blocking the training thread.
+
+Uploads overlap compute. Device weight buffers are handed out for the copy stream (the FSDP pattern:
+on CUDA, from that stream's pool of the caching allocator) and marked as used by the compute stream
+(``keep_alive``, CUDA's ``record_stream``), so an upload never waits for compute to finish with
+recycled memory: the allocator reuses a block only after the compute queued before its release.
+When every host buffer is busy, the next read goes into the buffer of the oldest upload still in
+flight, started by a waiter thread once that upload has landed (``futures.event_future``): the
+training thread only ever waits for the read of the block it needs now.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from fuyou.device.base import Backend, Event
 from fuyou.models.store_layout import ModelLayout
 from fuyou.schedule.sizing import WEIGHTS as HOST_CLASS
 from fuyou.timeline import Timeline
-from fuyou.transfer.futures import chain, done_future
+from fuyou.transfer.futures import chain, done_future, event_future
 from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
 from fuyou.transfer.ram_tier import RamTier
 
@@ -37,9 +45,10 @@ class WeightLoader:
         timeline: Timeline,
         depth: int,
         copy_stream: object,
+        compute_stream: object,
     ) -> None:
         self.store, self.backend, self.pool, self.layout = store, backend, pool, layout
-        self.timeline, self.depth, self.stream = timeline, depth, copy_stream
+        self.timeline, self.depth, self.stream, self.compute = timeline, depth, copy_stream, compute_stream
         self.order: list[int] = []
         self.pos = 0
         self._reads: dict[int, tuple[HostBuffer, Future]] = {}
@@ -56,14 +65,24 @@ class WeightLoader:
     def _issue(self) -> None:
         for p in range(self.pos, min(self.pos + self.depth + 1, len(self.order))):
             if p not in self._reads:
-                self._reap(wait=self.pool.available(HOST_CLASS) == 0)
                 b = self.order[p]
-                buf = self.pool.acquire(HOST_CLASS)
+                buf, free = self._buffer()
                 ext = self.layout.w(b)
-                fut = chain(self.gate(b), partial(self.store.read, ext.name, buf.data))
+                read = partial(chain, self.gate(b), partial(self.store.read, ext.name, buf.data))
+                fut = chain(free, read)
                 if not self.store.holds(ext.name):  # RAM-tier reads time themselves, as memcpys
                     fut = self.timeline.track(fut, "ssd_read", ext.name, ext.nbytes)
                 self._reads[p] = (buf, fut)
+
+    def _buffer(self) -> tuple[HostBuffer, Future]:
+        """A host buffer for the next read, and a future for when it may be written: a free buffer at
+        once, else the buffer of the oldest upload in flight, once that upload has landed."""
+        self._reap(wait=False)
+        if self.pool.available(HOST_CLASS) or not self._copies:
+            return self.pool.acquire(HOST_CLASS), done_future()
+        buf, ev = self._copies.pop(0)
+        landed = event_future(ev)  # the read may refill buf only once the upload out of it has run
+        return buf, landed
 
     def _reap(self, wait: bool) -> None:
         """Release host buffers whose device copies are done (waiting for the oldest if ``wait``)."""
@@ -91,13 +110,13 @@ class WeightLoader:
         n = self.layout.w(b).nbytes
         what = f"weights of {self.layout.blocks[b].name}"
         if into is None:
-            into = self.backend.device_empty((n,), torch.uint8, what)
+            into = self.backend.device_empty((n,), torch.uint8, what, stream=self.stream)
             alias = into
         else:
-            alias = self.backend.restore_storage(into, n, what)
-        # hazard: a restored/new device buffer may still be in use by compute queued before it was freed
-        self.backend.record().wait(self.stream)
-        with self.timeline.span("h2d", self.layout.blocks[b].name, n):
+            alias = self.backend.restore_storage(into, n, what, stream=self.stream)
+        # hazard: the copy stream's allocator pool must not refill this memory while compute reads it
+        self.backend.keep_alive(into, self.compute)
+        with self.timeline.device_span("h2d", self.layout.blocks[b].name, self.backend, self.stream, n):
             copied = self.backend.copy(alias, buf.data[:n], self.stream)
         self._copies.append((buf, copied))
         self._reap(wait=False)

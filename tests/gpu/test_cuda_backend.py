@@ -99,3 +99,47 @@ def test_kvikio_runs_with_a_thread_pool_and_o_direct(tmp_path):
         assert _threads(kvikio) >= st.io.threads
         if st.direct[0] and hasattr(kvikio.defaults, "get"):
             assert kvikio.defaults.get("auto_direct_io_read") and kvikio.defaults.get("auto_direct_io_write")
+
+
+def test_device_span_times_the_kernel_not_its_launch():
+    """A matmul's launch returns in microseconds; its compute span (CUDA timing events, resolved at
+    summary) must cover the kernel's run, as measured by synchronising around it."""
+    import time
+
+    from fuyou.timeline import Timeline
+
+    b, tl = get_backend("cuda"), Timeline()
+    x = torch.randn(8192, 8192, device="cuda")
+    x @ x  # warm-up (cuBLAS handle, workspace)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with tl.device_span("compute", "matmul", b, None):
+        for _ in range(4):
+            x @ x
+    launch = time.perf_counter() - t
+    torch.cuda.synchronize()
+    kernel = time.perf_counter() - t
+    s = tl.summary(t - 1, time.perf_counter() + 1)
+    (span,) = tl.spans
+    assert span.t1 - span.t0 >= 0.5 * kernel > launch
+    assert s["busy_s"]["compute"] <= kernel * 1.1 + 1e-3
+
+
+def test_weights_allocated_for_the_copy_stream_need_no_compute_wait():
+    """The FSDP pattern on a real allocator: memory from the copy stream's pool, marked as used by
+    compute, is not handed to the copy stream again while compute queued before its release runs."""
+    b = get_backend("cuda")
+    s = b.new_stream()
+    compute = b.current_stream()
+    host = b.host_empty(64 << 20)
+    host.fill_(1)
+    first = b.device_empty((64 << 20,), torch.uint8, "w0", stream=s)
+    b.copy(first, host, s).wait(compute)
+    b.keep_alive(first, compute)
+    ptr = first.data_ptr()
+    torch.cuda._sleep(200_000_000)  # compute busy for a while, still "reading" first
+    out = first.float().sum()
+    del first
+    second = b.device_empty((64 << 20,), torch.uint8, "w1", stream=s)
+    assert second.data_ptr() != ptr, "the copy stream got memory compute may still be reading"
+    assert out.item() == 64 << 20

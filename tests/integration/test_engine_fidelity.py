@@ -80,6 +80,17 @@ def test_families_and_policies(tmp_path, family, policy):
 
 
 @pytest.mark.parametrize("family", ["llama_tied", "gpt2"])
+def test_recompute_with_block_inputs_in_host_memory(tmp_path, family):
+    """recompute_cpu: block inputs copied off the device after forward and back one micro-batch
+    ahead of backward (K = 2: the second micro-batch's input is uploaded during the first's backward,
+    the next block's first during the second's)."""
+    cfg, model = tiny(family)
+    data = batches(STEPS)
+    losses, weights = run_fuyou(cfg, model, tmp_path, data, policy="recompute_cpu", K=2)
+    assert_same(model, reference_steps(model, data, 2, LR, WD), losses, weights)
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "gpt2"])
 @pytest.mark.parametrize("tokens, tol", [(16, 1e-5), (10, 1e-4)])
 def test_loss_in_token_chunks_equals_the_whole_micro_batch(tmp_path, monkeypatch, family, tokens, tol):
     """The LM head's loss runs in chunks of ``sizing.loss_chunk_tokens`` tokens (so fp32 logits never

@@ -99,6 +99,8 @@ CASES = [
         dict(policy="swap_ssd", depth=3, ndirs=2, clip=0.5, park_ram_blocks=0),
         id="resize-swap_ssd-parked_on_ssd-clip",
     ),
+    # block inputs in host memory (recompute_cpu), accumulation, storage resize
+    pytest.param("resize", "llama", 2, dict(policy="recompute_cpu", K=2), id="resize-recompute_cpu-K2"),
     # overlap_backward with a RAM tier (its blocks' gradients held back until block 0), swap to RAM
     pytest.param(
         "arena",
@@ -119,7 +121,9 @@ CASES += [
         marks=pytest.mark.slow,
     )
     for i, (family, policy) in enumerate(
-        (f, p) for f in ("llama", "llama_tied", "qwen2", "gpt2") for p in ("keep", "swap_cpu", "swap_ssd", "recompute")
+        (f, p)
+        for f in ("llama", "llama_tied", "qwen2", "gpt2")
+        for p in ("keep", "swap_cpu", "swap_ssd", "recompute", "recompute_cpu")
     )
 ]
 CASES += [

@@ -246,3 +246,27 @@ def test_get_backend_reads_the_environment(monkeypatch):
     monkeypatch.setenv(SEED_ENV, "x")
     with pytest.raises(ConfigError, match=SEED_ENV):
         get_backend("cpu")
+
+
+@pytest.mark.parametrize("arena", MODES)
+def test_memory_handed_out_for_a_stream_needs_no_compute_wait_but_must_be_kept_for_compute(arena):
+    """The FSDP pattern: memory from the copy stream's pool is filled there without waiting for
+    compute; compute reading it must be declared (keep_alive), or the stream's next allocation raises."""
+    _arena_or_skip(arena)
+    b = AsyncCPUBackend(arena=arena)
+    s = b.new_stream()
+    host = b.host_empty(4096).view(torch.float32)
+    host.fill_(2.0)
+    w = b.device_empty((1024,), torch.float32, "weights of block 1", stream=s)
+    b.copy(w, host, s).wait()  # no record().wait(s) needed: the stream owns the memory
+    assert torch.equal(w, host)
+    b.keep_alive(w, b.current_stream())  # compute reads it
+    v = b.device_empty((1024,), torch.float32, "weights of block 2", stream=s)
+    with pytest.raises(OrderingHazard, match="weights of block 2.*never kept for compute"):
+        b.device_empty((1024,), torch.float32, "weights of block 3", stream=s)
+    b.keep_alive(v, b.current_stream())
+    b.free_storage(w)
+    alias = b.restore_storage(w, 4096, "weights of block 1 again", stream=s)
+    b.copy(alias, host.view(torch.uint8), s).wait()
+    with pytest.raises(OrderingHazard, match="block 1 again"):
+        b.device_empty((1024,), torch.float32, "weights of block 4", stream=s)

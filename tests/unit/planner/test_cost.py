@@ -100,10 +100,14 @@ SPEEDS = (
 )
 
 
-@pytest.mark.parametrize("policy", ["recompute", "swap_cpu", "swap_ssd", "keep"])
+@pytest.mark.parametrize("policy", ["recompute", "recompute_cpu", "swap_cpu", "swap_ssd", "keep"])
 @pytest.mark.parametrize("schedule", ["overlap_backward", "overlap_next_forward"])
 @pytest.mark.parametrize("ram", [0, 4])
 def test_faster_hardware_never_predicts_a_slower_step(policy, schedule, ram):
+    """Within 1e-9, except swap_ssd on a CUDA device, within 1 %: its activation writes leave on the
+    copy stream, so a faster copy queues them on the SSD earlier, where (first come, first served, as
+    the store's I/O threads serve them) one can delay a weight read behind it (0.74 % seen, RAM tier 4)."""
+    tol = 1e-2 if policy == "swap_ssd" else 1e-9
     shape = small_llama()
     base = dict(
         ssd_read_Bps=2e9,
@@ -134,7 +138,7 @@ def test_faster_hardware_never_predicts_a_slower_step(policy, schedule, ram):
     for k in SPEEDS:
         for f in (1.5, 4.0):
             faster = predict(shape, plan, cfg, profile(**{**base, k: base[k] * f})).step_s
-            assert faster <= t0 * (1 + 1e-9), (k, f, faster, t0)
+            assert faster <= t0 * (1 + tol), (k, f, faster, t0)
 
 
 def test_memory_per_tier_counts_what_the_policies_hold():

