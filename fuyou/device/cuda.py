@@ -232,8 +232,3 @@ def describe() -> str | None:
         return None
     p = torch.cuda.get_device_properties(0)
     return f"{p.name}, {format_size(p.total_memory)}, CUDA {torch.version.cuda}"
-
-
-def current_stream_ptr(device: torch.device) -> int:
-    """Raw ``cudaStream_t`` of torch's current stream on ``device`` (for cupy kernels)."""
-    return torch.cuda.current_stream(device).cuda_stream

@@ -29,7 +29,7 @@ def run(cfg, model, tmp_path, data, policy, K=1, clip=0.0, hidden_bound=False):
         return losses, dict(eng.master_weights())
 
 
-@pytest.mark.parametrize("policy", ["keep", "swap_cpu", "swap_ssd", "recompute"])
+@pytest.mark.parametrize("policy", ["keep", "swap_cpu", "swap_ssd", "recompute", "recompute_cpu"])
 @pytest.mark.parametrize("clip", [0.0, 0.5])
 def test_cuda_matches_pytorch(tmp_path, policy, clip):
     cfg, model = tiny("llama_tied", layers=3)
