@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 
 import torch
 
@@ -53,6 +54,8 @@ class AdamStage:
         self.gradients = GradientOffload(backend, pool, layout, timeline, d2h_stream)
         self.worker = AdamWorker(hyper, step_fn=self._timed_step, num_threads=num_threads)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._nonfinite: set[int] = set()
         self._feeder = threading.Thread(target=self._feed, name="fuyou-adam-feeder", daemon=True)
         self._feeder.start()
 
@@ -68,10 +71,24 @@ class AdamStage:
 
     def _timed_step(
         self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, **kw: object
-    ) -> None:
+    ) -> bool:
         t0 = time.perf_counter()
-        adamw_step(master, m, v, grad, **kw)  # type: ignore[arg-type]
+        finite = adamw_step(master, m, v, grad, **kw)  # type: ignore[arg-type]
         self.timeline.add("adam", f"adam {master.numel()}", t0, time.perf_counter(), master.numel())
+        return finite
+
+    def take_nonfinite(self) -> set[int]:
+        """Blocks whose update since the last call produced a non-finite master value (the Adam stage's
+        own check of the gradients it received), and forget them."""
+        with self._lock:
+            out, self._nonfinite = self._nonfinite, set()
+        return out
+
+    def _check(self, b: int, jobs: Future) -> None:
+        """Done-callback of a chunk's jobs: note block ``b`` if an update came out non-finite."""
+        if jobs.exception() is None and not all(j.finite for j in jobs.result()):
+            with self._lock:
+                self._nonfinite.add(b)
 
     def offload(self, b: int, grad: torch.Tensor, cls: str = GRADS) -> tuple[HostBuffer, Event]:
         """Copy block ``b``'s flat device gradient into a host buffer of class ``cls``
@@ -180,7 +197,9 @@ class AdamStage:
                 )
                 on_done = None if dt == torch.bfloat16 else (lambda j, out=out: out.copy_(j.master))
                 jobs.append(self.worker.submit(job, on_done))
-            return gather(jobs)
+            done = gather(jobs)
+            done.add_done_callback(partial(self._check, b))
+            return done
 
         job = chain(read, start_job)
 

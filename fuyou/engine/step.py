@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import asdict, dataclass, field
@@ -349,7 +350,8 @@ class StepRunner:
             for p in st.parked.values():  # held-back RAM-tier gradients of a non-finite step
                 c.parking.discard(p)
             st.parked.clear()
-            if not self.finite(st):
+            late = c.stage.take_nonfinite()  # the Adam stage's own check of what it received
+            if not self.finite(st) or late:
                 c.stage.worker.wait()
                 c.tier.abort()
                 return False
@@ -378,6 +380,17 @@ class StepRunner:
         wait(futs)
         for f in futs:
             f.result()
+        late = self.c.stage.take_nonfinite()
+        if late:  # the device found the step finite, the Adam stage did not: roll it back
+            self.c.tier.abort()
+            self.c.progress.step -= 1
+            warnings.warn(
+                f"step {self.c.progress.step + 1} rolled back: the updates of blocks {sorted(late)} came out "
+                "non-finite though the device found the gradients finite (a corrupted copy?)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return
         self.c.tier.commit(self.c.commit_meta())
 
     def gate(self, b: int) -> Future:

@@ -37,8 +37,9 @@ def adamw_step(
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
     chunk: int = DEFAULT_CHUNK,
-) -> None:
-    """One AdamW step on flat CPU buffers with the numba kernel, in place.
+) -> bool:
+    """One AdamW step on flat CPU buffers with the numba kernel, in place; returns whether every new
+    master value is finite (False: a non-finite gradient reached the update).
 
     Args:
         master: fp32 master weights [n], updated in place.
@@ -60,12 +61,13 @@ def adamw_step(
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ConfigError(f"chunk={chunk!r} must be an int >= 1 (elements per parallel task)")
     if master.numel() == 0:
-        return
+        return True
     arrays = [as_numpy(t) for t in (master, m, v, grad)]
     out_np = _NO_OUT if out is None else as_numpy(out)
     with parallel_launch():
-        adamw_kernel(
+        finite = adamw_kernel(
             *arrays, out_np,
             k.decay, k.grad_scale, k.m_weight, k.beta2, k.v_weight, k.bc2_sqrt, k.eps,
             k.neg_step_size, chunk,
         )  # fmt: skip
+    return bool(finite)

@@ -236,6 +236,17 @@ def _update_span(p, m, v, g, out, has_out, decay, gscale, m_w, b2, v_w, bc2_sqrt
 
 
 @njit(nogil=True, inline="always", cache=True)
+def _nonfinite_bits(p):
+    """Bit 31 set iff some value of the float32 span ``p`` is NaN or ±inf: an all-ones exponent
+    (0x7f800000) plus 0x00800000 carries into bit 31, any other exponent does not (integer ops only,
+    so the OR reduction vectorises; run on a block just written, still in L1)."""
+    acc = np.uint32(0)
+    for i in range(p.size):
+        acc |= (bits_from_f32(p[i]) & np.uint32(0x7F800000)) + np.uint32(0x00800000)
+    return acc & np.uint32(0x80000000)
+
+
+@njit(nogil=True, inline="always", cache=True)
 def _prefetch_block(arr, start):
     """Prefetch every 64-byte line of ``arr[start:start+BLOCK]`` (clipped to the array)."""
     for i in range(start, min(start + BLOCK, arr.size), 64 // arr.itemsize):
@@ -255,7 +266,9 @@ def _write_out(out, lo, hi, scratch):
 
 @njit(nogil=True, error_model="numpy", inline="always", cache=True)
 def _update_chunk(p, m, v, g, out, has_out, lo, hi, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step):
-    """Update ``[lo, hi)`` block by block, prefetching ahead and writing the copy out."""
+    """Update ``[lo, hi)`` block by block, prefetching ahead and writing the copy out; True if a new
+    master value is non-finite."""
+    bad = False
     scratch = np.empty(BLOCK if has_out else 0, dtype=np.uint16)
     for b in range(lo, hi, BLOCK):
         e, f = min(b + BLOCK, hi), b + PREFETCH_AHEAD
@@ -267,15 +280,18 @@ def _update_chunk(p, m, v, g, out, has_out, lo, hi, decay, gscale, m_w, b2, v_w,
             p[b:e], m[b:e], v[b:e], g[b:e], scratch[: e - b], has_out,
             decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step,
         )  # fmt: skip
+        bad |= _nonfinite_bits(p[b:e]) != 0
         if has_out:
             _write_out(out, b, e, scratch)
     if has_out:
         store_fence()
+    return bad
 
 
 @njit(parallel=True, nogil=True, error_model="numpy", cache=True)
 def adamw_kernel(p, m, v, g, out, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step, chunk):
     """Fused AdamW over flat arrays, in place; ``out`` (uint16 bf16 bits) is written if non-empty.
+    Returns True if every new master value is finite (the check rides on the update: no extra pass).
 
     p: float32[n]; m, v: float32[n] or uint16[n] (bf16 bits); g: float32[n] or uint16[n];
     out: uint16[n] or uint16[0]; scalars: float32 coefficients (see ``args.StepCoefficients``);
@@ -283,12 +299,15 @@ def adamw_kernel(p, m, v, g, out, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, ne
     """
     n = p.size
     has_out = out.size != 0
-    for c in prange((n + chunk - 1) // chunk):
+    tasks = (n + chunk - 1) // chunk
+    bad = np.zeros(tasks, dtype=np.uint8)
+    for c in prange(tasks):
         lo = c * chunk
-        _update_chunk(
+        bad[c] = _update_chunk(
             p, m, v, g, out, has_out, lo, min(lo + chunk, n),
             decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step,
         )  # fmt: skip
+    return not bad.any()
 
 
 # ---- sum of squares (a gradient's contribution to the global norm) ----

@@ -35,8 +35,9 @@ def adamw_step_reference(
     hyper: AdamWHyper = AdamWHyper(),
     grad_scale: float = 1.0,
     out: torch.Tensor | None = None,
-) -> None:
-    """One AdamW step on flat CPU buffers with plain torch ops, in place.
+) -> bool:
+    """One AdamW step on flat CPU buffers with plain torch ops, in place; returns whether every new
+    master value is finite.
 
     Arguments and units as ``adam_numba.adamw_step`` (lr per step, 1-based step, optional bf16
     ``out``).
@@ -62,3 +63,4 @@ def adamw_step_reference(
         v.copy_(exp_avg_sq.to(v.dtype))
     if out is not None:
         out.copy_(master.to(torch.bfloat16))
+    return bool(torch.isfinite(master).all())

@@ -44,7 +44,7 @@ class StepFn(Protocol):
     def __call__(  # noqa: D102
         self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, *,
         lr: float, step: int, hyper: AdamWHyper, grad_scale: float, out: torch.Tensor | None,
-    ) -> None: ...  # fmt: skip
+    ) -> bool | None: ...  # fmt: skip
 
 
 @dataclass
@@ -67,6 +67,9 @@ class AdamJob:
     """Optional bf16 buffer for the new weights."""
     weight_decay: float | None = None
     """Overrides the worker's weight decay for this job (e.g. 0 for biases and norm weights)."""
+    finite: bool = True
+    """Set by the worker: whether every new master value came out finite (the update function's
+    verdict; one that returns None is trusted)."""
 
 
 OnDone = Callable[[AdamJob], None]
@@ -227,10 +230,11 @@ class AdamWorker:
             hyper = self._hyper
             if job.weight_decay is not None:
                 hyper = replace(hyper, weight_decay=job.weight_decay)
-            self._step_fn(
+            finite = self._step_fn(
                 job.master, job.m, job.v, job.grad, lr=job.lr, step=job.step, hyper=hyper,
                 grad_scale=job.grad_scale, out=job.out,
             )  # fmt: skip
+            job.finite = finite is not False
             if on_done is not None:
                 on_done(job)
         except BaseException as err:  # noqa: BLE001 - every failure must reach the caller

@@ -76,3 +76,41 @@ def test_a_step_reads_the_device_back_once(tmp_path, monkeypatch, clip, ram):
         monkeypatch.setattr(torch.Tensor, "item", real_item)
     assert reads == [2, 2] and items == []  # (loss, norm) once per step; no per-micro-batch or per-block read
     assert all(r.applied and r.loss > 0 and r.grad_norm > 0 for r in results)
+
+
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_a_gradient_corrupted_on_its_way_to_the_host_rolls_the_step_back(tmp_path, clip):
+    """The device finds the step finite, but one block's gradient arrives on the host with a NaN (a
+    corrupted copy): the Adam stage's own check (the fused kernel's verdict on the new master values)
+    rolls the step back — at once without clipping (the step reports not applied), when the next step
+    settles it with clipping (a warning names the block) — and every stored byte stays as it was."""
+    cfg, model = tiny("llama", layers=3)
+    data = batches(3)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ec = EngineConfig(
+        ssd_dirs=(str(tmp_path),), precision="fp32", lr=1e-3, cpu_memory="64MiB", max_grad_norm=clip, plan=Plan()
+    )
+    with Engine.from_state_dict(cfg, sd, ec) as eng:
+        eng.train_step(*data[0])
+        before, version = raw_state(eng), eng.store.version
+        real = eng.stage.gradients.offload
+
+        def corrupted(b, grad, *args):
+            buf, ev = real(b, grad, *args)
+            ev.wait()
+            if b == 2:
+                buf.view(grad.dtype, grad.numel())[7] = float("nan")
+            return buf, ev
+
+        eng.stage.gradients.offload = corrupted
+        st = eng.train_step(*data[1])
+        eng.stage.gradients.offload = real
+        if clip:
+            assert st.applied, "with clipping the update runs after the step, during the next one's forward"
+            with pytest.warns(RuntimeWarning, match=r"blocks \[2\] came out non-finite"):
+                eng.flush()
+        else:
+            assert not st.applied
+        assert eng.step == 1 and eng.store.version == version
+        after = raw_state(eng)
+        assert all(torch.equal(before[k], after[k]) for k in before)
