@@ -70,7 +70,13 @@ class KvikioIO(IOBackend):
     name = "kvikio"
     fds_per_file = 2
 
-    def __init__(self, threads: int = 16, block_bytes: int = 1 << 20, max_open: int | None = None) -> None:
+    def __init__(
+        self,
+        threads: int = 16,
+        block_bytes: int = 1 << 20,
+        max_open: int | None = None,
+        request_bytes: int | None = None,
+    ) -> None:
         if not kvikio_usable():
             raise StoreError("kvikio I/O needs the kvikio package and a CUDA driver; use io='posix'")
         import kvikio
@@ -78,7 +84,7 @@ class KvikioIO(IOBackend):
         self._kvikio: Any = kvikio
         self._direct: bool | None = None
         _apply(kvikio, {"num_threads": kvikio_settings(threads, False, _threads(kvikio))["num_threads"]})
-        super().__init__(threads, block_bytes, max_open)
+        super().__init__(threads, block_bytes, max_open, request_bytes)
 
     def _open_raw(self, path: str, direct: bool) -> Any:
         """A kvikio ``CuFile`` of ``path`` (``r+``) for I/O through host buffers.

@@ -1,8 +1,9 @@
 """POSIX I/O backend: ``os.preadv``/``os.pwritev`` (GIL released) on a thread pool, O_DIRECT or not.
 
 With O_DIRECT the page cache is bypassed (it would eat the RAM budget and make timings lie). Buffer
-addresses and file offsets must then be 4 KiB aligned: pool buffers are; a misaligned buffer or a
-tail shorter than 4 KiB goes through a per-thread aligned bounce buffer.
+addresses and file offsets must then be 4 KiB aligned: pool buffers are; a misaligned buffer (a
+block at a time) or a tail shorter than 4 KiB goes through a per-thread aligned bounce buffer of
+one block.
 
 Raw handles are file descriptors (ints), opened on demand and capped by the base class's cache.
 Subclasses may hold another object per file and say how to reach its descriptor (``_fd``).
@@ -37,8 +38,14 @@ class PosixIO(IOBackend):
 
     name = "posix"
 
-    def __init__(self, threads: int = 16, block_bytes: int = 1 << 20, max_open: int | None = None) -> None:
-        super().__init__(threads, block_bytes, max_open)
+    def __init__(
+        self,
+        threads: int = 16,
+        block_bytes: int = 1 << 20,
+        max_open: int | None = None,
+        request_bytes: int | None = None,
+    ) -> None:
+        super().__init__(threads, block_bytes, max_open, request_bytes)
         self._local = threading.local()
 
     def _open_raw(self, path: str, direct: bool) -> Any:
@@ -69,10 +76,12 @@ class PosixIO(IOBackend):
         body, aligned = self._split(h, arr)
         if aligned:
             _full(os.preadv, fd, arr[:body].data, offset, h.path)
-        else:
+        else:  # through the bounce buffer, a block at a time
             bounce = self._bounce()
-            _full(os.preadv, fd, bounce[:body].data, offset, h.path)
-            arr[:body] = bounce[:body]
+            for s in range(0, body, bounce.size):
+                k = min(bounce.size, body - s)
+                _full(os.preadv, fd, bounce[:k].data, offset + s, h.path)
+                arr[s : s + k] = bounce[:k]
         tail = arr.size - body
         if tail:
             bounce = self._bounce()
@@ -84,10 +93,12 @@ class PosixIO(IOBackend):
         body, aligned = self._split(h, arr)
         if aligned:
             _full(os.pwritev, fd, arr[:body].data, offset, h.path)
-        else:
+        else:  # through the bounce buffer, a block at a time
             bounce = self._bounce()
-            bounce[:body] = arr[:body]
-            _full(os.pwritev, fd, bounce[:body].data, offset, h.path)
+            for s in range(0, body, bounce.size):
+                k = min(bounce.size, body - s)
+                bounce[:k] = arr[s : s + k]
+                _full(os.pwritev, fd, bounce[:k].data, offset + s, h.path)
         tail = arr.size - body
         if tail:
             bounce = self._bounce()

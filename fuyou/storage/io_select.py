@@ -39,11 +39,16 @@ def resolve_kind(kind: str = "auto") -> str:
 
 
 def make_io(
-    kind: str = "auto", threads: int = 16, block_bytes: int = 1 << 20, max_open: int | None = None
+    kind: str = "auto",
+    threads: int = 16,
+    block_bytes: int = 1 << 20,
+    max_open: int | None = None,
+    request_bytes: int | None = None,
 ) -> IOBackend:
     """Return the I/O backend for ``kind`` (see the module docstring) with ``threads`` threads,
-    ``block_bytes`` per I/O and at most ``max_open`` open files (default: a quarter of ``ulimit -n``).
+    ``block_bytes`` per checksum, at most ``request_bytes`` per system call (default:
+    ``io_base.REQUEST_BYTES``) and at most ``max_open`` open files (default: a quarter of ``ulimit -n``).
 
     Raises ConfigError for an unknown kind, StoreError if kvikio is asked for but unusable.
     """
-    return IO_BACKENDS[resolve_kind(kind)](threads, block_bytes, max_open)
+    return IO_BACKENDS[resolve_kind(kind)](threads, block_bytes, max_open, request_bytes)

@@ -28,11 +28,16 @@ LIMIT_SHARE = 4
 
 
 class FileHandle:
-    """A file of the store: its path and whether it uses O_DIRECT; the backend opens it on demand."""
+    """A file of the store: its path and whether it uses O_DIRECT; the backend opens it on demand.
 
-    def __init__(self, path: str, direct: bool) -> None:
+    ``stage`` names what the file holds for CPU accounting (``cpu_meter``): the store sets
+    ``weights``/``state``; None means "from the path" (``cpu_meter.stage_of_path``).
+    """
+
+    def __init__(self, path: str, direct: bool, stage: str | None = None) -> None:
         self.path = path
         self.direct = direct
+        self.stage = stage
         self.closed = False
 
     def __repr__(self) -> str:

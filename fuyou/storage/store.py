@@ -54,6 +54,12 @@ class _Extent:
     spares: list[list[_File]] = field(default_factory=list)
 
 
+def stage_of_extent(name: str) -> str:
+    """What extent ``name`` holds, for CPU accounting (``cpu_meter``): ``weights`` (``w/…``), ``state``
+    (``s/…``) or ``other``."""
+    return {"w": "weights", "s": "state"}.get(name.split("/", 1)[0], "other")
+
+
 def as_bytes(buf: torch.Tensor | np.ndarray, nbytes: int, what: str) -> np.ndarray:
     """A uint8 numpy view of the first ``nbytes`` bytes of a contiguous CPU buffer.
 
@@ -205,7 +211,7 @@ class TensorStore:
                 path = os.path.join(self.dirs[d], fname)
                 if not os.path.exists(path):
                     raise ManifestError(f"{path} named by the manifest is missing; restore the run from a checkpoint")
-                recs.append(_File(d, fname, self.io.open(path, self.direct[d]), checksum.decode(crcs)))
+                recs.append(_File(d, fname, self._open(path, d, ext), checksum.decode(crcs)))
                 named.add((d, fname))
             ext.committed = recs
         for k, d in enumerate(self.dirs):  # files of uncommitted writes (a crash mid-step) are garbage
@@ -213,6 +219,13 @@ class TensorStore:
                 stale_tmp = fname.startswith(MANIFEST + ".tmp-")
                 if stale_tmp or (fname.endswith(".fy") and (k, fname) not in named):
                     os.unlink(os.path.join(d, fname))
+
+    def _open(self, path: str, dir_index: int, ext: _Extent) -> FileHandle:
+        """A handle on ``path`` (in directory ``dir_index``) holding a piece of ``ext``, tagged with the
+        extent's stage for CPU accounting (``stage_of_extent``)."""
+        h = self.io.open(path, self.direct[dir_index])
+        h.stage = stage_of_extent(ext.spec.name)
+        return h
 
     # ---------------------------------------------------------------- data path
     @property
@@ -277,7 +290,7 @@ class TensorStore:
             for p in ext.pieces:
                 path = os.path.join(self.dirs[p.dir_index], f"{ext.index:06d}.{p.dir_index}.{gen}.fy")
                 fsdirs.preallocate(path, p.file_bytes)
-                files.append(_File(p.dir_index, os.path.basename(path), self.io.open(path, self.direct[p.dir_index])))
+                files.append(_File(p.dir_index, os.path.basename(path), self._open(path, p.dir_index, ext)))
         except BaseException:
             self._drop(files)
             raise

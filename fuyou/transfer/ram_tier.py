@@ -10,8 +10,8 @@ RAM is not copied at all: the Adam stage updates it in place (``view`` + ``touch
 extent goes to the store unchanged.
 
 Memory: one page-aligned host buffer per tier class (weights, state), reserved in the engine's
-``HostBufferPool`` (pinned on CUDA), so a ``--cpu-memory`` too small for the tier fails up front
-with the pool's message naming ``ram-tier …``; each extent is a 4 KiB-aligned slice of it.
+``HostBufferPool`` (not pinned: it never crosses PCIe), so a ``--cpu-memory`` too small for the tier
+fails up front with the pool's message naming ``ram-tier …``; each extent is a 4 KiB-aligned slice.
 
 Crash safety: between flushes the RAM copy is the only current one. Per-step commits do not write
 RAM extents (no SSD traffic), so such a version carries ``"ram_tier_stale": true`` in its metadata
@@ -32,7 +32,7 @@ from fuyou.models.store_layout import ModelLayout
 from fuyou.schedule.sizing import RAM_STATE, RAM_WEIGHTS
 from fuyou.storage.extents import ExtentSpec
 from fuyou.storage.io_base import gather
-from fuyou.storage.store import TensorStore
+from fuyou.storage.store import TensorStore, stage_of_extent
 from fuyou.timeline import Timeline
 from fuyou.transfer.futures import done_future
 from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
@@ -109,9 +109,10 @@ class RamTier:
         src = self.ram.get(name)
         if src is None:
             return self.store.read(name, buf)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         _bytes(buf, src.numel(), name).copy_(src)
         self.timeline.add("h2d", f"ram→host {name}", t0, time.perf_counter(), src.numel())
+        self._charge(name, "copy_out", c0, src.numel())
         return done_future()
 
     def write(self, name: str, buf: torch.Tensor) -> Future:
@@ -120,12 +121,20 @@ class RamTier:
         dst = self.ram.get(name)
         if dst is None:
             return self.store.write(name, buf)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         dst.copy_(_bytes(buf, dst.numel(), name))
         self.timeline.add("d2h", f"host→ram {name}", t0, time.perf_counter(), dst.numel())
+        self._charge(name, "copy_in", c0, dst.numel())
         self.dirty.add(name)
         self.uncommitted.add(name)
         return done_future()
+
+    def _charge(self, name: str, op: str, c0: float, nbytes: int) -> None:
+        """Charge this thread's CPU time since ``c0`` (``time.thread_time``) for a RAM copy of extent
+        ``name`` to the store's CPU meter (stage ``ram_weights``/``ram_state``), if one is attached."""
+        meter = self.store.io.meter
+        if meter is not None:
+            meter.add(f"ram_{stage_of_extent(name)}", op, time.thread_time() - c0, nbytes)
 
     def view(self, name: str) -> torch.Tensor | None:
         """The RAM copy of extent ``name`` (a uint8 host tensor, updated in place by the caller), or

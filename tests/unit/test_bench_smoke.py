@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -52,3 +54,22 @@ def test_gpu_bench_smoke_runs_on_any_device(tmp_path):
     assert r.returncode == 0, r.stderr
     rec = json.loads(r.stdout.splitlines()[-1])
     assert rec["tflops"] > 0 and 0 < rec["mfu"] and rec["flop_formula"]
+
+
+@pytest.mark.slow  # ~35 s: the peer script's plain run imports transformers in its own process
+def test_io_cpu_bench_smoke(tmp_path):
+    """CPU seconds per GB per stage, read from the engine's own I/O, and Fuyou ÷ plain from the peer script."""
+    r = subprocess.run(
+        [sys.executable, "bench/bench_io_cpu.py", "--smoke", "--dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout.splitlines()[-1])
+    stages = rec["fuyou"]["stages"]
+    for key in ("weights.read", "weights.write", "state.read", "state.write"):
+        assert stages[key]["gb_per_step"] > 0 and stages[key]["cpu_s_per_gb"] > 0, key
+    assert rec["fuyou"]["threads_cpu_s_per_step"]["io_pool"] > 0
+    assert rec["references"]["plain"]["median_step_s"] > 0 and rec["ratios"]["fuyou_over_plain"] > 0
