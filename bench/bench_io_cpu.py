@@ -258,11 +258,15 @@ def run_peer(a: argparse.Namespace, mode: str, model_dir: str, work: str) -> dic
 
 
 # ---------------------------------------------------------------------------------- main
-def tiny_model(work: str, peer: str) -> str:
-    """A random-init tiny Llama written by the peer script (``--create-random tiny``)."""
+def tiny_model(work: str) -> str:
+    """A random-init tiny Llama (the peer script's ``tiny`` shape: hidden 256, 4 layers, vocab 49152,
+    tied embeddings) saved as a Hugging Face model directory."""
+    from bench.bench_engine import build_model, llama_config
+
+    cfg = llama_config(hidden=256, layers=4, inter=688, heads=4, kv_heads=4, vocab=49152, seq=256)
+    cfg.tie_word_embeddings = True
     out = os.path.join(work, "tiny-model")
-    subprocess.run([sys.executable, peer, "--create-random", "tiny", "--model-dir", out], check=True,
-                   capture_output=True)  # fmt: skip
+    build_model(cfg).save_pretrained(out)
     return out
 
 
@@ -290,8 +294,14 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="tiny random model, 2 steps, rules plan, plain reference only")
     ap.add_argument("--out", default=None, help="also append the JSON line to this file")
     a = ap.parse_args()
-    if a.smoke:
-        a.repeats, a.warmup, a.seq_len, a.references, a.cpu_memory, a.plan = 2, 1, 32, "plain", "512MiB", "rules"
+    if a.smoke:  # the plain reference only where the peer script is (it lives outside the repository)
+        refs = "plain" if os.path.exists(a.peer) else ""
+        a.repeats, a.warmup, a.seq_len, a.references, a.cpu_memory, a.plan = 2, 1, 32, refs, "512MiB", "rules"
+    missing = [m for m in a.references.split(",") if m and not os.path.exists(a.peer)]
+    if missing:
+        raise SystemExit(
+            f"the peer script {a.peer} does not exist (references {missing}); pass --peer or --references ''"
+        )
     if a.crc:
         checksum.choose(a.crc)
     work = a.dir or tempfile.mkdtemp(prefix="fuyou-iocpu-")
@@ -300,7 +310,7 @@ def main() -> None:
         if a.model_dir:
             model_dir, real = a.model_dir, True
         elif a.smoke:
-            model_dir, real = tiny_model(work, a.peer), False
+            model_dir, real = tiny_model(work), False
         else:
             from fuyou.run.demo import demo_model_dir
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PEER = os.path.join(os.path.dirname(ROOT), "shared", "peers", "deepspeed_baseline.py")
 
 
 def test_store_bench_smoke(tmp_path):
@@ -72,4 +73,7 @@ def test_io_cpu_bench_smoke(tmp_path):
     for key in ("weights.read", "weights.write", "state.read", "state.write"):
         assert stages[key]["gb_per_step"] > 0 and stages[key]["cpu_s_per_gb"] > 0, key
     assert rec["fuyou"]["threads_cpu_s_per_step"]["io_pool"] > 0
-    assert rec["references"]["plain"]["median_step_s"] > 0 and rec["ratios"]["fuyou_over_plain"] > 0
+    if os.path.exists(PEER):  # the peer script lives beside the repository on development machines only
+        assert rec["references"]["plain"]["median_step_s"] > 0 and rec["ratios"]["fuyou_over_plain"] > 0
+    else:
+        assert rec["references"] == {} and rec["ratios"] == {}
