@@ -14,6 +14,12 @@ def engines_under_test() -> list[str]:
     return ["posix", "pyfile"] + (["kvikio"] if kvikio_usable() else [])
 
 
+def engines_posix_first() -> list:
+    """``engines_under_test`` for tests too slow to run thrice in the default tier: POSIX there, the
+    other backends in the ``slow`` tier (which ``.ci/run`` also runs)."""
+    return [kind if kind == "posix" else pytest.param(kind, marks=pytest.mark.slow) for kind in engines_under_test()]
+
+
 def use_engine(monkeypatch: pytest.MonkeyPatch, kind: str) -> str:
     """Make ``io="auto"`` mean ``kind`` for the test (and its child processes); returns ``kind``."""
     monkeypatch.setenv(IO_ENV, kind)

@@ -77,7 +77,7 @@ MUTATIONS = [
     Mutation(
         "weights._buffer: a recycled host buffer's upload landed before the next read fills it",
         "fuyou/transfer/weights.py",
-        "landed = event_future(ev)",
+        'landed = event_future(ev, "weights")',
         replacement="landed = done_future()",
         why="an SSD read refills a host buffer while its host→device copy still reads it",
     ),
@@ -172,7 +172,7 @@ MUTATIONS = [
     Mutation(
         "activation_files._pack: the copies off landed before staging is packed (future)",
         "fuyou/transfer/activation_files.py",
-        "self.packed = chain(event_future(self.landed), lambda: self._pack(staging, pieces))",
+        'self.packed = chain(event_future(self.landed, "activations"), lambda: self._pack(staging, pieces))',
         replacement="self.packed = chain(done_future(), lambda: self._pack(staging, pieces))",
         why="swapped activations are packed and written to SSD before their device-to-host copies landed",
     ),

@@ -336,6 +336,14 @@ class _Search:
         return best
 
 
+def _device_bound(res: PlannerResult) -> bool:
+    """Whether device memory shaped ``res``: some layer recomputes, or the micro-batch is smaller than
+    the step's sequences. Otherwise block inputs in host RAM cannot buy anything (every layer keeps its
+    activations at the largest micro-batch) and the second search is skipped."""
+    seqs = res.plan.grad_accum * res.step.micro_batch_size
+    return "recompute" in res.plan.activation_policy or res.step.micro_batch_size < seqs
+
+
 def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Request = Request()) -> PlannerResult:
     """The fastest predicted plan for ``shape`` on ``prof`` within ``budgets``.
 
@@ -355,6 +363,8 @@ def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Requ
             if str(e).startswith("host memory: with block inputs"):
                 raise InfeasibleError(f"{device_bound}; or, {e}") from None
             raise
+    if not _device_bound(main):
+        return main
     try:
         alt = _Search(shape, prof, budgets, req, offload=True).run()
     except InfeasibleError:

@@ -129,7 +129,7 @@ class SSDRecord:
         pieces, self.pending = self.pending, []
         h = self.space.handle(self.block, self.micro, n)
         assert self.landed is not None  # set by every pack()
-        self.packed = chain(event_future(self.landed), lambda: self._pack(staging, pieces))
+        self.packed = chain(event_future(self.landed, "activations"), lambda: self._pack(staging, pieces))
         fut = chain(self.packed, lambda: self.space.io.write(h, staging.numpy()))
         self.wfut = self.space.timeline.track(fut, "ssd_write", f"act b{self.block} k{self.micro}", n)
         self.wfut.add_done_callback(self._written)

@@ -44,15 +44,16 @@ def chain(first: Future, start: Callable[[], Future]) -> Future:
     return out
 
 
-_waits: queue.SimpleQueue[tuple[Event, Future]] = queue.SimpleQueue()
-_waiter: threading.Thread | None = None
-_waiter_lock = threading.Lock()
+_waiters: dict[str, queue.SimpleQueue[tuple[Event, Future]]] = {}
+"""One queue (and daemon thread) per channel: a channel's events complete in order, so one thread
+each waits for them without holding another channel's back."""
+_waiters_lock = threading.Lock()
 
 
-def _wait_events() -> None:
-    """The waiter thread: completes each queued future once its event has (in queue order)."""
+def _wait_events(waits: queue.SimpleQueue[tuple[Event, Future]]) -> None:
+    """A channel's waiter thread: completes each queued future once its event has (in queue order)."""
     while True:
-        ev, fut = _waits.get()
+        ev, fut = waits.get()
         try:
             ev.wait()
         except BaseException as e:  # noqa: BLE001 - surfaced through the future
@@ -62,14 +63,14 @@ def _wait_events() -> None:
         del ev, fut
 
 
-def event_future(ev: Event) -> Future:
+def event_future(ev: Event, channel: str) -> Future:
     """A future that completes when the device work before ``ev`` has (at once if it already has).
 
-    One daemon thread blocks on the events in the order given, so the training thread never does:
-    pass events of one stream in issue order (a later event on the same stream waits no longer).
-    Errors of the work (``Event.wait`` raising) land in the future.
+    A daemon thread per ``channel`` blocks on that channel's events in the order given, so the
+    training thread never does: give each stream its own channel and its events in issue order (a
+    later event on the same stream waits no longer). Errors of the work (``Event.wait`` raising) land
+    in the future.
     """
-    global _waiter
     fut: Future = Future()
     if ev.query():
         try:
@@ -79,9 +80,11 @@ def event_future(ev: Event) -> Future:
         else:
             fut.set_result(None)
         return fut
-    with _waiter_lock:
-        if _waiter is None:
-            _waiter = threading.Thread(target=_wait_events, name="fuyou-event-waiter", daemon=True)
-            _waiter.start()
-    _waits.put((ev, fut))
+    with _waiters_lock:
+        waits = _waiters.get(channel)
+        if waits is None:
+            waits = _waiters[channel] = queue.SimpleQueue()
+            name = f"fuyou-event-waiter-{channel}"
+            threading.Thread(target=_wait_events, args=(waits,), name=name, daemon=True).start()
+    waits.put((ev, fut))
     return fut

@@ -81,7 +81,7 @@ class WeightLoader:
         if self.pool.available(HOST_CLASS) or not self._copies:
             return self.pool.acquire(HOST_CLASS), done_future()
         buf, ev = self._copies.pop(0)
-        landed = event_future(ev)  # the read may refill buf only once the upload out of it has run
+        landed = event_future(ev, "weights")  # the read may refill buf only once the upload out of it has run
         return buf, landed
 
     def _reap(self, wait: bool) -> None:

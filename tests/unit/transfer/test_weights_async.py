@@ -17,11 +17,11 @@ def test_event_future_completes_after_the_streams_work():
     s = b.new_stream()
     gate = threading.Event()
     s.put(gate.wait)
-    fut = event_future(b.record(s))
+    fut = event_future(b.record(s), "test")
     assert not fut.done()
     gate.set()
     assert fut.result(timeout=5) is None
-    assert event_future(b.record()).done(), "an event already complete gives a completed future"
+    assert event_future(b.record(), "test").done(), "an event already complete gives a completed future"
 
 
 def test_the_next_block_is_handed_over_while_every_upload_is_still_queued(monkeypatch, tmp_path):
