@@ -66,15 +66,6 @@ class Timeline:
             self.spans.append(Span(resource, label, t0, t1, nbytes))
 
     @contextmanager
-    def span(self, resource: str, label: str, nbytes: int = 0) -> Iterator[None]:
-        """Time the body as a span on ``resource``."""
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.add(resource, label, t0, time.perf_counter(), nbytes)
-
-    @contextmanager
     def device_span(
         self, resource: str, label: str, backend: Backend, stream: Any | None, nbytes: int = 0
     ) -> Iterator[None]:
