@@ -5,7 +5,8 @@ Per block, the device gradient is first copied into a host buffer (``offload``, 
 AdamW on the Adam worker thread (writing the new compute weights into a host buffer in the same
 pass) and writes both extents back. Everything is chained on futures: the training thread only
 submits, and the returned future completes when the block's new weights are in the store (readable
-by the next step). State and weights go through the ``RamTier`` facade: RAM-tier extents are
+by the next step). Until the weights' write lands, a read of the block takes them from the host
+buffer instead (``fuyou.transfer.new_weights``). State and weights go through the ``RamTier`` facade: RAM-tier extents are
 memcpys, not SSD traffic.
 """
 
@@ -29,6 +30,7 @@ from fuyou.timeline import Timeline
 from fuyou.transfer.futures import chain, done_future
 from fuyou.transfer.gradients import GradientOffload
 from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
+from fuyou.transfer.new_weights import NewWeights
 from fuyou.transfer.ram_tier import RamTier
 
 
@@ -53,6 +55,8 @@ class AdamStage:
         self.timeline = timeline
         self.gradients = GradientOffload(backend, pool, layout, timeline, d2h_stream)
         self.worker = AdamWorker(hyper, step_fn=self._timed_step, num_threads=num_threads)
+        self.new_weights = NewWeights(timeline, store.store.io)
+        """Each block's new weights, handed to a read of the block while their buffer is held."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._nonfinite: set[int] = set()
@@ -112,6 +116,7 @@ class AdamStage:
         chains read → update → write; see ``_update_now``.
         """
         out: Future = Future()
+        self.new_weights.expect(b)
         self._queue.put((b, grad, ready, lr, step, scale, out))
         return out
 
@@ -126,6 +131,7 @@ class AdamStage:
             except BaseException as e:  # noqa: BLE001 - surfaced through the block's future
                 if isinstance(grad, HostBuffer):
                     self.pool.release(grad)
+                self.new_weights.retire(b, e)
                 out.set_exception(e)
                 continue
 
@@ -152,12 +158,23 @@ class AdamStage:
         ]
         jobs = gather([j for j, _ in chunk_writes])
         jobs.add_done_callback(lambda _: self.pool.release(grad))
+        new = self.new_weights
+
+        def publish(j: Future) -> None:  # before the write starts (callbacks run in order)
+            if j.exception() is None:
+                new.publish(b, w_ext.name, wbuf.data[: w_ext.nbytes])
+
+        jobs.add_done_callback(publish)
 
         def write_weights() -> Future:
             return self._io(self.store.write(w_ext.name, wbuf.data), "ssd_write", w_ext.name, w_ext.nbytes)
 
+        def retire(f: Future) -> None:
+            new.retire(b, f.exception())  # hazard: no copy may read wbuf once it is back in the pool
+            self.pool.release(wbuf)
+
         ww = chain(jobs, write_weights)
-        ww.add_done_callback(lambda _: self.pool.release(wbuf))
+        ww.add_done_callback(retire)
         return gather([ww] + [w for _, w in chunk_writes])
 
     def _chunk(

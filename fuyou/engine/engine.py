@@ -126,6 +126,7 @@ class Engine:
             cfg.adam_threads,
             cfg.no_decay,
         )
+        self.loader.new_weights = self.stage.new_weights
         self.parking = GradientParking(
             self.stage,
             self.pool,

@@ -15,7 +15,9 @@ once complete:
 * ``overlap_next_forward`` — gradients are parked (in host memory, or on SSD for blocks from
   ``Plan.park_ram_blocks`` on: ``grad_park``) and the global norm accumulates; after backward the
   clipping coefficient is exact, and Adam(0…H) is submitted in forward order to overlap the *next*
-  step's forward, whose reads of block b wait for Adam(b)'s write.
+  step — its forward, whose reads of block b wait for Adam(b)'s write, and its turnaround and
+  backward, which its writes trail into. That step waits for them (``settle``: commit) only at its
+  own end, before submitting its own updates.
 """
 
 from __future__ import annotations
@@ -153,16 +155,15 @@ class StepRunner:
         return [lay.index(o) for o in lay.blocks[-1].borrows]
 
     def run(self, st: StepState) -> tuple[bool, float, float]:
-        """One step over ``st``'s micro-batches: forward, settle the last step's updates, turnaround,
-        backward, finish. Returns (applied, t0, t1): whether an update was applied and the step's
-        start and end (``time.perf_counter``)."""
+        """One step over ``st``'s micro-batches: forward, turnaround, backward, finish (which first
+        settles the last step's updates, clipping schedule). Returns (applied, t0, t1): whether an
+        update was applied and the step's start and end (``time.perf_counter``)."""
         c = self.c
         t0 = time.perf_counter()
         c.loader.gate = self.gate
         c.loader.start(rules.load_order(len(c.layout.blocks), self.borrowed()))
         try:
             self.forward(st)
-            self.settle()
             self.turnaround(st)
             self.backward(st)
             applied = self.finish(st)
@@ -360,9 +361,10 @@ class StepRunner:
             c.progress.step += 1
             c.tier.commit(c.commit_meta())
             return True
-        if not self.finite(st):
+        if not self.settle() or not self.finite(st):  # a rolled-back last step voids this one's gradients
             for p in st.parked.values():
                 c.parking.discard(p)
+            st.parked.clear()
             return False
         norm = math.sqrt(st.norm_sq)
         scale = min(1.0, c.max_grad_norm / (norm + 1e-6)) if c.max_grad_norm else 1.0
@@ -371,10 +373,12 @@ class StepRunner:
         c.progress.step += 1
         return True
 
-    def settle(self) -> None:
-        """overlap_next_forward: wait for the previous step's updates and commit them."""
+    def settle(self) -> bool:
+        """overlap_next_forward: wait for the previous step's updates and commit them. Returns False
+        when they came out non-finite and were rolled back (a step computed since read their weights
+        and must be dropped), else True."""
         if not self.pending:
-            return
+            return True
         futs = list(self.pending.values())
         self.pending.clear()
         wait(futs)
@@ -390,9 +394,11 @@ class StepRunner:
                 RuntimeWarning,
                 stacklevel=2,
             )
-            return
+            return False
         self.c.tier.commit(self.c.commit_meta())
+        return True
 
     def gate(self, b: int) -> Future:
-        """Loader gate: block b's weights may be read once the pending update of b has written them."""
+        """Loader gate: block b's weights may be read once the pending update of b has written them
+        (every read of b until ``settle``: forward, the head's borrowed blocks, backward)."""
         return self.pending.get(b, done_future())

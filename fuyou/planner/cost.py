@@ -11,7 +11,8 @@ from a sum or a max. Memory per tier:
 * host — the engine's buffer pool and RAM tier, counted by the rules the engine reserves them with
   (``fuyou.schedule.sizing``), ``swap_cpu`` activations and ``recompute_cpu`` block inputs (all
   alive at the turnaround) and transient ``swap_ssd`` staging;
-* SSD — two versions of the store (crash-safe commits) plus ``swap_ssd`` scratch files.
+* SSD — two versions of the store (crash-safe commits) plus scratch files: ``swap_ssd`` activations and
+  gradients parked on SSD (two files a block, ``fuyou.transfer.grad_park``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from fuyou.planner.graph import StepConfig, StepGraph, simulate
 from fuyou.planner.profile import HardwareProfile
 from fuyou.planner.shapes import ModelShape
-from fuyou.schedule import sizing
+from fuyou.schedule import rules, sizing
 from fuyou.schedule.plan import Plan
 
 DAY_S = 86400.0
@@ -42,7 +43,7 @@ class Memory:
     host_ram_tiers: int = 0
     """Weights/state kept in host RAM instead of on SSD (``fuyou.transfer.ram_tier``)."""
     ssd: int = 0
-    """Store (two versions) plus activation scratch files."""
+    """Store (two versions) plus activation and parked-gradient scratch files."""
 
     @property
     def host(self) -> int:
@@ -117,12 +118,13 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)
     swap_cpu += offloaded * T * shape.hidden * cb
     store = sum(cb * b.numel + cfg.state_bytes_per_param * b.numel for b in shape.blocks)
+    parked = sum(2 * cb * shape.blocks[b].numel for b in rules.parked_on_ssd(H + 1, g.p))  # two files a block
     return Memory(
         device=device,
         host_buffers=host_buffers(shape, plan, cfg),
         host_activations=int(swap_cpu + staging),
         host_ram_tiers=ram_tier_bytes(shape, plan, cfg),
-        ssd=int(2 * store + sum(g.act_bytes(b) for b in ssd_blocks)),
+        ssd=int(2 * store + parked + sum(g.act_bytes(b) for b in ssd_blocks)),
     )
 
 

@@ -17,7 +17,11 @@ but ``ssd`` are one server, the cores. Modelled beyond the rules:
   (SSD read → Adam on one FIFO worker → SSD write), the new weights written after the last chunk; the
   thread blocks on 2 gradient, 2 new-weight and ``state_buffers`` state buffers; parked gradients on
   SSD are written after their copy and read back before their Adam; with the clipping schedule the
-  next step's reads of block b wait for Adam(b)'s weight write and its turnaround for every write.
+  next step's forward takes block b's new weights from Adam's buffer (a memcpy by the Adam worker once
+  Adam(b) is done: ``fuyou.transfer.new_weights``), its later reads of b wait for Adam(b)'s weight
+  write, and its finish, before it submits its own updates, waits for every write (``settle``). The
+  engine hands over whenever the read is claimed before the write lands; the graph assumes so for
+  the forward's reads and no other (by then the writes have long landed).
 
 Blocks under ``recompute_cpu`` copy their input off the device after forward and back before
 backward. On a CUDA device swaps and those copies run on the copy streams, overlapped with compute
@@ -69,6 +73,7 @@ class StepGraph:
         self.thread: int | None = None
         self.compute: int | None = None
         self.prev_writes: dict[int, int] = {}
+        self.prev_done: dict[int, int] = {}
         self.prev_all: list[int] = []
         self.ends: list[int] = []
 
@@ -131,7 +136,10 @@ class StepGraph:
             return
         b = self.order[pos]
         gate = self.prev_writes.get(b)  # overlap_next_forward: Adam(b) of the last step wrote w(b)
-        if b < self.p.ram_weight_blocks:  # RAM tier: a memcpy into the host buffer, no SSD read, done by
+        if gate is not None and pos < self.H and b >= self.p.ram_weight_blocks:  # forward: handed over
+            cp = self._w_bytes(b) / self.hw.host_mem_Bps
+            self.reads[pos] = self.sim.op("adam", cp, deps + (self.prev_done[b],), "handoff")
+        elif b < self.p.ram_weight_blocks:  # RAM tier: a memcpy into the host buffer, no SSD read, done by
             # the thread that issues it (training thread) or, gated on last step's update, the Adam worker
             cp = self._w_bytes(b) / self.hw.host_mem_Bps
             if gate is None:
@@ -158,15 +166,13 @@ class StepGraph:
         self.ww_rel: list[int] = []
         self.state_rel: list[int] = []
         self.writes: dict[int, int] = {}
+        self.done: dict[int, int] = {}
         self.all_writes: list[int] = []
         self.parked_grads: dict[int, int] = {}
         self.on_ssd: set[int] = set()
         for pos in range(min(self.p.prefetch_depth + 1, len(self.order))):
             self._issue(pos, (start,))
         self.forward()
-        if self.prev_all:  # settle: the previous step's updates must be written and committed
-            self._t(*self.prev_all)
-            self.thread = self.sim.op("thread", self.hw.commit_s, (self.thread,))
         self.turnaround()
         self.backward()
         self.finish()
@@ -286,6 +292,7 @@ class StepGraph:
             writes.append(self._ssd(nbytes, "ssd_write", (jobs[-1],)))
             self.state_rel.append(writes[-1])
         done = self.sim.op(None, 0.0, jobs)
+        self.done[b] = done
         self.grad_rel.append(done)
         if b < self.p.ram_weight_blocks:
             ww = self.sim.op("thread", self._w_bytes(b) / hw.host_mem_Bps, (done,))
@@ -299,11 +306,15 @@ class StepGraph:
         if not self.p.clips:
             self._t(*self.all_writes)
             self.thread = self.sim.op("thread", self.hw.commit_s, (self.thread,))
-            self.prev_writes, self.prev_all = {}, []
+            self.prev_writes, self.prev_all, self.prev_done = {}, [], {}
         else:
+            if self.prev_all:  # settle: the previous step's updates must be written and committed
+                self._t(*self.prev_all)
+                self.thread = self.sim.op("thread", self.hw.commit_s, (self.thread,))
             for b in range(self.H + 1):
                 self.update(b, self.parked_grads[b])
             self.prev_writes, self.prev_all = dict(self.writes), list(self.all_writes)
+            self.prev_done = dict(self.done)
         self.ends.append(self._t())
 
 

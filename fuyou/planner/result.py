@@ -24,7 +24,7 @@ class Budgets:
     gpu_memory: int
     """Device budget (``--gpu-memory``)."""
     ssd_bytes: int = 0
-    """Free space for the store and activation scratch files; 0: not checked."""
+    """Free space for the store and its scratch files (activations, parked gradients); 0: not checked."""
 
 
 @dataclass(frozen=True)

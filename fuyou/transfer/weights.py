@@ -1,6 +1,9 @@
 """Streaming compute weights SSD → host buffer → device, block by block, ``depth`` blocks ahead.
 
 Reads go through the ``RamTier`` facade: RAM-tier blocks' weights are a memcpy instead of an SSD read.
+A block whose update is in flight is *claimed* from the Adam stage's new-weights buffer
+(``fuyou.transfer.new_weights``: a memcpy once Adam's kernels are done, without waiting for its SSD
+write and reading it back); once that write has landed, the read goes to the store again.
 
 The loader walks one step's load order — forward 0…H, then backward H−1…0, with a tied
 embedding loaded again for the head — issuing reads ahead into a fixed set of host buffers. A
@@ -30,6 +33,7 @@ from fuyou.schedule.sizing import WEIGHTS as HOST_CLASS
 from fuyou.timeline import Timeline
 from fuyou.transfer.futures import chain, done_future, event_future
 from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
+from fuyou.transfer.new_weights import NewWeights
 from fuyou.transfer.ram_tier import RamTier
 
 
@@ -54,6 +58,8 @@ class WeightLoader:
         self._reads: dict[int, tuple[HostBuffer, Future]] = {}
         self._copies: list[tuple[HostBuffer, Event]] = []
         self.gate: Callable[[int], Future] = lambda b: done_future()
+        self.new_weights: NewWeights | None = None
+        """Where a block whose update is in flight is claimed from (the Adam stage's); None: never."""
 
     def start(self, order: list[int]) -> None:
         """Begin a new load order (one step); reads for its first ``depth`` blocks are issued."""
@@ -67,12 +73,22 @@ class WeightLoader:
             if p not in self._reads:
                 b = self.order[p]
                 buf, free = self._buffer()
-                ext = self.layout.w(b)
-                read = partial(chain, self.gate(b), partial(self.store.read, ext.name, buf.data))
-                fut = chain(free, read)
-                if not self.store.holds(ext.name):  # RAM-tier reads time themselves, as memcpys
-                    fut = self.timeline.track(fut, "ssd_read", ext.name, ext.nbytes)
-                self._reads[p] = (buf, fut)
+                self._reads[p] = (buf, chain(free, partial(self._read, b, buf)))
+
+    def _read(self, b: int, buf: HostBuffer) -> Future:
+        """Fill ``buf`` with block ``b``'s latest weights: claimed from an update in flight, else read
+        from the store (RAM tier or SSD) once the gate allows."""
+        ext = self.layout.w(b)
+        if self.store.holds(ext.name):  # RAM tier: a memcpy that times itself
+            return chain(self.gate(b), partial(self.store.read, ext.name, buf.data))
+        claimed = self.new_weights.claim(b, buf.data) if self.new_weights is not None else None
+        if claimed is not None:
+            return claimed
+
+        def read() -> Future:
+            return self.timeline.track(self.store.read(ext.name, buf.data), "ssd_read", ext.name, ext.nbytes)
+
+        return chain(self.gate(b), read)
 
     def _buffer(self) -> tuple[HostBuffer, Future]:
         """A host buffer for the next read, and a future for when it may be written: a free buffer at
