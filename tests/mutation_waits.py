@@ -135,12 +135,6 @@ MUTATIONS = [
         why="Adam's read of a parked gradient overtakes its write",
     ),
     Mutation(
-        "grad_park.park: alternate a block's two files (the last step's read-back still reads one)",
-        "fuyou/transfer/grad_park.py",
-        "self._parity[b] ^= 1",
-        why="this step's park overwrites a file the last step's Adam has not read back yet",
-    ),
-    Mutation(
         "adam_stage._update_now: hand-off retired before the new-weights buffer returns to the pool",
         "fuyou/engine/adam_stage.py",
         "new.retire(b, f.exception())",

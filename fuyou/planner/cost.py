@@ -12,7 +12,7 @@ from a sum or a max. Memory per tier:
   (``fuyou.schedule.sizing``), ``swap_cpu`` activations and ``recompute_cpu`` block inputs (all
   alive at the turnaround) and transient ``swap_ssd`` staging;
 * SSD — two versions of the store (crash-safe commits) plus scratch files: ``swap_ssd`` activations and
-  gradients parked on SSD (two files a block, ``fuyou.transfer.grad_park``).
+  gradients parked on SSD (``fuyou.transfer.grad_park``).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)
     swap_cpu += offloaded * T * shape.hidden * cb
     store = sum(cb * b.numel + cfg.state_bytes_per_param * b.numel for b in shape.blocks)
-    parked = sum(2 * cb * shape.blocks[b].numel for b in rules.parked_on_ssd(H + 1, g.p))  # two files a block
+    parked = sum(cb * shape.blocks[b].numel for b in rules.parked_on_ssd(H + 1, g.p))
     return Memory(
         device=device,
         host_buffers=host_buffers(shape, plan, cfg),

@@ -7,18 +7,17 @@ clipping coefficient needs the global norm), so every block's gradient waits —
 
 * park — the device gradient is copied into one of the two gradient buffers (``grads``:
   ``fuyou.transfer.gradients``) and written, asynchronously and checksummed, to a scratch file of
-  that block (``<ssd>/gradients/``, striped over the store directories, allocated once); the buffer
-  returns to the pool when the write lands. The training thread only waits when both buffers are in
-  flight. Each block has two files, used by alternate steps: the last step's updates are still
-  reading theirs back while this step's backward parks (``fuyou.engine.step``: the last step's Adam
-  overlaps this step's forward *and* backward), so a park never waits for a read-back.
+  that block (``<ssd>/gradients/``, striped over the store directories, allocated once, reused every
+  step); the buffer returns to the pool when the write lands. The training thread only waits when
+  both buffers are in flight.
 * read back — the Adam pass asks for the gradient on its feeder thread (``AdamStage.update`` takes a
   callable): a ``grads`` buffer is taken, the file read into it (checksums verified), and Adam starts
   when the read lands, so reads of later blocks overlap Adam of earlier ones.
 
-A file is written at most once per two steps and read back before the step after next parks into
-it (``settle`` waits for every update of a step before the next step submits its own); a new write
-still waits for the file's previous one.
+A block's file is written at most once per step and read back before the next step parks into it:
+the last step's Adam overlaps this step's backward, but block b's backward runs on weights that Adam(b)
+produced (the weight loader's gate or hand-off), so Adam(b) has read its gradient back by then. A new
+write still waits for the block's previous one.
 """
 
 from __future__ import annotations
@@ -65,8 +64,6 @@ class OnSSD:
 
     block: int
     written: Future
-    parity: int = 0
-    """Which of the block's two files holds it."""
 
 
 Parked = tuple[HostBuffer, Event] | OnSSD
@@ -94,26 +91,21 @@ class GradientParking:
         self.checksums = checksums
         self.dirs = [os.path.join(d, GRAD_DIR) for d in dirs]
         self._direct = direct
-        self._files: dict[tuple[int, int], FileHandle] = {}
-        """(block, parity) → scratch file."""
-        self._crcs: dict[tuple[int, int], list[int]] = {}
-        self._last: dict[tuple[int, int], Future] = {}
-        self._parity: dict[int, int] = {}
-        """Block → the parity its next park writes."""
+        self._files: dict[int, FileHandle] = {}
+        self._crcs: dict[int, list[int]] = {}
+        self._last: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="fuyou-grad-park") if ssd_blocks else None
         for b in ssd_blocks:
-            self._parity[b] = 0
-            for parity in (0, 1):
-                self._files[(b, parity)] = self._open(b, parity)
+            self._files[b] = self._open(b)
 
     def _nbytes(self, b: int) -> int:
         return self.layout.numel(b) * elem_size(self.layout.compute_dtype)
 
-    def _open(self, b: int, parity: int) -> FileHandle:
-        i = (b + parity) % len(self.dirs)
+    def _open(self, b: int) -> FileHandle:
+        i = b % len(self.dirs)
         os.makedirs(self.dirs[i], exist_ok=True)
-        path = os.path.join(self.dirs[i], f"b{b}.{parity}.grad")
+        path = os.path.join(self.dirs[i], f"b{b}.grad")
         if os.path.exists(path):
             os.unlink(path)
         preallocate(path, align_up(max(self._nbytes(b), 1), 4096))
@@ -121,7 +113,7 @@ class GradientParking:
 
     def on_ssd(self, b: int) -> bool:
         """Whether block ``b``'s gradient parks on SSD."""
-        return b in self._parity
+        return b in self._files
 
     # ------------------------------------------------------------------ park
     def park(self, b: int, grad: torch.Tensor) -> Parked:
@@ -130,26 +122,23 @@ class GradientParking:
         if not self.on_ssd(b):
             return self.gradients.offload(b, grad, park_class(b))
         buf, ready = self.gradients.offload(b, grad, GRADS)
-        key = (b, self._parity[b])
-        self._parity[b] ^= 1  # the next step parks into the other file
-        prev = self._last.get(key)
+        prev = self._last.get(b)
         assert self._writer is not None
-        fut = self._writer.submit(self._write, key, buf, ready, prev)
-        self._last[key] = fut
-        return OnSSD(b, fut, key[1])
+        fut = self._writer.submit(self._write, b, buf, ready, prev)
+        self._last[b] = fut
+        return OnSSD(b, fut)
 
-    def _write(self, key: tuple[int, int], buf: HostBuffer, ready: Event, prev: Future | None) -> None:
-        """Writer thread: once the device→host copy has landed (and the file's previous write), write."""
+    def _write(self, b: int, buf: HostBuffer, ready: Event, prev: Future | None) -> None:
+        """Writer thread: once the device→host copy has landed (and the block's previous write), write."""
         try:
             ready.wait()
             if prev is not None:
                 prev.exception()
-            b = key[0]
             n = self._nbytes(b)
-            fut = self.io.write(self._files[key], buf.data[:n].numpy(), self.checksums)
+            fut = self.io.write(self._files[b], buf.data[:n].numpy(), self.checksums)
             crcs = self.timeline.track(fut, "ssd_write", f"grad {self.layout.blocks[b].name}", n).result()
             with self._lock:
-                self._crcs[key] = crcs
+                self._crcs[b] = crcs
         finally:
             self.pool.release(buf)
 
@@ -165,12 +154,11 @@ class GradientParking:
         """Feeder thread: take a ``grads`` buffer and start reading block's gradient into it."""
         parked.written.result()  # raises the write's error, if any
         b, n = parked.block, self._nbytes(parked.block)
-        key = (b, parked.parity)
         buf = self.pool.acquire(GRADS)
         try:
             with self._lock:
-                crcs = self._crcs[key] if self.checksums else None
-            fut = self.io.read(self._files[key], buf.data[:n].numpy(), crcs, f"parked gradient of block {b}")
+                crcs = self._crcs[b] if self.checksums else None
+            fut = self.io.read(self._files[b], buf.data[:n].numpy(), crcs, f"parked gradient of block {b}")
         except BaseException:
             self.pool.release(buf)
             raise
