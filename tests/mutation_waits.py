@@ -141,6 +141,13 @@ MUTATIONS = [
         why="a later read of the block copies from a buffer the pool has handed to another block",
     ),
     Mutation(
+        "activation_files.upload: staging filled (read back or packed) before the copies back",
+        "fuyou/transfer/activation_files.py",
+        "f.result()",
+        1,
+        why="an SSD-swapped activation is copied onto the device before its read back landed",
+    ),
+    Mutation(
         "activation_copies.upload: compute named a user of the copied-back activation (keep_alive)",
         "fuyou/transfer/activation_copies.py",
         "self.backend.keep_alive(dev, self.compute)",

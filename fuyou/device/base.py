@@ -249,6 +249,13 @@ class Backend(ABC):
         budget."""
         return torch.empty(shape, dtype=dtype)
 
+    def host_staging_aligned(self, nbytes: int) -> torch.Tensor:
+        """A page-aligned uint8 host tensor of exactly ``nbytes`` for a transient copy that also goes
+        through O_DIRECT I/O (activations read back from SSD, then copied onto the device): pinned on
+        CUDA where its caching host allocator hands out page-aligned memory; page-aligned pageable
+        memory here. The caller charges it to the host budget."""
+        return host_aligned_empty(nbytes)
+
     def poison(self, tensor: torch.Tensor) -> None:  # noqa: B027 (optional hook)
         """``tensor``'s memory was just given back (a host buffer returned to its pool): nothing to do
         here; the asynchronous CPU backend overwrites it with 0xFF bytes (NaN in every float dtype)."""

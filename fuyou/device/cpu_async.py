@@ -332,6 +332,12 @@ class AsyncCPUBackend(CPUBackend):
         _poison_tensor(t)
         return t
 
+    def host_staging_aligned(self, nbytes: int) -> torch.Tensor:
+        """Page-aligned host staging, poisoned until written."""
+        t = host_aligned_empty(nbytes)
+        _poison_tensor(t)
+        return t
+
     def poison(self, tensor: torch.Tensor) -> None:
         """Overwrite memory just given back with 0xFF bytes (NaN in every float dtype)."""
         _poison_tensor(tensor)

@@ -29,7 +29,7 @@ import torch
 
 from fuyou.device.base import Backend, Event, MemoryStats, device_full, host_aligned_empty
 from fuyou.errors import FuyouError
-from fuyou.units import format_size
+from fuyou.units import HOST_ALIGN, format_size
 
 
 def cuda_available() -> bool:
@@ -169,6 +169,12 @@ class CUDABackend(Backend):
         """A pinned host tensor from torch's caching host allocator (it keeps the block until the
         copies recorded on it have run, so freeing it early is safe)."""
         return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def host_staging_aligned(self, nbytes: int) -> torch.Tensor:
+        """Pinned staging from torch's caching host allocator when it is page-aligned (its blocks are
+        whole ``cudaHostAlloc`` allocations), else page-aligned pageable memory."""
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
+        return t[:nbytes] if t.data_ptr() % HOST_ALIGN == 0 else host_aligned_empty(nbytes)
 
     def rng_state(self) -> Any:
         """Host and CUDA generator states."""

@@ -119,7 +119,10 @@ class _Swap:
         return self.copies.take(packed, self.what)
 
     def upload(self) -> None:
-        """Start copying the swapped tensors back onto the device (swap_cpu; before backward)."""
+        """Start copying the swapped tensors back onto the device (before backward; swap_ssd: once
+        read back)."""
+        if self.record is not None:
+            self.record.upload()
         for c in self.packed:
             self.copies.upload(c, self.what)
 
@@ -198,12 +201,12 @@ def prefetch(saved: list[Saved]) -> None:
 
 
 def upload(saved: Saved | None) -> None:
-    """Start copying one (block, micro-batch)'s host-swapped activations or offloaded input back onto
-    the device, so the copy overlaps the compute queued before its backward (swap_cpu, recompute_cpu;
-    None or other policies: nothing)."""
+    """Start copying one (block, micro-batch)'s swapped activations or offloaded input back onto the
+    device, so the copy overlaps the compute queued before its backward (swap_cpu, swap_ssd once read
+    back, recompute_cpu; None or other policies: nothing)."""
     if saved is None:
         return
-    if saved.swap is not None and saved.swap.record is None:
+    if saved.swap is not None:
         saved.swap.upload()
     if saved.offloaded is not None:
         saved.offloaded.upload()

@@ -5,6 +5,8 @@ stream, ordered after the compute that wrote it, into host staging (pinned on CU
 thread does not wait for the copy. Backward copies it back on the host-to-device stream into memory
 handed out for that stream (the FSDP pattern, as the weights), started one micro-batch ahead
 (``upload``) so the copy overlaps the compute before it; compute waits only for the copy's event.
+Tensors that come back from SSD (``activation_files``) start their copy back from host staging
+(``back``) once their read has landed.
 """
 
 from __future__ import annotations
@@ -42,6 +44,13 @@ class ActivationCopies:
         landed = self.backend.copy(host, t, self.d2h)
         self.backend.keep_alive(t, self.d2h)  # hazard: t's memory reused while the copy still reads it
         return HostCopy(host, landed)
+
+    def back(self, host: torch.Tensor, what: str) -> HostCopy:
+        """Start copying ``host`` (filled on the host: no copy off the device to wait for) onto the
+        device; ``take`` returns it. Raises DeviceMemoryError naming ``what`` past the capacity."""
+        c = HostCopy(host, self.backend.record(self.h2d))
+        self.upload(c, what)
+        return c
 
     def upload(self, c: HostCopy, what: str) -> None:
         """Start copying ``c`` back onto the device (idempotent). Raises DeviceMemoryError naming

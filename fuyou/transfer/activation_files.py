@@ -1,13 +1,15 @@
 """Activations on SSD: saved tensors of one (block, micro-batch) packed into one file, read back ahead.
 
-Staging buffers are page-aligned (O_DIRECT) but not pinned: pinning per record would cost more than
-it saves. Forward: the saved-tensor pack hook starts copying each tensor to host memory on the
-device-to-host stream (``activation_copies``); when the block is done, ``flush`` chains, after the
-last of those copies, packing them into one page-aligned staging buffer and writing it (one large,
-checksummed I/O through the store's I/O backend) to a scratch file reused across steps: the training
-thread waits for neither. Backward: ``prefetch``
-reads the file back (issued a block early), and the unpack hook serves views of it. Host bytes
-are charged to the host budget while they exist.
+Forward: the saved-tensor pack hook starts copying each tensor to host memory (pinned staging on
+CUDA) on the device-to-host stream (``activation_copies``); when the block is done, ``flush`` chains,
+after the last of those copies, packing them into one page-aligned buffer (host-only, pageable) and
+writing it (one large, checksummed I/O through the store's I/O backend) to a scratch file reused
+across steps: the training thread waits for neither. Backward: ``prefetch`` reads the file back,
+issued a block early, into page-aligned staging (``Backend.host_staging_aligned``: pinned on CUDA);
+``upload``, a micro-batch ahead, starts the copies back onto the device on the host-to-device stream
+if that read has landed (else the unpack hook does, after it), and the unpack hook hands compute
+the device tensors, which wait only for their copies' events. Host bytes are charged to the host budget
+while they exist.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from fuyou.storage.dirs import preallocate
 from fuyou.storage.extents import TENSOR_ALIGN
 from fuyou.storage.io_base import FileHandle, IOBackend
 from fuyou.timeline import Timeline
-from fuyou.transfer.activation_copies import ActivationCopies
+from fuyou.transfer.activation_copies import ActivationCopies, HostCopy
 from fuyou.transfer.futures import chain, done_future, event_future
 from fuyou.transfer.host_pool import HostBufferPool
 from fuyou.units import align_up
@@ -94,6 +96,8 @@ class SSDRecord:
     wfut: Future | None = None
     """The write to SSD."""
     crcs: list[int] | None = None
+    back: list[HostCopy] | None = None
+    """The copies back onto the device, started once staging holds the data (``upload``)."""
     charged: int = 0
     wanted: bool = False
     """Backward has claimed the record: a completing write must not free the host copy."""
@@ -168,21 +172,36 @@ class SSDRecord:
         self.wfut.result()  # raises the write's error, if any
         n = self.nbytes
         self._charge(n)
-        self.staging = host_aligned_empty(n)
+        self.staging = self.space.backend.host_staging_aligned(n)
         h = self.space.handle(self.block, self.micro, n)
         fut = self.space.io.read(h, self.staging.numpy(), self.crcs, f"activations of block {self.block}")
         self.io = self.space.timeline.track(fut, "ssd_read", f"act b{self.block} k{self.micro}", n)
 
-    def unpack(self, i: int) -> torch.Tensor:
-        """Tensor ``i`` back on its device (waits for the read, if one was needed)."""
+    def upload(self, wait: bool = False) -> None:
+        """Start the copies back onto the device if staging holds the data (packed in memory, or read
+        back from SSD): at once if it does, else — ``wait`` — once it does. Idempotent."""
         self.prefetch()
-        for f in (self.packed, self.io):  # staging filled in memory, or read back from SSD
-            if f is not None:
-                f.result()
-        device, shape, dtype, off, size = self.metas[i]
+        if self.back is not None or not self.metas:
+            return
+        filled = [f for f in (self.packed, self.io) if f is not None]
+        if not wait and not all(f.done() for f in filled):
+            return  # the read is still in flight: unpack issues the copies (the training thread never waits here)
+        for f in filled:  # hazard: copying staging before it was filled
+            f.result()
         staging = self.staging
         assert staging is not None  # prefetch() kept it or read it back
-        return staging[off : off + size].view(dtype).view(shape).to(device)
+        what = f"activations of block {self.block}"
+        self.back = [
+            self.space.copies.back(staging[off : off + size].view(dtype).view(shape), what)
+            for _, shape, dtype, off, size in self.metas
+        ]
+
+    def unpack(self, i: int) -> torch.Tensor:
+        """Tensor ``i`` back on its device, for compute (waits for the read if ``upload`` found it still
+        in flight, then issues the copies)."""
+        self.upload(wait=True)
+        assert self.back is not None  # upload() started them: the record has tensors
+        return self.space.copies.take(self.back[i], f"activations of block {self.block}")
 
     def release(self) -> None:
         """After backward: drop the host copy and return its bytes to the budget.
@@ -193,6 +212,7 @@ class SSDRecord:
             if f is not None:
                 f.exception()
         with self.lock:
-            self.staging = None
+            self.staging = None  # copies still in flight hold their views of it (``HostCopy.host``)
+            self.back = None
             self.space.pool.refund(self.charged)
             self.charged = 0
