@@ -143,3 +143,11 @@ def test_weights_allocated_for_the_copy_stream_need_no_compute_wait():
     second = b.device_empty((64 << 20,), torch.uint8, "w1", stream=s)
     assert second.data_ptr() != ptr, "the copy stream got memory compute may still be reading"
     assert out.item() == 64 << 20
+
+
+def test_aligned_staging_is_pinned_and_page_aligned():
+    """Staging for activations read back from SSD (O_DIRECT) and then copied to the device."""
+    b = get_backend("cuda")
+    for n in (1, 4096 * 3 + 5, 64 << 20):
+        t = b.host_staging_aligned(n)
+        assert t.numel() == n and t.data_ptr() % 4096 == 0 and t.is_pinned()

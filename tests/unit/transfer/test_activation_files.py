@@ -40,3 +40,35 @@ def test_unpack_waits_for_the_read_back(tmp_path):
     finally:
         space.close()
         io.shutdown()
+
+
+def test_copies_back_start_on_the_copy_stream_once_the_read_landed(tmp_path):
+    """Under the asynchronous backend: ``upload`` before the read lands issues nothing; after it, each
+    tensor's copy back is queued on the host-to-device stream (an event not yet complete: the
+    training thread did not copy), and the unpack hook returns the data once its copy ran."""
+    from fuyou.device.cpu_async import AsyncCPUBackend
+
+    backend, io = AsyncCPUBackend(max_delay=0.05, arena=False), SlowReads(threads=2)
+    space = ActivationSpace(backend, HostBufferPool(backend, 1 << 20), io, [str(tmp_path)], [False], Timeline())
+    try:
+        rec = SSDRecord(space, block=0, micro=0)
+        saved = [torch.arange(1000.0), torch.full((3, 7), -2.5)]
+        idx = [rec.pack(t) for t in saved]
+        rec.flush()
+        rec.wfut.result()
+        deadline = time.monotonic() + 10
+        while rec.staging is not None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        rec.upload()  # starts the (slow) read back; it has not landed: no copies yet
+        assert rec.io is not None and not rec.io.done() and rec.back is None
+        rec.io.result()
+        rec.upload()
+        assert rec.back is not None and len(rec.back) == 2
+        assert not all(c.ready.query() for c in rec.back)  # queued on the stream, after a random delay
+        for i, t in zip(idx, saved):
+            assert torch.equal(rec.unpack(i), t)
+        rec.release()
+    finally:
+        backend.synchronize()
+        space.close()
+        io.shutdown()
