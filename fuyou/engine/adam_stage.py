@@ -107,8 +107,11 @@ class AdamStage:
         lr: float,
         step: int,
         scale: float,
+        hold: bool = False,
     ) -> Future:
-        """Queue AdamW for block ``b``; returns at once with a future for the written block.
+        """Queue AdamW for block ``b``; returns at once with a future for the written block. ``hold``:
+        the next read of the block (the next forward's) is sure to come, so its new weights wait in
+        their buffer for it (``NewWeights.expect``; RAM-tier weights never do).
 
         ``grad`` is the host gradient (complete once ``ready``), or a callable the feeder runs first
         to obtain both (a gradient parked on SSD: ``grad_park``). The feeder thread takes the state
@@ -116,7 +119,7 @@ class AdamStage:
         chains read → update → write; see ``_update_now``.
         """
         out: Future = Future()
-        self.new_weights.expect(b)
+        self.new_weights.expect(b, hold and not self.store.holds(self.layout.w(b).name))
         self._queue.put((b, grad, ready, lr, step, scale, out))
         return out
 
@@ -131,7 +134,7 @@ class AdamStage:
             except BaseException as e:  # noqa: BLE001 - surfaced through the block's future
                 if isinstance(grad, HostBuffer):
                     self.pool.release(grad)
-                self.new_weights.retire(b, e)
+                self.new_weights.retire(b, e, lambda: None)
                 out.set_exception(e)
                 continue
 
@@ -169,9 +172,8 @@ class AdamStage:
         def write_weights() -> Future:
             return self._io(self.store.write(w_ext.name, wbuf.data), "ssd_write", w_ext.name, w_ext.nbytes)
 
-        def retire(f: Future) -> None:
-            new.retire(b, f.exception())  # hazard: no copy may read wbuf once it is back in the pool
-            self.pool.release(wbuf)
+        def retire(f: Future) -> None:  # hazard: no copy may read wbuf once it is back in the pool
+            new.retire(b, f.exception(), partial(self.pool.release, wbuf))
 
         ww = chain(jobs, write_weights)
         ww.add_done_callback(retire)

@@ -302,9 +302,9 @@ class StepRunner:
             self.hand_off(st, b)
 
     # ---------------------------------------------------------------- optimizer hand-off
-    def _update(self, b: int, grad: Any, ready: Any, scale: float) -> Future:
+    def _update(self, b: int, grad: Any, ready: Any, scale: float, hold: bool = False) -> Future:
         p = self.c.progress
-        return self.c.stage.update(b, grad, ready, p.lr, p.step + 1, scale)
+        return self.c.stage.update(b, grad, ready, p.lr, p.step + 1, scale, hold)
 
     def read_back(self, st: StepState) -> None:
         """The step's one device→host read: its loss and squared gradient norm, once backward has
@@ -369,7 +369,7 @@ class StepRunner:
         norm = math.sqrt(st.norm_sq)
         scale = min(1.0, c.max_grad_norm / (norm + 1e-6)) if c.max_grad_norm else 1.0
         for b in range(len(c.layout.blocks)):
-            self.pending[b] = self._update(b, *c.parking.source(st.parked.pop(b)), scale)
+            self.pending[b] = self._update(b, *c.parking.source(st.parked.pop(b)), scale, hold=True)
         c.progress.step += 1
         return True
 
@@ -377,6 +377,7 @@ class StepRunner:
         """overlap_next_forward: wait for the previous step's updates and commit them. Returns False
         when they came out non-finite and were rolled back (a step computed since read their weights
         and must be dropped), else True."""
+        self.c.stage.new_weights.drop()  # no forward claims them any more: nothing may wait for one
         if not self.pending:
             return True
         futs = list(self.pending.values())

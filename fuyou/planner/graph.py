@@ -20,8 +20,8 @@ but ``ssd`` are one server, the cores. Modelled beyond the rules:
   next step's forward takes block b's new weights from Adam's buffer (a memcpy by the Adam worker once
   Adam(b) is done: ``fuyou.transfer.new_weights``), its later reads of b wait for Adam(b)'s weight
   write, and its finish, before it submits its own updates, waits for every write (``settle``). The
-  engine hands over whenever the read is claimed before the write lands; the graph assumes so for
-  the forward's reads and no other (by then the writes have long landed).
+  engine holds each such buffer until the forward's claim, so every forward read is handed over; later
+  reads go to the SSD.
 
 Blocks under ``recompute_cpu`` copy their input off the device after forward and back before
 backward. On a CUDA device swaps and those copies run on the copy streams, overlapped with compute

@@ -89,11 +89,6 @@ class BufferClass:
         """Bytes the pool counts for the class (each buffer page-rounded)."""
         return align_up(self.nbytes, HOST_ALIGN) * self.count
 
-    @property
-    def crosses_pcie(self) -> bool:
-        """Whether the class's buffers are copied to or from the device (pinned on CUDA)."""
-        return crosses_pcie(self.name)
-
 
 def state_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
     """Element ranges [lo, hi) of a block's optimizer-state chunks (one empty chunk for no elements)."""

@@ -137,6 +137,8 @@ class IOBackend(ABC):
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"fuyou-io-{self.name}")
         self.meter: CpuMeter | None = None
         """Where block tasks charge their CPU time (``cpu_meter``); None: not measured."""
+        self._local = threading.local()
+        """Per-I/O-thread scratch of a backend (the POSIX engine's bounce buffer)."""
 
     def _charge(self, h: FileHandle, op: str, t0: float, nbytes: int) -> None:
         """Charge the calling thread's CPU time since ``t0`` (``time.thread_time``) to ``h``'s stage."""

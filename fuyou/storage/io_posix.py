@@ -12,7 +12,6 @@ Subclasses may hold another object per file and say how to reach its descriptor 
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import numpy as np
@@ -37,16 +36,6 @@ class PosixIO(IOBackend):
     """Thread-pool POSIX I/O; see the module docstring."""
 
     name = "posix"
-
-    def __init__(
-        self,
-        threads: int = 16,
-        block_bytes: int = 1 << 20,
-        max_open: int | None = None,
-        request_bytes: int | None = None,
-    ) -> None:
-        super().__init__(threads, block_bytes, max_open, request_bytes)
-        self._local = threading.local()
 
     def _open_raw(self, path: str, direct: bool) -> Any:
         """A descriptor of ``path``, read-write, with O_DIRECT when ``direct``."""

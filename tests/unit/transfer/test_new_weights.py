@@ -30,7 +30,9 @@ def test_claims_wait_for_publish_and_stop_at_retire():
     assert torch.equal(dst[:64], src) and not dst[64:].any()  # the extent's bytes, nothing past them
     now = nw.claim(3, late)
     assert now is not None and now.done() and torch.equal(late[:64], src)
-    nw.retire(3)
+    released = []
+    nw.retire(3, None, lambda: released.append(3))
+    assert released == [3]  # not held: the buffer goes back at its write
     assert nw.claim(3, torch.zeros(64, dtype=torch.uint8)) is None
     assert [s.label for s in tl.spans] == ["adam→host w/layer3"] * 2 and all(s.resource == "h2d" for s in tl.spans)
     cost = meter.snapshot()[("ram_handoff", "copy_out")]
@@ -41,17 +43,37 @@ def test_a_failed_update_fails_its_waiting_claims():
     nw, _, _ = hand_off()
     nw.expect(0)
     fut = nw.claim(0, torch.zeros(8, dtype=torch.uint8))
-    nw.retire(0, OSError("disk gone"))
+    nw.retire(0, OSError("disk gone"), lambda: None)
     assert isinstance(fut.exception(), OSError)
     nw.expect(1)
     fut = nw.claim(1, torch.zeros(8, dtype=torch.uint8))
-    nw.retire(1)  # ended without publishing and without an error of its own
+    nw.retire(1, None, lambda: None)  # ended without publishing and without an error of its own
     assert isinstance(fut.exception(), RuntimeError) and "block 1" in str(fut.exception())
 
 
+def test_a_held_buffer_waits_past_its_write_for_the_first_claim_or_drop():
+    nw, _, _ = hand_off()
+    released = []
+    for b in (0, 1):
+        nw.expect(b, hold=True)
+        nw.publish(b, f"w/{b}", torch.full((16,), b + 1, dtype=torch.uint8))
+        nw.retire(b, None, lambda b=b: released.append(b))
+    assert released == []  # written, not yet claimed: still held
+    dst = torch.zeros(16, dtype=torch.uint8)
+    assert nw.claim(0, dst).done() and (dst == 1).all() and released == [0]
+    assert nw.claim(0, dst) is None  # the first claim released it: a later read goes to the store
+    nw.drop()
+    assert released == [0, 1] and nw.claim(1, dst) is None
+    nw.expect(2, hold=True)
+    nw.publish(2, "w/2", torch.ones(16, dtype=torch.uint8))
+    assert nw.claim(2, dst).done()
+    nw.retire(2, None, lambda: released.append(2))  # claimed before its write: released at the write
+    assert released == [0, 1, 2]
+
+
 def test_clipping_forward_takes_weights_from_adam_not_the_ssd(tmp_path):
-    """Steps after the first: every forward block comes from the hand-off, only the head's borrowed
-    embedding and backward read ``w/`` from SSD; the result is the same as the first step's rule."""
+    """Steps after the first: every forward block and the head come from the hand-off (held until
+    claimed), only the head's borrowed embedding and backward read ``w/`` from SSD."""
     cfg, model = tiny("llama_tied", layers=3)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", lr=1e-3, cpu_memory="256MiB", max_grad_norm=1.0)
@@ -72,4 +94,4 @@ def test_clipping_forward_takes_weights_from_adam_not_the_ssd(tmp_path):
     order = H + 1 + 1 + H  # forward, head, the tied embedding again, backward
     assert reads[0] == (order, 0)
     for ssd, handed in reads[1:]:
-        assert handed >= H and ssd == order - handed  # the forward's H blocks at least, each read once
+        assert (ssd, handed) == (order - H - 1, H + 1)  # blocks 0…H-1 and the head: all handed over

@@ -32,8 +32,6 @@ def test_the_classes_that_cross_pcie():
     assert all(sizing.crosses_pcie(c) for c in CROSSING)
     assert not any(sizing.crosses_pcie(c) for c in HOST_ONLY)
     assert sizing.crosses_pcie("some new class"), "a class not known to stay on the host is pinned"
-    assert sizing.BufferClass(sizing.GRADS, 4096, 2).crosses_pcie
-    assert not sizing.BufferClass(sizing.STATE, 4096, 2).crosses_pcie
 
 
 def test_pool_asks_pinned_memory_exactly_for_the_classes_that_cross_pcie():
