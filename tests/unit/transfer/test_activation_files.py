@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from fuyou.device import CPUBackend
+from fuyou.device.base import Backend
 from fuyou.storage.io_posix import PosixIO
 from fuyou.timeline import Timeline
 from fuyou.transfer.activation_files import ActivationSpace, SSDRecord
@@ -21,25 +24,41 @@ class SlowReads(PosixIO):
         super()._read_block(raw, h, arr, offset)
 
 
-def test_unpack_waits_for_the_read_back(tmp_path):
-    backend, io = CPUBackend(), SlowReads(threads=2)
+SAVED = (torch.arange(1000.0), torch.full((3, 7), -2.5))
+
+
+def written_out(space: ActivationSpace) -> tuple[SSDRecord, list[int]]:
+    """A record of ``SAVED`` whose write has landed and whose host copy is gone; its indices."""
+    rec = SSDRecord(space, block=0, micro=0)
+    idx = [rec.pack(t) for t in SAVED]
+    rec.flush()
+    deadline = time.monotonic() + 10
+    while rec.staging is not None and time.monotonic() < deadline:  # the write lands, the host copy goes
+        time.sleep(0.005)
+    assert rec.staging is None
+    return rec, idx
+
+
+@contextmanager
+def slow_space(backend: Backend, tmp_path) -> Iterator[ActivationSpace]:
+    """An activation space over ``SlowReads`` in ``tmp_path``, closed (streams drained) afterwards."""
+    io = SlowReads(threads=2)
     space = ActivationSpace(backend, HostBufferPool(backend, 1 << 20), io, [str(tmp_path)], [False], Timeline())
     try:
-        rec = SSDRecord(space, block=0, micro=0)
-        saved = [torch.arange(1000.0), torch.full((3, 7), -2.5)]
-        idx = [rec.pack(t) for t in saved]
-        rec.flush()
-        deadline = time.monotonic() + 10
-        while rec.staging is not None and time.monotonic() < deadline:  # the write lands, the host copy goes
-            time.sleep(0.005)
-        assert rec.staging is None
-        rec.prefetch()  # the read back starts (slowly)
-        for i, t in zip(idx, saved):
-            assert torch.equal(rec.unpack(i), t)
-        rec.release()
+        yield space
     finally:
+        backend.synchronize()
         space.close()
         io.shutdown()
+
+
+def test_unpack_waits_for_the_read_back(tmp_path):
+    with slow_space(CPUBackend(), tmp_path) as space:
+        rec, idx = written_out(space)
+        rec.prefetch()  # the read back starts (slowly)
+        for i, t in zip(idx, SAVED):
+            assert torch.equal(rec.unpack(i), t)
+        rec.release()
 
 
 def test_copies_back_start_on_the_copy_stream_once_the_read_landed(tmp_path):
@@ -48,27 +67,14 @@ def test_copies_back_start_on_the_copy_stream_once_the_read_landed(tmp_path):
     training thread did not copy), and the unpack hook returns the data once its copy ran."""
     from fuyou.device.cpu_async import AsyncCPUBackend
 
-    backend, io = AsyncCPUBackend(max_delay=0.05, arena=False), SlowReads(threads=2)
-    space = ActivationSpace(backend, HostBufferPool(backend, 1 << 20), io, [str(tmp_path)], [False], Timeline())
-    try:
-        rec = SSDRecord(space, block=0, micro=0)
-        saved = [torch.arange(1000.0), torch.full((3, 7), -2.5)]
-        idx = [rec.pack(t) for t in saved]
-        rec.flush()
-        rec.wfut.result()
-        deadline = time.monotonic() + 10
-        while rec.staging is not None and time.monotonic() < deadline:
-            time.sleep(0.005)
+    with slow_space(AsyncCPUBackend(max_delay=0.05, arena=False), tmp_path) as space:
+        rec, idx = written_out(space)
         rec.upload()  # starts the (slow) read back; it has not landed: no copies yet
         assert rec.io is not None and not rec.io.done() and rec.back is None
         rec.io.result()
         rec.upload()
         assert rec.back is not None and len(rec.back) == 2
         assert not all(c.ready.query() for c in rec.back)  # queued on the stream, after a random delay
-        for i, t in zip(idx, saved):
+        for i, t in zip(idx, SAVED):
             assert torch.equal(rec.unpack(i), t)
         rec.release()
-    finally:
-        backend.synchronize()
-        space.close()
-        io.shutdown()
