@@ -137,7 +137,8 @@ MUTATIONS = [
     Mutation(
         "adam_stage._update_now: hand-off retired before the new-weights buffer returns to the pool",
         "fuyou/engine/adam_stage.py",
-        "new.retire(b, f.exception())",
+        "new.retire(b, f.exception(), partial(self.pool.release, wbuf))",
+        replacement="self.pool.release(wbuf); new.retire(b, f.exception(), lambda: None)",
         why="a later read of the block copies from a buffer the pool has handed to another block",
     ),
     Mutation(
@@ -150,7 +151,7 @@ MUTATIONS = [
     Mutation(
         "activation_copies.upload: compute named a user of the copied-back activation (keep_alive)",
         "fuyou/transfer/activation_copies.py",
-        "self.backend.keep_alive(dev, self.compute)",
+        "self.backend.keep_alive(c.back, self.compute)",
         why="the host-to-device stream's pool refills an activation compute may still be reading",
     ),
     Mutation(
@@ -190,17 +191,17 @@ MUTATIONS = [
         why="swapped activations are packed and written to SSD before their device-to-host copies landed",
     ),
     Mutation(
-        "activation_files.unpack: staging packed before use (future)",
+        "activation_files.upload: staging packed before the copies back (future)",
         "fuyou/transfer/activation_files.py",
-        "for f in (self.packed, self.io):",
-        replacement="for f in (self.io,):",
+        "filled = [f for f in (self.packed, self.io) if f is not None]",
+        replacement="filled = [f for f in (self.io,) if f is not None]",
         why="backward reads swapped activations from staging before it was packed",
     ),
     Mutation(
-        "activation_files.unpack: SSD read landed before use (future)",
+        "activation_files.upload: SSD read landed before the copies back (future)",
         "fuyou/transfer/activation_files.py",
-        "for f in (self.packed, self.io):",
-        replacement="for f in (self.packed,):",
+        "filled = [f for f in (self.packed, self.io) if f is not None]",
+        replacement="filled = [f for f in (self.packed,) if f is not None]",
         why="backward reads swapped activations before they are read back from SSD",
     ),
     Mutation(

@@ -5,8 +5,9 @@ stream, ordered after the compute that wrote it, into host staging (pinned on CU
 thread does not wait for the copy. Backward copies it back on the host-to-device stream into memory
 handed out for that stream (the FSDP pattern, as the weights), started one micro-batch ahead
 (``upload``) so the copy overlaps the compute before it; compute waits only for the copy's event.
-Tensors that come back from SSD (``activation_files``) start their copy back from host staging
-(``back``) once their read has landed.
+Tensors that come back from SSD (``activation_files``) get their device memory when backward asks
+for them a micro-batch ahead (``reserve``), whatever the read's timing, so the device's peak does not
+depend on how fast the SSD answered; their copy back starts from host staging once the read landed.
 """
 
 from __future__ import annotations
@@ -20,11 +21,11 @@ from fuyou.device.base import Backend, Event
 
 @dataclass(eq=False)
 class HostCopy:
-    """One saved tensor off the device: its host copy, the event after that copy, and, once started,
-    its copy back (the device tensor and the event after it)."""
+    """One saved tensor off the device: its host copy, the event after that copy (None: filled on the
+    host, nothing to wait for), its device memory once reserved, and the event after its copy back."""
 
     host: torch.Tensor
-    landed: Event
+    landed: Event | None
     back: torch.Tensor | None = None
     ready: Event | None = None
 
@@ -45,23 +46,29 @@ class ActivationCopies:
         self.backend.keep_alive(t, self.d2h)  # hazard: t's memory reused while the copy still reads it
         return HostCopy(host, landed)
 
-    def back(self, host: torch.Tensor, what: str) -> HostCopy:
-        """Start copying ``host`` (filled on the host: no copy off the device to wait for) onto the
-        device; ``take`` returns it. Raises DeviceMemoryError naming ``what`` past the capacity."""
-        c = HostCopy(host, self.backend.record(self.h2d))
-        self.upload(c, what)
+    def reserve(self, host: torch.Tensor, what: str) -> HostCopy:
+        """Device memory for ``host`` (filled on the host, maybe later: no copy off the device to wait
+        for); ``upload`` starts the copy once ``host`` holds the data. Raises DeviceMemoryError naming
+        ``what`` past the capacity."""
+        c = HostCopy(host, None)
+        self._allocate(c, what)
         return c
+
+    def _allocate(self, c: HostCopy, what: str) -> None:
+        if c.back is None:
+            c.back = self.backend.device_empty(tuple(c.host.shape), c.host.dtype, what, stream=self.h2d)
+            self.backend.keep_alive(c.back, self.compute)  # hazard: the stream's pool refills it while compute reads it
 
     def upload(self, c: HostCopy, what: str) -> None:
         """Start copying ``c`` back onto the device (idempotent). Raises DeviceMemoryError naming
         ``what`` past the device capacity."""
-        if c.back is not None:
+        if c.ready is not None:
             return
-        dev = self.backend.device_empty(tuple(c.host.shape), c.host.dtype, what, stream=self.h2d)
-        self.backend.keep_alive(dev, self.compute)  # hazard: the stream's pool refills it while compute reads it
-        c.landed.wait(self.h2d)  # hazard: copying back host memory the copy off is still filling
-        c.ready = self.backend.copy(dev, c.host, self.h2d)
-        c.back = dev
+        self._allocate(c, what)
+        if c.landed is not None:
+            c.landed.wait(self.h2d)  # hazard: copying back host memory the copy off is still filling
+        assert c.back is not None  # allocated just now or reserved
+        c.ready = self.backend.copy(c.back, c.host, self.h2d)
 
     def take(self, c: HostCopy, what: str) -> torch.Tensor:
         """``c`` on the device, for compute (started now if ``upload`` was not called); the host copy

@@ -6,9 +6,9 @@ after the last of those copies, packing them into one page-aligned buffer (host-
 writing it (one large, checksummed I/O through the store's I/O backend) to a scratch file reused
 across steps: the training thread waits for neither. Backward: ``prefetch`` reads the file back,
 issued a block early, into page-aligned staging (``Backend.host_staging_aligned``: pinned on CUDA);
-``upload``, a micro-batch ahead, starts the copies back onto the device on the host-to-device stream
-if that read has landed (else the unpack hook does, after it), and the unpack hook hands compute
-the device tensors, which wait only for their copies' events. Host bytes are charged to the host budget
+``upload``, a micro-batch ahead, reserves the tensors' device memory and starts the copies back on
+the host-to-device stream if that read has landed (else the unpack hook does, after it), and the
+unpack hook hands compute the device tensors, which wait only for their copies' events. Host bytes are charged to the host budget
 while they exist.
 """
 
@@ -97,7 +97,9 @@ class SSDRecord:
     """The write to SSD."""
     crcs: list[int] | None = None
     back: list[HostCopy] | None = None
-    """The copies back onto the device, started once staging holds the data (``upload``)."""
+    """The tensors' device memory, reserved by ``upload``; their copies start once staging holds the data."""
+    started: bool = False
+    """The copies back have been issued."""
     charged: int = 0
     wanted: bool = False
     """Backward has claimed the record: a completing write must not free the host copy."""
@@ -178,23 +180,28 @@ class SSDRecord:
         self.io = self.space.timeline.track(fut, "ssd_read", f"act b{self.block} k{self.micro}", n)
 
     def upload(self, wait: bool = False) -> None:
-        """Start the copies back onto the device if staging holds the data (packed in memory, or read
-        back from SSD): at once if it does, else — ``wait`` — once it does. Idempotent."""
+        """Reserve the tensors' device memory and start their copies back if staging holds the data
+        (packed in memory, or read back from SSD): at once if it does, else — ``wait`` — once it does.
+        Idempotent."""
         self.prefetch()
-        if self.back is not None or not self.metas:
+        if not self.metas or self.started:
             return
+        what = f"activations of block {self.block}"
+        if self.back is None:  # the device memory is taken here whatever the read's timing
+            staging = self.staging
+            assert staging is not None  # prefetch() kept it or is reading it back into it
+            self.back = [
+                self.space.copies.reserve(staging[off : off + size].view(dtype).view(shape), what)
+                for _, shape, dtype, off, size in self.metas
+            ]
         filled = [f for f in (self.packed, self.io) if f is not None]
         if not wait and not all(f.done() for f in filled):
             return  # the read is still in flight: unpack issues the copies (the training thread never waits here)
         for f in filled:  # hazard: copying staging before it was filled
             f.result()
-        staging = self.staging
-        assert staging is not None  # prefetch() kept it or read it back
-        what = f"activations of block {self.block}"
-        self.back = [
-            self.space.copies.back(staging[off : off + size].view(dtype).view(shape), what)
-            for _, shape, dtype, off, size in self.metas
-        ]
+        for c in self.back:
+            self.space.copies.upload(c, what)
+        self.started = True
 
     def unpack(self, i: int) -> torch.Tensor:
         """Tensor ``i`` back on its device, for compute (waits for the read if ``upload`` found it still
@@ -213,6 +220,6 @@ class SSDRecord:
                 f.exception()
         with self.lock:
             self.staging = None  # copies still in flight hold their views of it (``HostCopy.host``)
-            self.back = None
+            self.back, self.started = None, False
             self.space.pool.refund(self.charged)
             self.charged = 0

@@ -62,18 +62,23 @@ def test_unpack_waits_for_the_read_back(tmp_path):
 
 
 def test_copies_back_start_on_the_copy_stream_once_the_read_landed(tmp_path):
-    """Under the asynchronous backend: ``upload`` before the read lands issues nothing; after it, each
-    tensor's copy back is queued on the host-to-device stream (an event not yet complete: the
+    """Under the asynchronous backend: ``upload`` before the read lands reserves the tensors' device
+    memory (so the device's peak does not depend on the SSD's timing) and issues no copy; after it,
+    each tensor's copy back is queued on the host-to-device stream (an event not yet complete: the
     training thread did not copy), and the unpack hook returns the data once its copy ran."""
     from fuyou.device.cpu_async import AsyncCPUBackend
 
-    with slow_space(AsyncCPUBackend(max_delay=0.05, arena=False), tmp_path) as space:
+    backend = AsyncCPUBackend(max_delay=0.05, arena=False)
+    with slow_space(backend, tmp_path) as space:
         rec, idx = written_out(space)
-        rec.upload()  # starts the (slow) read back; it has not landed: no copies yet
-        assert rec.io is not None and not rec.io.done() and rec.back is None
+        before = backend.memory().allocated
+        rec.upload()  # starts the (slow) read back; it has not landed: memory reserved, no copies yet
+        assert rec.io is not None and not rec.io.done()
+        assert rec.back is not None and all(c.ready is None for c in rec.back) and not rec.started
+        assert backend.memory().allocated - before == sum(t.numel() * t.element_size() for t in SAVED)
         rec.io.result()
         rec.upload()
-        assert rec.back is not None and len(rec.back) == 2
+        assert rec.started and len(rec.back) == 2
         assert not all(c.ready.query() for c in rec.back)  # queued on the stream, after a random delay
         for i, t in zip(idx, SAVED):
             assert torch.equal(rec.unpack(i), t)
