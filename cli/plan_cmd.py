@@ -41,7 +41,8 @@ def _profile_path(path: str | None) -> str:
     "--profile", "profile_path", type=click.Path(), help=f"Hardware profile JSON (default {DEFAULT_PROFILE})."
 )
 @click.option(
-    "--cpu-memory", help="Host budget for buffers and swapped activations (default 3/4 of the profile's RAM)."
+    "--cpu-memory",
+    help="Host budget for buffers and swapped activations, per rank (default 3/4 of the profile's RAM ÷ --gpus).",
 )
 @click.option("--gpu-memory", help="Device-memory budget (default: the profile's device memory).")
 @click.option("--ssd-space", help="Free SSD space for the store (default: not checked).")
@@ -66,6 +67,22 @@ def _profile_path(path: str | None) -> str:
     type=click.Choice(list(POLICIES)),
     help="One activation policy for every layer instead of searching.",
 )
+@click.option(
+    "--gpus", type=int, default=1, show_default=True, help="Data-parallel ranks per node (torchrun --nproc-per-node)."
+)
+@click.option("--nodes", type=int, default=1, show_default=True, help="Nodes (torchrun --nnodes).")
+@click.option(
+    "--interconnect",
+    default="pcie4",
+    show_default=True,
+    help="Bus bandwidth of collectives within a node: pcie4, pcie5, nvlink (stated typical figures) or GB/s.",
+)
+@click.option(
+    "--network",
+    default="ib200",
+    show_default=True,
+    help="Bus bandwidth of collectives across nodes (each node's link): ib200 or GB/s.",
+)
 @click.option("--json", "json_out", type=click.Path(), help="Also write the result as JSON here ('-' for stdout only).")
 def plan_cmd(
     model: str,
@@ -82,9 +99,17 @@ def plan_cmd(
     schedule: str | None,
     prefetch_depth: int | None,
     activations: str | None,
+    gpus: int,
+    nodes: int,
+    interconnect: str,
+    network: str,
     json_out: str | None,
 ) -> None:
-    """Plan a run of MODEL (a model directory, a config.json, or a named shape such as GPT-3-13B)."""
+    """Plan a run of MODEL (a model directory, a config.json, or a named shape such as GPT-3-13B).
+
+    With --gpus/--nodes the profile describes one rank (its GPU, its share of the cores, its own
+    SSDs), budgets are per rank and --tokens-per-step is the global batch."""
+    from fuyou.planner.cluster import Cluster, link_Bps
     from fuyou.planner.profile import load_profile
     from fuyou.planner.result import Budgets
     from fuyou.planner.search import Request, search
@@ -92,9 +117,11 @@ def plan_cmd(
     from fuyou.units import parse_size
 
     shape = load_shape(model)
+    cluster = Cluster(gpus, nodes, link_Bps(interconnect, "--interconnect"), link_Bps(network, "--network"))
     prof = load_profile(_profile_path(profile_path))
     bud = Budgets(
-        cpu_memory=parse_size(cpu_memory, "--cpu-memory") if cpu_memory else prof.host_memory_bytes * 3 // 4,
+        # the node's RAM is shared by its ranks: each gets its part of the default budget
+        cpu_memory=parse_size(cpu_memory, "--cpu-memory") if cpu_memory else prof.host_memory_bytes * 3 // 4 // gpus,
         gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory else prof.device_memory_bytes,
         ssd_bytes=parse_size(ssd_space, "--ssd-space") if ssd_space else 0,
     )
@@ -108,6 +135,7 @@ def plan_cmd(
         prefetch_depth=prefetch_depth,
         activations=activations,
         precision=precision,
+        cluster=cluster,
     )
     res = search(shape, prof, bud, req)
     if json_out == "-":
@@ -143,9 +171,11 @@ def print_result(res: object, params: int) -> None:
         t = Table(title=f"{title}: {r.model} ({params / 1e9:.2f} B params) on {r.profile}", show_header=False)
         t.add_column(style="bold")
         t.add_column()
+        world = s.cluster.world
+        ranks = f" × {world} ranks" if world > 1 else ""
         t.add_row(
             "batch",
-            f"micro-batch {s.micro_batch_size} × accumulation {p.grad_accum} × seq {s.seq_len} "
+            f"micro-batch {s.micro_batch_size} × accumulation {p.grad_accum} × seq {s.seq_len}{ranks} "
             f"= {pr.tokens} tokens/step",
         )
         t.add_row(
@@ -164,6 +194,13 @@ def print_result(res: object, params: int) -> None:
             f"device {fs(m.device)}, host {fs(m.host)} (buffers {fs(m.host_buffers)}, activations "
             f"{fs(m.host_activations)}, RAM tiers {fs(m.host_ram_tiers)}), SSD {fs(m.ssd)}",
         )
+        if world > 1:
+            t.add_row(
+                "ranks",
+                f"{s.cluster.gpus_per_node} per node × {s.cluster.nodes} nodes, bus "
+                f"{s.cluster.bus_Bps / 1e9:.0f} GB/s; collectives {pr.comm_bytes / 1e9:.2f} GB/step per rank; "
+                "memory and SSD figures are per rank",
+            )
         t.add_row(
             "SSD per step",
             f"read {pr.ssd_read_bytes / 1e9:.1f} GB, write {pr.ssd_write_bytes / 1e9:.1f} GB; "

@@ -13,6 +13,11 @@ from a sum or a max. Memory per tier:
   alive at the turnaround) and transient ``swap_ssd`` staging;
 * SSD — two versions of the store (crash-safe commits) plus scratch files: ``swap_ssd`` activations and
   gradients parked on SSD (``fuyou.transfer.grad_park``).
+
+With several data-parallel ranks (``StepConfig.cluster``) every figure is one rank's: host buffers,
+the RAM tier, the store and SSD traffic are its shards' (``ModelShape.sharded``), the device holds
+whole gathered blocks plus the reduce-scattered gradient shard, and tokens (so tokens/s and TFLOPS)
+are the whole step's, all ranks together.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from fuyou.schedule import rules, sizing
 from fuyou.schedule.plan import Plan
 
 DAY_S = 86400.0
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+"""Busy kinds of the ``comm`` resource (``graph.StepGraph._collective``)."""
 FLOP_FORMULA = (
     "model FLOPs = tokens × (6·N_matmul + 12·L·d·T); recompute not counted (ModelShape.train_flops_per_token)"
 )
@@ -71,6 +78,8 @@ class Prediction:
     ssd_write_bytes: int
     dwpd: float
     """Drive writes per day at this step rate (store capacity ÷ bytes written per day)."""
+    comm_bytes: int = 0
+    """Bytes one rank's collectives move per step (all-gathers in, reduce-scatters out)."""
     flop_formula: str = FLOP_FORMULA
     extra: dict = field(default_factory=dict)
 
@@ -82,8 +91,8 @@ class Prediction:
 
 
 def footprint(shape: ModelShape, cfg: StepConfig) -> sizing.Footprint:
-    """The model's host-memory footprint at ``cfg``'s element sizes."""
-    return shape.footprint(cfg.compute_bytes, cfg.state_bytes_per_param)
+    """One rank's host-memory footprint at ``cfg``'s element sizes (its shards of every block)."""
+    return shape.sharded(cfg.cluster.world).footprint(cfg.compute_bytes, cfg.state_bytes_per_param)
 
 
 def host_buffers(shape: ModelShape, plan: Plan, cfg: StepConfig) -> int:
@@ -112,13 +121,15 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     tied = sum(2 * cb * blk.numel for blk in shape.blocks if blk.name in head.borrows)
     logit_tokens = min(mbt, sizing.loss_chunk_tokens(shape.vocab, cb))  # the loss runs in token chunks
     head_ws = 2 * cb * head.numel + tied + (8 + 2 * cb) * logit_tokens * shape.vocab
-    device = int(boundary + keep + max(layer_ws, head_ws))
+    own = g.own.blocks
+    shard_grad = cb * max(blk.numel for blk in own) if g.world > 1 else 0  # reduce-scatter's output
+    device = int(boundary + keep + max(layer_ws, head_ws) + shard_grad)
     swap_cpu = sum(g.act_bytes(b) for b in range(H) if pol[b] == "swap_cpu")
     ssd_blocks = [b for b in range(H) if pol[b] == "swap_ssd"]
     staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)
     swap_cpu += offloaded * T * shape.hidden * cb
-    store = sum(cb * b.numel + cfg.state_bytes_per_param * b.numel for b in shape.blocks)
-    parked = sum(cb * shape.blocks[b].numel for b in rules.parked_on_ssd(H + 1, g.p))
+    store = sum(cb * b.numel + cfg.state_bytes_per_param * b.numel for b in own)
+    parked = sum(cb * own[b].numel for b in rules.parked_on_ssd(H + 1, g.p))
     return Memory(
         device=device,
         host_buffers=host_buffers(shape, plan, cfg),
@@ -129,21 +140,25 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
 
 
 def predict(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile) -> Prediction:
-    """Predict one steady-state step of ``plan`` (an engine ``Plan``) under ``cfg`` on ``prof``."""
-    step_s, busy = simulate(shape, plan, cfg, prof)
+    """Predict one steady-state step of ``plan`` (an engine ``Plan``) under ``cfg`` on ``prof``; with
+    several ranks, per rank (tokens: all ranks')."""
+    step_s, busy, comm_bytes = simulate(shape, plan, cfg, prof)
     busy = {k: v for k, v in busy.items() if k != "sync"}
-    tokens = plan.grad_accum * cfg.micro_batch_size * cfg.seq_len
+    tokens = plan.grad_accum * cfg.micro_batch_size * cfg.seq_len * cfg.cluster.world
     flops = float(tokens * shape.train_flops_per_token(cfg.seq_len))
     rb = round(busy.get("ssd_read", 0.0) * prof.ssd_read_Bps)
     wb = round(busy.get("ssd_write", 0.0) * prof.ssd_write_Bps)
     view = dict(busy)
-    if prof.device == "cpu":  # compute, copies and Adam share the cores: one resource
+    if prof.device == "cpu":  # compute, copies, collectives and Adam share the cores: one resource
         view = {
             "ssd": busy.get("ssd_read", 0.0) + busy.get("ssd_write", 0.0),
             "cpu": sum(v for k, v in busy.items() if k not in ("ssd_read", "ssd_write")),
         }
     else:
         view["ssd"] = view.pop("ssd_read", 0.0) + view.pop("ssd_write", 0.0)
+        comm = sum(view.pop(k, 0.0) for k in COLLECTIVES)
+        if comm:
+            view["comm"] = comm
     bottleneck = max(view, key=view.__getitem__)
     tflops = flops / step_s / 1e12
     dwpd = wb * (DAY_S / step_s) / prof.ssd_capacity_bytes
@@ -155,10 +170,11 @@ def predict(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfil
         tokens_per_s=tokens / step_s,
         model_flops=flops,
         tflops=tflops,
-        mfu=tflops * 1e12 / prof.device_peak_flops if prof.device_peak_flops else 0.0,
+        mfu=tflops * 1e12 / (prof.device_peak_flops * cfg.cluster.world) if prof.device_peak_flops else 0.0,
         memory=memory(shape, plan, cfg, prof),
         ssd_read_bytes=rb,
         ssd_write_bytes=wb,
         dwpd=dwpd,
+        comm_bytes=round(comm_bytes),
         extra={"resource_busy_s": view},
     )

@@ -23,6 +23,13 @@ but ``ssd`` are one server, the cores. Modelled beyond the rules:
   engine holds each such buffer until the forward's claim, so every forward read is handed over; later
   reads go to the SSD.
 
+Data parallel (``StepConfig.cluster``, ``fuyou.schedule.shards``): every byte a rank reads, writes,
+copies or updates is its shard's (``ModelShape.sharded``); each block's weights are all-gathered on
+a ``comm`` resource after their upload, before forward and again before backward, and its gradient is
+reduce-scattered after backward, before the norm and the copy off; the step agrees on the gradient
+norm and finiteness (one all-reduce) before the updates (clipping) or the commit. On the ``cpu``
+device ``comm`` is the cores too (gloo copies with the CPU).
+
 Blocks under ``recompute_cpu`` copy their input off the device after forward and back before
 backward. On a CUDA device swaps and those copies run on the copy streams, overlapped with compute
 and read back ahead (``fuyou.transfer.activation_copies``); on the CPU device a copy is a memcpy on
@@ -33,11 +40,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fuyou.planner.cluster import Cluster
 from fuyou.planner.profile import HardwareProfile
 from fuyou.planner.shapes import ModelShape
 from fuyou.planner.sim import Sim
 from fuyou.schedule import rules
 from fuyou.schedule.plan import RECOMPUTES, Plan
+from fuyou.schedule.shards import collective_bytes
 from fuyou.schedule.sizing import state_chunks
 
 
@@ -52,6 +61,8 @@ class StepConfig:
     compute_bytes: int = 2
     """Bytes per element of the compute dtype (``--precision``): 2 for bf16, 4 for fp32. Weights,
     gradients, block inputs and activations on the device and in host buffers are this size."""
+    cluster: Cluster = Cluster()
+    """The data-parallel ranks; ``micro_batch_size`` and the plan's accumulation are per rank."""
 
 
 class StepGraph:
@@ -60,8 +71,13 @@ class StepGraph:
     def __init__(self, shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile) -> None:
         plan = rules.resolve(plan, clip=False)  # ``auto``: the planner's caller did not ask for clipping
         self.m, self.p, self.c, self.hw = shape, plan, cfg, prof
+        self.world = cfg.cluster.world
+        self.own = shape.sharded(self.world)
+        """What this rank stores and updates (its shards); ``self.m`` is what it computes on."""
+        self.comm_bytes = 0.0
+        """Bytes this rank's collectives moved in the last step built."""
         self.cpu = prof.device == "cpu"
-        merge = {r: "cpu" for r in ("h2d", "d2h", "compute", "adam", "thread")} if self.cpu else {}
+        merge = {r: "cpu" for r in ("h2d", "d2h", "compute", "adam", "thread", "comm")} if self.cpu else {}
         self.sim = Sim(merge)
         H = len(shape.blocks) - 1
         self.H = H
@@ -79,7 +95,21 @@ class StepGraph:
 
     # ------------------------------------------------------------------ durations (s)
     def _w_bytes(self, b: int) -> int:
-        return self.c.compute_bytes * self.m.blocks[b].numel
+        """Bytes of block ``b``'s compute weights (or gradient) this rank stores and moves: its shard."""
+        return self.c.compute_bytes * self.own.blocks[b].numel
+
+    def _collective(self, b: int, kind: str, *deps: int | None) -> int:
+        """An all-gather or reduce-scatter of block ``b``'s flat vector on ``comm`` (one rank: nothing)."""
+        if self.world == 1:
+            return self.sim.op(None, 0.0, deps)
+        nbytes = collective_bytes(self.m.blocks[b].numel, self.world, self.c.compute_bytes)
+        self.comm_bytes += nbytes
+        return self.sim.op("comm", self.c.cluster.collective_s(nbytes), deps, kind)
+
+    def _all_reduce(self) -> None:
+        """The step's agreement on the gradient norm and finiteness (a few bytes: the latency)."""
+        if self.world > 1:
+            self._t(self.sim.op("comm", self.c.cluster.latency_s, (self.thread,), "all_reduce"))
 
     def _fwd_s(self, b: int) -> float:
         blk, hw = self.m.blocks[b], self.hw
@@ -129,7 +159,7 @@ class StepGraph:
         if self.cpu:
             self._t(cp)
         self._issue(pos + self.p.prefetch_depth + 1, (cp, self.thread))
-        return cp
+        return self._collective(b, "all_gather", cp)
 
     def _issue(self, pos: int, deps: tuple[int | None, ...]) -> None:
         if pos >= len(self.order):
@@ -159,6 +189,7 @@ class StepGraph:
     def step(self, start: int | None) -> None:
         """Append one step; ``start`` is the op the step begins after."""
         self.first_op = len(self.sim.res)
+        self.comm_bytes = 0.0
         self.thread = start
         self.reads: dict[int, int] = {}
         self.act_ssd: dict[int, int] = {}
@@ -250,10 +281,11 @@ class StepGraph:
         return op
 
     def hand_off(self, b: int, bwd: int) -> None:
-        """Gradient norm (a read of the gradient on the device, then a sync), device→host copy, then
-        Adam now (overlap_backward) or parked."""
+        """Gradient reduce-scatter (data parallel), norm (a read of the gradient on the device, then a
+        sync), device→host copy, then Adam now (overlap_backward) or parked."""
+        bwd = self._collective(b, "reduce_scatter", bwd)
         self._t(bwd)
-        self._t(self.sim.op("compute", self.m.blocks[b].numel / self.hw.grad_norm_rate, (self.thread,), "norm"))
+        self._t(self.sim.op("compute", self.own.blocks[b].numel / self.hw.grad_norm_rate, (self.thread,), "norm"))
         if b in self.parked:  # ``rules.parked``: every block with clipping, held-back RAM-tier blocks without
             d = self.sim.op("d2h", self._w_bytes(b) / self.hw.d2h_Bps, (self.thread, bwd))
             if self.cpu:
@@ -274,7 +306,7 @@ class StepGraph:
 
     def update(self, b: int, grad: int) -> None:
         """Adam for block ``b``, chunk by chunk, and the new weights' write."""
-        hw, n = self.hw, self.m.blocks[b].numel
+        hw, n = self.hw, self.own.blocks[b].numel
         if b in self.on_ssd:  # the parked gradient comes back from SSD first
             grad = self._ssd(self._w_bytes(b), "ssd_read", (self.thread, grad))
         self._acquire(self.ww_rel, 2)
@@ -303,6 +335,7 @@ class StepGraph:
         self.all_writes += writes + [ww]
 
     def finish(self) -> None:
+        self._all_reduce()
         if not self.p.clips:
             self._t(*self.all_writes)
             self.thread = self.sim.op("thread", self.hw.commit_s, (self.thread,))
@@ -318,8 +351,11 @@ class StepGraph:
         self.ends.append(self._t())
 
 
-def simulate(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile) -> tuple[float, dict[str, float]]:
-    """Steady-state step time (s) and busy seconds per resource kind of that step.
+def simulate(
+    shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
+) -> tuple[float, dict[str, float], float]:
+    """Steady-state step time (s), busy seconds per resource kind of that step, and the bytes one
+    rank's collectives move in it.
 
     ``overlap_backward`` steps are independent: one is simulated. ``overlap_next_forward`` overlaps
     a step's Adam with the next forward: two are simulated and the second is timed.
@@ -335,4 +371,4 @@ def simulate(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfi
     busy: dict[str, float] = {}
     for k, d in zip(g.sim.kind[g.first_op :], g.sim.dur[g.first_op :]):
         busy[k] = busy.get(k, 0.0) + d
-    return t, busy
+    return t, busy, g.comm_bytes

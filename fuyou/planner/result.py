@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from fuyou.planner.cluster import Cluster
 from fuyou.planner.cost import Memory, Prediction
 from fuyou.planner.graph import StepConfig
 from fuyou.schedule.plan import Plan
@@ -64,6 +65,7 @@ class PlannerResult:
         for moved in ("state_chunk", "ram_weight_blocks", "ram_state_blocks"):  # results written before 0.2
             if moved in step:
                 plan.setdefault(moved, step.pop(moved))
+        step["cluster"] = Cluster(**step.get("cluster", {}))  # results written before 0.3: one rank
         pred = dict(d["prediction"])
         mem = {k: v for k, v in pred.pop("memory").items() if k != "host"}
         return PlannerResult(

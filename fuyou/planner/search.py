@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
 from fuyou.errors import ConfigError
+from fuyou.planner.cluster import Cluster
 from fuyou.planner.cost import Prediction, host_buffers, memory, predict
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.profile import HardwareProfile
@@ -81,6 +82,8 @@ class Request:
     predicted faster."""
     precision: str = "bf16"
     """Compute dtype (``--precision`` after ``auto`` is resolved): bf16 (2 B/element) or fp32 (4)."""
+    cluster: Cluster = Cluster()
+    """Data-parallel ranks: ``tokens_per_step`` is the global batch, split evenly over them."""
 
 
 class _Search:
@@ -89,7 +92,17 @@ class _Search:
         self.rc = "recompute_cpu" if offload else "recompute"
         """What a layer whose activations are not saved runs: its input on the device or in host RAM."""
         self.H = len(shape.blocks) - 1
-        self.seqs = max(1, math.ceil(req.tokens_per_step / req.seq_len))
+        world = req.cluster.world
+        seqs = max(1, math.ceil(req.tokens_per_step / req.seq_len))
+        if seqs % world:
+            raise ConfigError(
+                f"the {seqs} sequences of a step (--tokens-per-step / --seq-len) do not split evenly over "
+                f"{world} ranks; make --tokens-per-step a multiple of {world * req.seq_len}"
+            )
+        self.seqs = seqs // world
+        """Sequences per step on each rank."""
+        self.own = shape.sharded(world)
+        """What one rank stores (its shards)."""
         self.spp = 12 if req.state_precision == "fp32" else 8
         self.cb = 4 if req.precision == "fp32" else 2
         self.park: int | None = None
@@ -122,7 +135,7 @@ class _Search:
         )
 
     def cfg(self, mb: int) -> StepConfig:
-        return StepConfig(mb, self.r.seq_len, self.spp, self.cb)
+        return StepConfig(mb, self.r.seq_len, self.spp, self.cb, self.r.cluster)
 
     def fits(self, plan: Plan, cfg: StepConfig) -> bool:
         mem = memory(self.m, plan, cfg, self.hw)
@@ -157,7 +170,7 @@ class _Search:
         moved to SSD (``self.park``), then the depth unless the user fixed it."""
         base = self.plan(1, (), self.r.prefetch_depth or 2, 2, sched, chunk)
         fit = sizing.fit_host(
-            self.m.footprint(self.cb, self.spp), base, self.b.cpu_memory, fixed_depth=bool(self.r.prefetch_depth)
+            self.own.footprint(self.cb, self.spp), base, self.b.cpu_memory, fixed_depth=bool(self.r.prefetch_depth)
         )
         if fit.clips:
             self.park = fit.park_ram_blocks
@@ -167,7 +180,7 @@ class _Search:
     def run(self) -> PlannerResult:
         sched = self._schedules()[0]
         self._check_static(sched)
-        big = max(b.numel for b in self.m.blocks)
+        big = max(b.numel for b in self.own.blocks)
         depth, bufs, chunk = self.knobs(sched, max(1 << 23, _chunk_for(big, MAX_CHUNKS)))
         mbs = [d for d in range(self.seqs, 0, -1) if self.seqs % d == 0]
         if self.r.micro_batch_size:
@@ -189,7 +202,7 @@ class _Search:
         for d in [self.r.prefetch_depth] if self.r.prefetch_depth else DEPTHS:
             best = self._try(dataclasses.replace(plan, prefetch_depth=d), cfg, best)
         _, plan, cfg, _ = best
-        big = max(b.numel for b in self.m.blocks)
+        big = max(b.numel for b in self.own.blocks)
         fine = {_chunk_for(big, k) for k in (1, 2, 4, 8, 16, MAX_CHUNKS)}
         for c in sorted(fine | {c for c in CHUNKS if -(-big // c) <= MAX_CHUNKS}):
             nchunks = -(-big // c)
@@ -239,12 +252,13 @@ class _Search:
 
     # ------------------------------------------------------------------ errors
     def _check_static(self, sched: str) -> None:
-        m, spp, cb = self.m, self.spp, self.cb
+        m, spp, cb = self.own, self.spp, self.cb  # one rank's shards
         store = 2 * sum((cb + spp) * b.numel for b in m.blocks)
         if self.b.ssd_bytes and store > self.b.ssd_bytes:
             raise InfeasibleError(
                 f"SSD space: the store needs {fs(store)} (two versions of {cb + spp} B/param × "
-                f"{m.params / 1e9:.2f} B params), {fs(self.b.ssd_bytes)} is free; add --ssd "
+                f"{m.params / 1e9:.2f} B params{' in this rank' + chr(39) + 's shards' if self.r.cluster.world > 1 else ''}), "
+                f"{fs(self.b.ssd_bytes)} is free; add --ssd "
                 f"directories or use --state-precision bf16"
             )
         need = host_buffers(
@@ -268,9 +282,11 @@ class _Search:
         boundary = 0 if self.rc == "recompute_cpu" else inputs
         work = mem.device - boundary
         fit_tokens = max(0, (self.b.gpu_memory - work) // per_tok // self.r.seq_len * self.r.seq_len)
+        fit_tokens *= self.r.cluster.world  # --tokens-per-step is all ranks'
+        rank = " per rank" if self.r.cluster.world > 1 else ""
         msg = (
             f"device memory: block inputs kept for backward need {fs(boundary)} ({self.H} blocks × "
-            f"{self.seqs * self.r.seq_len} tokens × {self.m.hidden} × {self.cb} B) plus a working set of {fs(work)} at "
+            f"{self.seqs * self.r.seq_len} tokens{rank} × {self.m.hidden} × {self.cb} B) plus a working set of {fs(work)} at "
             f"micro-batch {mb}; --gpu-memory is {fs(self.b.gpu_memory)}. Lower --tokens-per-step to ≤ {fit_tokens} "
             f"(or --seq-len), or raise --gpu-memory to ≥ {fs(mem.device)}"
         )
@@ -312,12 +328,12 @@ class _Search:
             return None
         spare = self.b.cpu_memory - memory(self.m, plan, cfg, self.hw).host
         w = s = 0
-        for blk in self.m.blocks:
+        for blk in self.own.blocks:
             if self.cb * blk.numel > spare:
                 break
             spare -= self.cb * blk.numel
             w += 1
-        for blk in self.m.blocks if w == len(self.m.blocks) else ():
+        for blk in self.own.blocks if w == len(self.own.blocks) else ():
             if self.spp * blk.numel > spare:
                 break
             spare -= self.spp * blk.numel

@@ -10,12 +10,14 @@ Units: parameters in elements, FLOPs per token (2 per multiply-add), bytes per t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from fuyou.errors import ConfigError
+from fuyou.schedule.shards import shard_len
 from fuyou.schedule.sizing import Footprint
 
 TENSOR_ALIGN_ELEMS = 32
@@ -127,6 +129,15 @@ class ModelShape:
         not hardware FLOPs."""
         n_matmul = sum(b.matmul_flops_per_token for b in self.blocks) // 2
         return 6 * n_matmul + 12 * self.layers * self.hidden * seq_len
+
+    def sharded(self, world: int) -> ModelShape:
+        """What one of ``world`` data-parallel ranks stores, streams and updates: every block's numel
+        is its largest shard's (``fuyou.schedule.shards.shard_len``); FLOPs and activations stay
+        the whole model's (every rank computes on whole, gathered blocks). ``self`` on one rank."""
+        if world == 1:
+            return self
+        blocks = tuple(dataclasses.replace(b, numel=shard_len(b.numel, world)) for b in self.blocks)
+        return dataclasses.replace(self, blocks=blocks)
 
     def footprint(self, compute_bytes: int, state_bytes_per_param: int) -> Footprint:
         """What host-memory sizing (``fuyou.schedule.sizing``) needs: weights of ``compute_bytes`` per
