@@ -25,6 +25,7 @@ from fuyou.engine.config import EngineConfig
 from fuyou.engine.export import HF_FILES, export_layout, iter_master
 from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
 from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
+from fuyou.machine import refuse_multi_process
 from fuyou.models.adapters import make_adapter
 from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config
 from fuyou.models.store_layout import ModelLayout, elem_size
@@ -56,6 +57,7 @@ class Engine:
     ) -> None:
         """Build the engine; with ``store`` (an opened store of an earlier run) resume from it, else
         create a new store in ``cfg.ssd_dirs`` and import ``tensors`` block by block."""
+        refuse_multi_process("the Fuyou engine")
         self.cfg, self.source_dir = cfg, source_dir
         self.progress = Progress(step=0, lr=cfg.lr)
         self.max_grad_norm = cfg.max_grad_norm

@@ -44,6 +44,7 @@ from transformers import Trainer, TrainingArguments
 
 from fuyou.engine import Engine, EngineConfig
 from fuyou.errors import ConfigError
+from fuyou.machine import refuse_multi_process
 from fuyou.run.plan_choice import ChosenPlan, PlanRequest, choose_plan
 
 SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
@@ -151,6 +152,7 @@ class FuyouTrainer(Trainer):
     def __init__(self, model: Any = None, args: FuyouTrainingArguments | None = None, **kwargs: Any) -> None:
         if model is None or args is None:
             raise ConfigError("FuyouTrainer needs model= and args=FuyouTrainingArguments(...)")
+        refuse_multi_process("FuyouTrainer")
         problems = _unsupported(args)
         if problems:
             raise ConfigError("FuyouTrainer: " + "; ".join(problems))

@@ -92,11 +92,13 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     """Run a fine-tuning job end to end; return the summary (also written to OUTPUT/run.json)."""
     from transformers import AutoTokenizer
 
+    from fuyou.machine import refuse_multi_process
     from fuyou.models.adapters import architecture_of
     from fuyou.models.hf_io import ModelFileError, load_config
     from fuyou.run.data import build_data
     from fuyou.run.directory import check_fresh_start
 
+    refuse_multi_process("fuyou finetune")  # before the output directory is touched
     out = prepare_output(cfg.output)
     cfg = FinetuneConfig(**{**cfg.__dict__, "output": out})
     if not cfg.resume:  # before any slow work: refuse to start over an earlier run unless --overwrite
