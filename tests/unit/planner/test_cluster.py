@@ -78,13 +78,19 @@ def test_link_names_and_numbers():
         link_Bps("fast", "--network")
 
 
-def test_cli_plans_per_rank_with_the_node_ram_shared():
+def test_cli_plans_per_rank_with_the_node_ram_shared(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8}
+    cfg |= {"num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
     prof = "bench/profiles/lohan_4090.json"
-    r = CliRunner().invoke(main, ["plan", "gpt3-13b", "--profile", prof, "--gpus", "4", "--json", "-"])
+    cmd = ["plan", str(tmp_path / "config.json"), "--profile", prof, "--seq-len", "256"]
+    r = CliRunner().invoke(main, [*cmd, "--gpus", "4", "--json", "-"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     host = json.load(open(prof))["host_memory_bytes"]
     assert d["budgets"]["cpu_memory"] == host * 3 // 4 // 4
     assert d["step"]["cluster"]["gpus_per_node"] == 4 and d["prediction"]["comm_bytes"] > 0
-    bad = CliRunner().invoke(main, ["plan", "gpt3-13b", "--profile", prof, "--gpus", "0"])
+    printed = CliRunner().invoke(main, [*cmd, "--gpus", "2", "--nodes", "2", "--network", "12.5"])
+    assert printed.exit_code == 0 and "2 per node × 2 nodes, bus 12 GB/s" in printed.output
+    bad = CliRunner().invoke(main, [*cmd, "--gpus", "0"])
     assert bad.exit_code != 0 and "--gpus and --nodes must be ≥ 1" in bad.output
