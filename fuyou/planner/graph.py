@@ -98,13 +98,14 @@ class StepGraph:
         """Bytes of block ``b``'s compute weights (or gradient) this rank stores and moves: its shard."""
         return self.c.compute_bytes * self.own.blocks[b].numel
 
-    def _collective(self, b: int, kind: str, *deps: int | None) -> int:
-        """An all-gather or reduce-scatter of block ``b``'s flat vector on ``comm`` (one rank: nothing)."""
+    def _collective(self, b: int, kind: str, after: int) -> int:
+        """An all-gather or reduce-scatter of block ``b``'s flat vector on ``comm``, after op ``after``
+        (one rank: no collective, ``after`` itself)."""
         if self.world == 1:
-            return self.sim.op(None, 0.0, deps)
+            return after
         nbytes = collective_bytes(self.m.blocks[b].numel, self.world, self.c.compute_bytes)
         self.comm_bytes += nbytes
-        return self.sim.op("comm", self.c.cluster.collective_s(nbytes), deps, kind)
+        return self.sim.op("comm", self.c.cluster.collective_s(nbytes), (after,), kind)
 
     def _all_reduce(self) -> None:
         """The step's agreement on the gradient norm and finiteness (a few bytes: the latency)."""

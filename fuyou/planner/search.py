@@ -30,7 +30,7 @@ from typing import NoReturn, TypeVar
 
 from fuyou.errors import ConfigError
 from fuyou.planner.cluster import Cluster
-from fuyou.planner.cost import Prediction, host_buffers, memory, predict
+from fuyou.planner.cost import Prediction, footprint, host_buffers, memory, predict
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.profile import HardwareProfile
 from fuyou.planner.result import Budgets, PlannerResult
@@ -170,7 +170,7 @@ class _Search:
         moved to SSD (``self.park``), then the depth unless the user fixed it."""
         base = self.plan(1, (), self.r.prefetch_depth or 2, 2, sched, chunk)
         fit = sizing.fit_host(
-            self.own.footprint(self.cb, self.spp), base, self.b.cpu_memory, fixed_depth=bool(self.r.prefetch_depth)
+            footprint(self.m, self.cfg(1)), base, self.b.cpu_memory, fixed_depth=bool(self.r.prefetch_depth)
         )
         if fit.clips:
             self.park = fit.park_ram_blocks
