@@ -23,7 +23,7 @@ def refuse_multi_process(what: str) -> None:
     """Raise ConfigError if this process is one of several ranks of a launcher (torchrun, accelerate,
     ``torch.distributed.launch``: ``WORLD_SIZE`` > 1): each rank would run a whole, independent copy of
     ``what`` over the same store and output directories, and their writes would corrupt each other.
-    Data-parallel training is not available yet; one process trains on one device."""
+    Data-parallel ranks run through the engine's Python API (``fuyou.engine.Engine`` under torchrun)."""
     raw = os.environ.get("WORLD_SIZE", "1").strip() or "1"
     try:
         world = int(raw)
@@ -34,8 +34,9 @@ def refuse_multi_process(what: str) -> None:
 
         raise ConfigError(
             f"{what} was launched as one of {raw} processes (WORLD_SIZE={raw}, e.g. torchrun "
-            "--nproc-per-node); Fuyou trains in one process on one device for now, and several would "
-            "overwrite each other's store: run it once, without torchrun/accelerate launch"
+            "--nproc-per-node); it trains in one process for now, and several would overwrite each "
+            "other's store: run it once, without torchrun/accelerate launch (data-parallel ranks: "
+            "fuyou.engine.Engine in a torchrun script)"
         )
 
 

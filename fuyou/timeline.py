@@ -1,6 +1,7 @@
 """Per-operation timeline: spans on named resources, step summaries, Chrome-trace/Perfetto export.
 
-Resources: ``ssd_read``, ``ssd_write``, ``h2d``, ``d2h``, ``compute``, ``adam``. A resource's busy
+Resources: ``ssd_read``, ``ssd_write``, ``h2d``, ``d2h``, ``compute``, ``adam``, ``comm`` (collectives between
+data-parallel ranks). A resource's busy
 time is the *union* of its spans (several reads in flight at once count once), and the bottleneck
 is the busiest resource. Spans are recorded from any thread.
 
@@ -25,7 +26,7 @@ from typing import Any
 
 from fuyou.device.base import Backend, Event
 
-RESOURCES = ("ssd_read", "ssd_write", "h2d", "d2h", "compute", "adam")
+RESOURCES = ("ssd_read", "ssd_write", "h2d", "d2h", "compute", "adam", "comm")
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class Timeline:
         with self._lock:
             spans = [s for s in self.spans if s.t1 > t0 and s.t0 < t1]
         busy = {r: union_length([(max(s.t0, t0), min(s.t1, t1)) for s in spans if s.resource == r]) for r in RESOURCES}
-        moved = {r: sum(s.nbytes for s in spans if s.resource == r) for r in ("ssd_read", "ssd_write")}
+        moved = {r: sum(s.nbytes for s in spans if s.resource == r) for r in ("ssd_read", "ssd_write", "comm")}
         wall = t1 - t0
         bottleneck = max(busy, key=busy.__getitem__)
         return {
@@ -116,6 +117,7 @@ class Timeline:
             "bottleneck": bottleneck,
             "ssd_read_bytes": moved["ssd_read"],
             "ssd_write_bytes": moved["ssd_write"],
+            "comm_bytes": moved["comm"],
         }
 
     def to_chrome_trace(self, path: str) -> None:

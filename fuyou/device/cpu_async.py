@@ -26,7 +26,7 @@ bit-identical to the plain backend's) but makes the data path asynchronous and h
   this makes the missing ``record().wait(stream)`` fail instead.
 * Memory handed out for a stream (``device_empty(..., stream=s)``: CUDA's caching allocator takes it
   from ``s``'s pool, the FSDP pattern) may be copied into on ``s`` without that wait, since ``s``
-  reuses it only after what ``s`` itself queued; compute reading it must say so
+  reuses it only after what ``s`` itself queued; compute (or another stream) reading it must say so
   (``keep_alive(t, compute)``, CUDA's ``record_stream``) before the next allocation for a stream,
   else that allocation raises ``OrderingHazard``: on a GPU the stream could refill the memory while
   compute still reads it.
@@ -493,9 +493,12 @@ class AsyncCPUBackend(CPUBackend):
 
     def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
         """Keep ``tensor``'s memory from reuse until ``stream``'s queued copies have run (``None``:
-        compute, synchronous here, uses it: memory handed out for a stream is then kept for compute)."""
-        if stream is None:
+        compute, synchronous here, uses it). Memory handed out for a stream is then kept for its other
+        user (compute, or another stream: the collectives' reading an uploaded shard)."""
+        stamp = self._stamps.get(_cdata(tensor))
+        if stream is None or (stamp is not None and stamp[2] is not stream):  # kept for who else uses it
             self._unkept.pop(_cdata(tensor), None)
+        if stream is None:
             return
         p = self._pending
         with p.lock:

@@ -94,10 +94,12 @@ class AdamStage:
             with self._lock:
                 self._nonfinite.add(b)
 
-    def offload(self, b: int, grad: torch.Tensor, cls: str = GRADS) -> tuple[HostBuffer, Event]:
+    def offload(
+        self, b: int, grad: torch.Tensor, cls: str = GRADS, after: Event | None = None
+    ) -> tuple[HostBuffer, Event]:
         """Copy block ``b``'s flat device gradient into a host buffer of class ``cls``
         (``GradientOffload.offload``, on this stage's device-to-host stream)."""
-        return self.gradients.offload(b, grad, cls)
+        return self.gradients.offload(b, grad, cls, after)
 
     def update(
         self,

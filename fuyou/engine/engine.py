@@ -25,7 +25,6 @@ from fuyou.engine.config import EngineConfig
 from fuyou.engine.export import HF_FILES, export_layout, iter_master
 from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
 from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
-from fuyou.machine import refuse_multi_process
 from fuyou.models.adapters import make_adapter
 from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config
 from fuyou.models.store_layout import ModelLayout, elem_size
@@ -34,7 +33,9 @@ from fuyou.schedule import rules, sizing
 from fuyou.schedule.plan import Plan
 from fuyou.storage.store import TensorStore
 from fuyou.timeline import Timeline
+from fuyou.storage.dirs import rank_dirs
 from fuyou.transfer.activation_files import ActivationSpace
+from fuyou.transfer.collectives import Collectives, world_size
 from fuyou.transfer.grad_park import GradientParking
 from fuyou.transfer.host_pool import HostBufferPool
 from fuyou.transfer.ram_tier import RamTier, refuse_stale
@@ -57,20 +58,25 @@ class Engine:
     ) -> None:
         """Build the engine; with ``store`` (an opened store of an earlier run) resume from it, else
         create a new store in ``cfg.ssd_dirs`` and import ``tensors`` block by block."""
-        refuse_multi_process("the Fuyou engine")
         self.cfg, self.source_dir = cfg, source_dir
         self.progress = Progress(step=0, lr=cfg.lr)
         self.max_grad_norm = cfg.max_grad_norm
         self.adapter = make_adapter(config)
         self.backend = get_backend(cfg.device, cfg.gpu_bytes)
         self.adapter.prepare(self.backend.device)
+        self.timeline = Timeline()
+        self.comm = Collectives.join(self.backend, self.timeline)
+        """The data-parallel ranks' collectives (``torchrun``), or None for one process."""
+        rank, world = (self.comm.rank, self.comm.world) if self.comm is not None else (0, 1)
         blocks = tuple(self.adapter.blocks)
         plan = rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0)
         rules.check_ram_tier(plan, len(blocks))
         if store is None:
-            layout = ModelLayout(blocks, DTYPES[cfg.precision], DTYPES[cfg.state_precision], plan.state_chunk)
+            layout = ModelLayout(
+                blocks, DTYPES[cfg.precision], DTYPES[cfg.state_precision], plan.state_chunk, rank, world
+            )
         else:
-            layout = _stored_layout(blocks, store, cfg)
+            layout = _stored_layout(blocks, store, cfg, rank, world)
             plan = dataclasses.replace(plan, state_chunk=layout.state_chunk)
             self.progress.step = int(store.meta.get("step", 0))
         self.plan: Plan = admit(
@@ -81,9 +87,8 @@ class Engine:
         self.pool = HostBufferPool(self.backend, cfg.cpu_bytes)
         for c in sizing.buffer_classes(self.layout.footprint(), self.plan):
             self.pool.reserve(c.name, c.nbytes, c.count)
-        self.timeline = Timeline()
         self.store = store or TensorStore.create(
-            list(cfg.ssd_dirs),
+            rank_dirs(cfg.ssd_dirs, rank, world),
             self.layout.extents(),
             io=cfg.io,
             direct=cfg.direct,
@@ -129,6 +134,7 @@ class Engine:
             cfg.no_decay,
         )
         self.loader.new_weights = self.stage.new_weights
+        self.loader.comm = self.comm
         self.parking = GradientParking(
             self.stage,
             self.pool,
@@ -159,6 +165,7 @@ class Engine:
                 self.max_grad_norm,
                 self.progress,
                 self.commit_meta,
+                self.comm,
             )
         )
         if store is None:
@@ -199,7 +206,7 @@ class Engine:
         directories hold no Fuyou training store, StoreError if its last committed step kept extents
         in host RAM that were never written back (``ram_tier_stale``: resume from a checkpoint).
         """
-        store = TensorStore.open(list(cfg.ssd_dirs), io=cfg.io, direct=cfg.direct, checksums=cfg.checksums)
+        store = TensorStore.open(rank_dirs(cfg.ssd_dirs, *_rank_world()), io=cfg.io, direct=cfg.direct, checksums=cfg.checksums)
         files = os.path.join(store.dirs[0], HF_FILES)
         try:
             if not os.path.isdir(files) or "compute_dtype" not in store.meta:
@@ -253,7 +260,7 @@ class Engine:
             "compute_dtype": str(lay.compute_dtype).removeprefix("torch."),
             "state_dtype": str(lay.state_dtype).removeprefix("torch."),
             "state_chunk": lay.state_chunk,
-        }
+        } | ({"rank": lay.rank, "world": lay.world} if lay.world > 1 else {})
 
     def _save_model_files(self) -> None:
         """Keep the HF config (and tokenizer files) with the store, so ``fuyou export`` needs nothing else."""
@@ -292,13 +299,16 @@ class Engine:
         """One optimizer step over micro-batches of ``[b, t]`` token ids (shapes may differ).
 
         All micro-batches pass each block together (layer-grouped accumulation). ``num_items`` is the
-        number of labelled (shifted) tokens the summed loss is divided by; default: counted here.
+        number of labelled (shifted) tokens the summed loss is divided by; default: counted here (and,
+        with several ranks, summed over their micro-batches: pass the same total on every rank).
         """
         if len(input_ids) != len(labels) or not input_ids:
             raise ConfigError("train_micro_batches needs one labels tensor per input_ids tensor")
         dev = self.backend.device
         if num_items is None:
             num_items = int(sum((lab[:, 1:] != -100).sum() for lab in labels))
+            if self.comm is not None:  # the loss is the mean over every rank's labelled tokens
+                num_items = self.comm.sum_int(num_items)
         st = StepState(
             xs=[x.to(dev) for x in input_ids],
             ctxs=[None] * len(input_ids),
@@ -372,16 +382,23 @@ class Engine:
 
     # ------------------------------------------------------------------ results
     def master_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF key, fp32 master tensor) for every parameter, one block at a time."""
+        """(HF key, fp32 master tensor) for every parameter, one block at a time. With several ranks
+        they are gathered on rank 0, which alone yields them; every rank must iterate to the end."""
         self.flush()
-        yield from iter_master(self.tier, self.layout)
+        yield from iter_master(self.tier, self.layout, self._gather_to_root())
 
     def export(self, out_dir: str, dtype: str = "bf16") -> None:
-        """Write the current weights as a Hugging Face model directory (sharded safetensors)."""
+        """Write the current weights as a Hugging Face model directory (sharded safetensors). With
+        several ranks every rank calls it; rank 0 writes ``out_dir``."""
         if dtype not in DTYPES:
             raise ConfigError(f"--dtype must be bf16 or fp32, got {dtype!r}")
         self.flush()
-        export_layout(self.tier, self.layout, self.adapter.config, out_dir, dtype, self.source_dir)
+        export_layout(
+            self.tier, self.layout, self.adapter.config, out_dir, dtype, self.source_dir, self._gather_to_root()
+        )
+
+    def _gather_to_root(self) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+        return self.comm.gather_to_root if self.comm is not None else None
 
     def close(self) -> None:
         """Commit pending updates and write the RAM tier back (``flush``), stop the Adam worker, close
@@ -424,15 +441,31 @@ def admit(
     return sizing.fit_host(fp, dataclasses.replace(plan, state_chunk=layout.state_chunk), host_bytes, fixed_chunk)
 
 
-def _stored_layout(blocks: tuple, store: TensorStore, cfg: EngineConfig) -> ModelLayout:
-    """The layout a store was created with (dtypes and state chunk from its metadata)."""
+def _rank_world() -> tuple[int, int]:
+    """This process's (rank, world) as torchrun announces them, before the collectives are joined."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    world = world_size()
+    return (int(os.environ.get("RANK", "0")) if world > 1 else 0), world
+
+
+def _stored_layout(blocks: tuple, store: TensorStore, cfg: EngineConfig, rank: int, world: int) -> ModelLayout:
+    """The layout a store was created with (dtypes and state chunk from its metadata); raises
+    ConfigError if it was a different rank's shard or trained with another precision."""
     from fuyou.storage.extents import dtype_from_name
 
     meta = store.meta
+    if (meta.get("rank", 0), meta.get("world", 1)) != (rank, world):
+        raise ConfigError(
+            f"the store in {store.dirs[0]} holds rank {meta.get('rank', 0)} of {meta.get('world', 1)} "
+            f"ranks, this process is rank {rank} of {world}; resume with the same number of ranks"
+        )
     compute = dtype_from_name(meta["compute_dtype"])
     if compute != DTYPES[cfg.precision]:
         raise ConfigError(
             f"the store in {store.dirs[0]} was trained with --precision "
             f"{'bf16' if compute == torch.bfloat16 else 'fp32'}; resume with the same precision"
         )
-    return ModelLayout(blocks, compute, dtype_from_name(meta["state_dtype"]), meta["state_chunk"])
+    return ModelLayout(blocks, compute, dtype_from_name(meta["state_dtype"]), meta["state_chunk"], rank, world)

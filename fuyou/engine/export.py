@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from fuyou.errors import ConfigError, ManifestError
 from fuyou.models.hf_io import load_config, save_streamed
-from fuyou.models.store_layout import ModelLayout, elem_size
+from fuyou.models.store_layout import ModelLayout
 from fuyou.storage.extents import dtype_from_name
 from fuyou.storage.store import TensorStore
 from fuyou.transfer.ram_tier import RamTier, refuse_stale
@@ -25,26 +25,51 @@ HF_FILES = "hf-model-files"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def iter_master(store: TensorStore | RamTier, layout: ModelLayout) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF key, fp32 master tensor) for every parameter, one block at a time (latest writes)."""
+def iter_master(
+    store: TensorStore | RamTier,
+    layout: ModelLayout,
+    gather: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF key, fp32 master tensor) for every parameter, one block at a time (latest writes).
+
+    A sharded layout (``layout.world`` > 1) needs ``gather``: every rank's shard of a block's master
+    in rank order on one rank (``Collectives.gather_to_root``), None on the others, which then yield
+    nothing but must run the generator to its end, in step with that rank."""
     for b in range(len(layout.blocks)):
-        master = torch.empty(layout.numel(b), dtype=torch.float32)
+        master: torch.Tensor | None = torch.empty(layout.numel(b), dtype=torch.float32)
+        assert master is not None
         for c, (lo, hi) in enumerate(layout.chunks(b)):
             s = torch.empty(layout.s(b, c).nbytes, dtype=torch.uint8)
             store.read(layout.s(b, c).name, s).result()
             master[lo:hi] = layout.s(b, c).views(s)["master"]
-        ext, size = layout.w(b), elem_size(layout.compute_dtype)
-        for t, off in zip(ext.tensors, ext.offsets):
-            yield t.name, master[off // size : off // size + t.nbytes // size].view(t.shape)
+        if layout.world > 1:
+            if gather is None:
+                raise ValueError("a sharded layout's masters need a gather across ranks")
+            master = gather(master)
+            if master is None:
+                continue
+        yield from layout.unflatten(b, master).items()
 
 
 def export_layout(
-    store: TensorStore | RamTier, layout: ModelLayout, config: Any, out_dir: str, dtype: str, copy_from: str | None
+    store: TensorStore | RamTier,
+    layout: ModelLayout,
+    config: Any,
+    out_dir: str,
+    dtype: str,
+    copy_from: str | None,
+    gather: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
 ) -> None:
-    """Write the store's current weights as a Hugging Face model directory in ``dtype``."""
+    """Write the store's current weights as a Hugging Face model directory in ``dtype``; a sharded
+    layout streams its blocks through ``gather`` (``iter_master``) and only the rank it gathers on
+    writes."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be bf16 or fp32, got {dtype!r}")
-    gen = ((k, t.to(DTYPES[dtype])) for k, t in iter_master(store, layout))
+    gen = ((k, t.to(DTYPES[dtype])) for k, t in iter_master(store, layout, gather))
+    if layout.world > 1 and layout.rank != 0:
+        for _ in gen:  # the other ranks send their shards, block by block
+            pass
+        return
     save_streamed(out_dir, gen, config, DTYPES[dtype], copy_from=copy_from)
 
 
@@ -75,6 +100,12 @@ def export_store(paths: list[str], out_dir: str, dtype: str = "bf16") -> None:
                 "directory or the --ssd directories of a run"
             )
         refuse_stale(meta, dirs[0])
+        if meta.get("world", 1) > 1:
+            raise ConfigError(
+                f"{dirs[0]} holds rank {meta['rank']}'s shard of a {meta['world']}-rank run; a run's "
+                "model/ directory holds the whole model (exported at its end), or resume the run with "
+                "torchrun and the same number of ranks"
+            )
         config = load_config(files)
         layout = ModelLayout(
             tuple(make_adapter(config).blocks),

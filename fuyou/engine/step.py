@@ -43,6 +43,7 @@ from fuyou.schedule.plan import RECOMPUTES, Plan
 from fuyou.schedule.sizing import loss_chunk_tokens
 from fuyou.timeline import Timeline
 from fuyou.transfer.activation_files import ActivationSpace
+from fuyou.transfer.collectives import Collectives
 from fuyou.transfer.futures import done_future
 from fuyou.transfer.grad_park import GradientParking, Parked
 from fuyou.transfer.ram_tier import RamTier
@@ -81,6 +82,9 @@ class StepContext:
     progress: Progress
     commit_meta: Callable[[], dict]
     """What each committed store version records (reads ``progress``)."""
+    comm: Collectives | None = None
+    """The data-parallel ranks' collectives (None: one rank). Each rank updates its shard of every
+    block: gradients are reduce-scattered before they leave the device, the loss and norm summed."""
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,8 @@ class StepResult:
     """The busiest resource."""
     ssd_read_bytes: int
     ssd_write_bytes: int
+    comm_bytes: int = 0
+    """Bytes this rank's collectives moved (weights gathered in, gradients scattered out; 0 on one rank)."""
 
     def __getitem__(self, key: str) -> Any:
         """Dict-style access (``result["loss"]``), as earlier versions returned a dict."""
@@ -189,7 +195,7 @@ class StepRunner:
         for o in owners:
             if o not in st.grads:
                 st.grads[o] = c.backend.device_empty(
-                    (c.layout.numel(o),), c.layout.compute_dtype, f"gradients of {c.layout.blocks[o].name}"
+                    (c.layout.full_numel(o),), c.layout.compute_dtype, f"gradients of {c.layout.blocks[o].name}"
                 ).zero_()
         views = {}
         for o in owners:
@@ -310,7 +316,8 @@ class StepRunner:
         """The step's one device→host read: its loss and squared gradient norm, once backward has
         handed off every block (block 0 last)."""
         if not st.read:
-            st.loss, st.norm_sq = read_scalars(st.loss_sum, st.sq_sum)
+            read = self.c.comm.sum_scalars if self.c.comm is not None else read_scalars
+            st.loss, st.norm_sq = read(st.loss_sum, st.sq_sum)
             st.read = True
 
     @staticmethod
@@ -325,10 +332,13 @@ class StepRunner:
         ``store.abort``); block 0, the last gradient, reads the step's norm back first, and only a
         finite step updates it and the held-back RAM-tier blocks, whose writes cannot be rolled back."""
         c = self.c
-        grad = st.grads.pop(b)
-        st.sq_sum = st.sq_sum + sum_squares_lazy(grad)
+        grad, after = st.grads.pop(b), None
+        if c.comm is not None:  # this rank's shard of the gradient summed over ranks
+            grad, after, st.sq_sum = c.comm.scatter_gradient(grad, st.sq_sum, c.layout.blocks[b].name)
+        else:
+            st.sq_sum = st.sq_sum + sum_squares_lazy(grad)
         if c.plan.clips or b in rules.held_back(c.plan):
-            st.parked[b] = c.parking.park(b, grad)
+            st.parked[b] = c.parking.park(b, grad, after)
             return
         if b == 0:
             self.read_back(st)
@@ -336,7 +346,7 @@ class StepRunner:
                 return
             for o in sorted(st.parked, reverse=True):  # RAM-tier blocks held back may update now
                 st.written[o] = self._update(o, *c.parking.source(st.parked.pop(o)), 1.0)
-        buf, ready = c.stage.offload(b, grad)
+        buf, ready = c.stage.offload(b, grad, after=after)
         st.written[b] = self._update(b, buf, ready, 1.0)
 
     def finish(self, st: StepState) -> bool:
@@ -351,7 +361,7 @@ class StepRunner:
             for p in st.parked.values():  # held-back RAM-tier gradients of a non-finite step
                 c.parking.discard(p)
             st.parked.clear()
-            late = c.stage.take_nonfinite()  # the Adam stage's own check of what it received
+            late = self.late_nonfinite()  # the Adam stage's own check of what it received
             if not self.finite(st) or late:
                 c.stage.worker.wait()
                 c.tier.abort()
@@ -385,7 +395,7 @@ class StepRunner:
         wait(futs)
         for f in futs:
             f.result()
-        late = self.c.stage.take_nonfinite()
+        late = self.late_nonfinite()
         if late:  # the device found the step finite, the Adam stage did not: roll it back
             self.c.tier.abort()
             self.c.progress.step -= 1
@@ -398,6 +408,15 @@ class StepRunner:
             return False
         self.c.tier.commit(self.c.commit_meta())
         return True
+
+    def late_nonfinite(self) -> set[int]:
+        """Blocks whose update came out non-finite though the step was found finite (the Adam stage's
+        check); with several ranks, any rank's finding rolls the step back on all (-1 stands for
+        another rank's blocks)."""
+        late = self.c.stage.take_nonfinite()
+        if self.c.comm is not None and self.c.comm.any(bool(late)) and not late:
+            return {-1}
+        return late
 
     def gate(self, b: int) -> Future:
         """Loader gate: block b's weights may be read once the pending update of b has written them

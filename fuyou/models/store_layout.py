@@ -7,6 +7,11 @@
   tensors included, and zero), cut into chunks of at most ``state_chunk`` elements. Adam runs chunk
   by chunk, so host memory for state is bounded by the chunk size, not by the largest block (a
   150k-token embedding), and writes the new compute weights straight into a ``w`` buffer.
+
+With data-parallel ranks (``world`` > 1) each rank stores only its shard of every block's flat vector
+(``fuyou.schedule.shards``): ``w/<block>`` is then one flat tensor ``shard`` of ``numel(b)`` elements
+(the last rank's zero-padded), and the state chunks cover the shard. The device works on the
+gathered vector of ``full_numel(b)`` elements, laid out like the one-rank ``w`` extent (``unflatten``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from fuyou.models.blocks import BlockSpec
+from fuyou.schedule import shards
 from fuyou.schedule.sizing import Footprint, state_chunks
 from fuyou.storage.extents import ExtentSpec, TensorSpec
 
@@ -35,17 +41,43 @@ class ModelLayout:
     state_chunk: int = 1 << 23
     """Elements per optimizer-state chunk (8 Mi: 96 MiB of fp32 master+m+v); a multiple of 32."""
 
+    rank: int = 0
+    """This process's data-parallel rank."""
+    world: int = 1
+    """Data-parallel ranks the blocks are sharded over (1: no sharding)."""
+
     def __post_init__(self) -> None:
         if self.state_chunk <= 0 or self.state_chunk % 32:
             raise ValueError(f"state chunk must be a positive multiple of 32 elements, got {self.state_chunk}")
+        shards.shard_range(1, self.rank, self.world)  # raises ConfigError for a rank outside the world
 
-    def w(self, b: int) -> ExtentSpec:
-        """The compute-weight extent of block ``b``."""
+    def _hf(self, b: int) -> ExtentSpec:
+        """Block ``b``'s parameters keyed by HF name, as the device sees them (the gathered vector)."""
         return self.blocks[b].extent("w/", self.compute_dtype)
 
+    def _hf_numel(self, b: int) -> int:
+        return -(-self._hf(b).nbytes // elem_size(self.compute_dtype))
+
+    def w(self, b: int) -> ExtentSpec:
+        """The compute-weight extent of block ``b``: its tensors by HF name, or (sharded) this rank's
+        shard as one flat tensor ``shard``."""
+        if self.world == 1:
+            return self._hf(b)
+        return ExtentSpec(f"w/{self.blocks[b].name}", (TensorSpec("shard", (self.numel(b),), self.compute_dtype),))
+
     def numel(self, b: int) -> int:
-        """Elements of block ``b``'s flat vectors (the ``w`` extent in compute-dtype elements)."""
-        return -(-self.w(b).nbytes // elem_size(self.compute_dtype))
+        """Elements of block ``b``'s flat vectors this rank stores and updates (the ``w`` extent in
+        compute-dtype elements): the whole block on one rank, else ``shards.shard_len``."""
+        return shards.shard_len(self._hf_numel(b), self.world)
+
+    def full_numel(self, b: int) -> int:
+        """Elements of block ``b``'s gathered flat vector on the device (weights, gradient): the whole
+        block, zero-padded to ``world × numel(b)`` when sharded."""
+        return shards.padded_numel(self._hf_numel(b), self.world)
+
+    def shard_start(self, b: int) -> int:
+        """Position of this rank's first element in block ``b``'s gathered vector."""
+        return self.rank * self.numel(b) if self.world > 1 else 0
 
     def chunks(self, b: int) -> list[tuple[int, int]]:
         """Element ranges [lo, hi) of block ``b``'s optimizer-state chunks."""
@@ -74,6 +106,7 @@ class ModelLayout:
             elem_size(self.compute_dtype),
             4 + 2 * elem_size(self.state_dtype),
             tuple(self.index(o) for o in head.borrows),
+            self.world,
         )
 
     def extents(self) -> list[ExtentSpec]:
@@ -91,8 +124,10 @@ class ModelLayout:
     def flatten_into(self, b: int, tensors: dict[str, torch.Tensor], out: torch.Tensor, lo: int, hi: int) -> None:
         """Write elements [lo, hi) of block ``b``'s flat vector into ``out`` (``hi - lo`` elements,
         any dtype), gaps between tensors zeroed; converts one tensor slice at a time, so the whole
-        block is never held a second time."""
-        ext, size = self.w(b), elem_size(self.compute_dtype)
+        block is never held a second time. Positions are this rank's (``shard_start`` adds up)."""
+        ext, size = self._hf(b), elem_size(self.compute_dtype)
+        base = self.shard_start(b)
+        lo, hi = lo + base, hi + base
         out.zero_()
         for t, off in zip(ext.tensors, ext.offsets):
             a, z = max(off // size, lo), min((off + t.nbytes) // size, hi)
@@ -102,8 +137,9 @@ class ModelLayout:
 
     def decay_runs(self, b: int, no_decay: frozenset[str]) -> list[tuple[int, int, bool]]:
         """Element ranges [lo, hi) of block ``b`` with whether weight decay applies (tensors in
-        ``no_decay`` get none; the gaps between tensors, always zero, count as decayed)."""
-        ext, size = self.w(b), elem_size(self.compute_dtype)
+        ``no_decay`` get none; the gaps between tensors and the shard padding, always zero, count as
+        decayed). Positions are this rank's."""
+        ext, size = self._hf(b), elem_size(self.compute_dtype)
         runs: list[tuple[int, int, bool]] = []
         pos = 0
         for t, off in zip(ext.tensors, ext.offsets):
@@ -115,13 +151,15 @@ class ModelLayout:
                     else:
                         runs.append((a, z, d))
             pos = hi
-        if pos < self.numel(b):
-            runs.append((pos, self.numel(b), True))
-        return runs
+        if pos < self.full_numel(b):
+            runs.append((pos, self.full_numel(b), True))
+        lo, hi = self.shard_start(b), self.shard_start(b) + self.numel(b)
+        return [(max(a, lo) - lo, min(z, hi) - lo, d) for a, z, d in runs if min(z, hi) > max(a, lo)]
 
     def unflatten(self, b: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Views of each parameter in a flat vector laid out like block ``b``'s ``w`` extent."""
-        ext = self.w(b)
+        """Views of each parameter in a flat vector laid out like block ``b``'s one-rank ``w`` extent
+        (the gathered vector when sharded)."""
+        ext = self._hf(b)
         size = elem_size(self.compute_dtype)
         return {
             t.name: flat[off // size : off // size + t.nbytes // size].view(t.shape)

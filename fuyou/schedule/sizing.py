@@ -60,6 +60,9 @@ class Footprint:
     """fp32 master + m + v: 12; with bf16 m and v: 8."""
     borrowed: tuple[int, ...] = ()
     """Blocks whose weights the head also uses (a tied embedding)."""
+    world: int = 1
+    """Data-parallel ranks: the host holds one rank's shard (``weight_bytes``, ``numels``), the
+    device the gathered block (``device_bytes``)."""
 
     @property
     def nblocks(self) -> int:
@@ -69,6 +72,13 @@ class Footprint:
     def grad_bytes(self, b: int) -> int:
         """Bytes of block ``b``'s flat gradient."""
         return self.numels[b] * self.compute_bytes
+
+    def device_bytes(self, b: int) -> int:
+        """Device bytes of block ``b``'s weights and gradient while it computes: the whole block, and
+        when sharded the gathered (padded) vectors plus the shard they come from and go to."""
+        if self.world == 1:
+            return self.weight_bytes[b] + self.grad_bytes(b)
+        return 2 * (self.world + 1) * self.grad_bytes(b)
 
     def state_extent_bytes(self, n: int) -> int:
         """Bytes of one state extent of ``n`` elements: master (fp32), m, v at 64-byte alignment."""
@@ -156,7 +166,7 @@ def device_floor(fp: Footprint, device: str = "cpu") -> int:
     """Device bytes no plan can go below on a ``device`` backend: the largest block's weights and
     gradients (the head's with the blocks it borrows), plus what its libraries need
     (``library_bytes``)."""
-    per = [fp.weight_bytes[b] + fp.grad_bytes(b) for b in range(fp.nblocks)]
+    per = [fp.device_bytes(b) for b in range(fp.nblocks)]
     return max(max(per), per[-1] + sum(per[o] for o in fp.borrowed)) + library_bytes(device)
 
 

@@ -158,3 +158,27 @@ def fsync_dir(path: str) -> None:
         if limit is not None:
             raise limit from e
         raise
+
+
+RANK_FIELDS = ("{rank}", "{local_rank}")
+"""Placeholders in a store path that each data-parallel rank fills in."""
+
+
+def rank_dirs(dirs: tuple[str, ...] | list[str], rank: int, world: int, local_rank: int | None = None) -> list[str]:
+    """The store directories of data-parallel rank ``rank`` of ``world``: ``{rank}`` and
+    ``{local_rank}`` (default: ``LOCAL_RANK``, else ``rank``) filled in; a path without either gets
+    a ``rank<r>`` subdirectory (created when the path is a directory), so ranks never share a store.
+    One rank: ``dirs`` unchanged."""
+    if world == 1:
+        return list(dirs)
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    out = []
+    for d in dirs:
+        if any(f in d for f in RANK_FIELDS):
+            out.append(d.replace("{rank}", str(rank)).replace("{local_rank}", str(local_rank)))
+        else:
+            out.append(os.path.join(d, f"rank{rank}"))
+            if os.path.isdir(d):
+                os.makedirs(out[-1], exist_ok=True)
+    return out

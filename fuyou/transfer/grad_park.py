@@ -116,12 +116,12 @@ class GradientParking:
         return b in self._files
 
     # ------------------------------------------------------------------ park
-    def park(self, b: int, grad: torch.Tensor) -> Parked:
-        """Park block ``b``'s finished device gradient ``grad``; returns at once (the copy and any
-        write run asynchronously)."""
+    def park(self, b: int, grad: torch.Tensor, after: Event | None = None) -> Parked:
+        """Park block ``b``'s finished device gradient ``grad`` (``after``: as for ``offload``); returns
+        at once (the copy and any write run asynchronously)."""
         if not self.on_ssd(b):
-            return self.gradients.offload(b, grad, park_class(b))
-        buf, ready = self.gradients.offload(b, grad, GRADS)
+            return self.gradients.offload(b, grad, park_class(b), after)
+        buf, ready = self.gradients.offload(b, grad, GRADS, after)
         prev = self._last.get(b)
         assert self._writer is not None
         fut = self._writer.submit(self._write, b, buf, ready, prev)

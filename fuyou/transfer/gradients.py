@@ -28,11 +28,16 @@ class GradientOffload:
         self.backend, self.pool, self.layout = backend, pool, layout
         self.timeline, self.stream = timeline, d2h_stream
 
-    def offload(self, b: int, grad: torch.Tensor, cls: str = GRADS) -> tuple[HostBuffer, Event]:
-        """Copy block ``b``'s flat device gradient into a host buffer of class ``cls``."""
+    def offload(
+        self, b: int, grad: torch.Tensor, cls: str = GRADS, after: Event | None = None
+    ) -> tuple[HostBuffer, Event]:
+        """Copy block ``b``'s flat device gradient into a host buffer of class ``cls``; ``after``: an
+        event the gradient's last writer besides compute recorded (the ranks' reduce-scatter)."""
         buf = self.pool.acquire(cls)
         n = grad.numel()
         self.backend.record().wait(self.stream)  # hazard: copying the gradient before backward finished writing it
+        if after is not None:
+            after.wait(self.stream)  # hazard: copying the shard before the reduce-scatter wrote it
         with self.timeline.device_span(
             "d2h", self.layout.blocks[b].name, self.backend, self.stream, n * grad.element_size()
         ):
@@ -45,6 +50,8 @@ class Offloads(Protocol):
     """Whatever copies gradients off the device: a ``GradientOffload``, or the Adam stage (which
     delegates to its own)."""
 
-    def offload(self, b: int, grad: torch.Tensor, cls: str = GRADS) -> tuple[HostBuffer, Event]:
+    def offload(
+        self, b: int, grad: torch.Tensor, cls: str = GRADS, after: Event | None = None
+    ) -> tuple[HostBuffer, Event]:
         """See ``GradientOffload.offload``."""
         ...

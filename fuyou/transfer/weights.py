@@ -17,6 +17,10 @@ recycled memory: the allocator reuses a block only after the compute queued befo
 When every host buffer is busy, the next read goes into the buffer of the oldest upload still in
 flight, started by a waiter thread once that upload has landed (``futures.event_future``): the
 training thread only ever waits for the read of the block it needs now.
+
+With data-parallel ranks (``comm``) the read and upload move this rank's shard; ``next`` then has
+the ranks gather the whole block on their collectives' stream (``Collectives.gather``) into the
+buffer it returns, and ``ready_event`` marks that gather.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from fuyou.device.base import Backend, Event
 from fuyou.models.store_layout import ModelLayout
 from fuyou.schedule.sizing import WEIGHTS as HOST_CLASS
 from fuyou.timeline import Timeline
+from fuyou.transfer.collectives import Collectives
 from fuyou.transfer.futures import chain, done_future, event_future
 from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
 from fuyou.transfer.new_weights import NewWeights
@@ -60,6 +65,8 @@ class WeightLoader:
         self.gate: Callable[[int], Future] = lambda b: done_future()
         self.new_weights: NewWeights | None = None
         """Where a block whose update is in flight is claimed from (the Adam stage's); None: never."""
+        self.comm: Collectives | None = None
+        """The ranks' collectives (the upload is a shard, gathered by ``next``); None: one rank."""
 
     def start(self, order: list[int]) -> None:
         """Begin a new load order (one step); reads for its first ``depth`` blocks are issued."""
@@ -125,23 +132,34 @@ class WeightLoader:
         fut.result()
         n = self.layout.w(b).nbytes
         what = f"weights of {self.layout.blocks[b].name}"
+        full = n * (self.comm.world if self.comm is not None else 1)
         if into is None:
-            into = self.backend.device_empty((n,), torch.uint8, what, stream=self.stream)
-            alias = into
+            into = whole = self.backend.device_empty((full,), torch.uint8, what, stream=self.comm_or_copy())
         else:
-            alias = self.backend.restore_storage(into, n, what, stream=self.stream)
+            whole = self.backend.restore_storage(into, full, what, stream=self.comm_or_copy())
         # hazard: the copy stream's allocator pool must not refill this memory while compute reads it
         self.backend.keep_alive(into, self.compute)
+        shard: torch.Tensor | None = None
+        if self.comm is not None:  # upload the shard into memory of its own, gather into the block's
+            shard = self.backend.device_empty((n,), torch.uint8, what, stream=self.stream)
+        alias = shard if shard is not None else whole
         with self.timeline.device_span("h2d", self.layout.blocks[b].name, self.backend, self.stream, n):
             copied = self.backend.copy(alias, buf.data[:n], self.stream)
         self._copies.append((buf, copied))
+        if self.comm is not None:
+            assert shard is not None
+            self.comm.gather(shard, whole, copied, self.layout.blocks[b].name)
         self._reap(wait=False)
         self._issue()
         return into
 
+    def comm_or_copy(self) -> object:
+        """The stream that fills the buffer ``next`` returns: the collectives' (ranks), else the copy stream."""
+        return self.comm.stream if self.comm is not None else self.stream
+
     def ready_event(self) -> Event:
-        """Event after the latest copy; the compute stream waits on it before using the weights."""
-        return self.backend.record(self.stream)
+        """Event after the latest copy (or gather); the compute stream waits on it before using the weights."""
+        return self.backend.record(self.comm_or_copy())
 
     def drain(self) -> None:
         """Wait for every read and copy and return all host buffers (end of a step, or on error)."""

@@ -1,5 +1,6 @@
-"""Launched as several processes (torchrun), Fuyou refuses before touching anything: each rank would
-otherwise run a whole, independent copy over the same store and output directories."""
+"""Launched as several processes (torchrun), ``fuyou finetune`` and FuyouTrainer refuse before touching
+anything (they would each run a whole, independent copy over the same directories); the engine joins
+the ranks, and refuses an incomplete launch environment before touching anything."""
 
 from __future__ import annotations
 
@@ -25,13 +26,15 @@ def test_cli_refuses_under_a_multi_process_launch_and_touches_nothing(tmp_path, 
     assert not out.exists()
 
 
-def test_engine_and_trainer_refuse_under_a_multi_process_launch(tmp_path, monkeypatch):
+def test_engine_needs_a_complete_launch_and_the_trainer_refuses(tmp_path, monkeypatch):
     from fuyou import FuyouTrainer, FuyouTrainingArguments
     from fuyou.engine import Engine, EngineConfig
 
     cfg, model = tiny("llama", layers=1)
     monkeypatch.setenv("WORLD_SIZE", "3")
-    with pytest.raises(ConfigError, match="launched as one of 3 processes"):
+    for k in ("RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ConfigError, match="RANK, MASTER_ADDR, MASTER_PORT is not set; launch the ranks with torchrun"):
         Engine.from_state_dict(cfg, model.state_dict(), EngineConfig(ssd_dirs=(str(tmp_path / "s"),)))
     assert not (tmp_path / "s").exists()
     args = FuyouTrainingArguments(output_dir=str(tmp_path / "o"), ssd_dirs=[str(tmp_path / "s")], report_to=[])

@@ -1,0 +1,82 @@
+"""One rank of a data-parallel Fuyou run (or the one-process reference), for test_data_parallel.
+
+    python -m tests.integration.dp_child SPEC.json OUT.pt      (RANK/WORLD_SIZE/MASTER_* from the launcher)
+
+SPEC: family, steps, batch (the global batch), seq, K (micro-batches per rank), clip, policy,
+precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, kill_at (step at
+which rank 1 SIGKILLs itself mid-step, after its forward of block 0). Writes on rank 0 (or the only
+process) the per-step losses, grad norms and final master weights; every rank writes its SSD bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch
+
+from fuyou.engine import Engine, EngineConfig, Plan
+from tests.integration.tiny_models import batches, tiny
+
+
+def main(spec_path: str, out: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    cfg, model = tiny(spec.get("family", "llama"), layers=spec.get("layers", 2))
+    nblocks = cfg.num_hidden_layers + 2
+    K = spec["K"] * (spec["world"] // world)  # the one-process reference runs every rank's micro-batches
+    plan = Plan(
+        grad_accum=K,
+        prefetch_depth=2,
+        activation_policy=("keep",) + (spec.get("policy", "keep"),) * (nblocks - 2) + ("keep",),
+        ram_weight_blocks=spec.get("ram_weights", 0),
+        ram_state_blocks=spec.get("ram_state", 0),
+        schedule=spec.get("schedule", "auto"),
+    )
+    ec = EngineConfig(
+        ssd_dirs=(spec["ssd"],),
+        precision=spec.get("precision", "fp32"),
+        lr=1e-3,
+        weight_decay=0.01,
+        cpu_memory=spec.get("cpu_memory", "256MiB"),
+        max_grad_norm=spec.get("clip", 0.0),
+        plan=plan,
+    )
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    data = batches(spec["steps"], batch=spec["batch"], seq=spec.get("seq", 16))
+    losses, norms, read, written, comm = [], [], 0, 0, 0
+    eng = Engine.from_state_dict(cfg, sd, ec)
+    if spec.get("kill_at") is not None and rank == 1:
+        _arm_kill(eng, spec["kill_at"])
+    for ids, labels in data:
+        per = ids.shape[0] // world
+        st = eng.train_step(ids[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per])
+        losses.append(st.loss)
+        norms.append(st.grad_norm)
+        read, written, comm = read + st.ssd_read_bytes, written + st.ssd_write_bytes, comm + st.comm_bytes
+    weights = dict(eng.master_weights())
+    eng.close()
+    result = {"ssd_read": read, "ssd_written": written, "comm": comm, "rank": rank}
+    if rank == 0:
+        result |= {"losses": losses, "norms": norms, "weights": weights}
+    torch.save(result, out)
+
+
+def _arm_kill(eng: Engine, step: int) -> None:
+    """SIGKILL this process in the middle of step ``step`` (1-based), after block 0's forward."""
+    forward = eng.adapter.forward
+
+    def dying(b: int, *a: object, **kw: object):  # type: ignore[no-untyped-def]
+        if b == 1 and eng.step + 1 >= step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return forward(b, *a, **kw)
+
+    eng.adapter.forward = dying  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

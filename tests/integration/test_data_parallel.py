@@ -1,0 +1,95 @@
+"""Data-parallel ranks (gloo, local processes) train the same model as one process with the whole batch.
+
+Each rank stores and updates its shard of every block (uneven with 3 ranks), gathers weights and
+reduce-scatters gradients; per-step losses, gradient norms and final fp32 masters must match one
+process over the same global batch within 1e-5, in both schedules, with clipping, accumulation and
+RAM tiers, on the plain and the asynchronous CPU backend. Each rank moves about 1/N of the SSD bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.integration.test_engine_fidelity import zero_grad_part
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(spec: dict, world: int, d, env_extra: dict | None = None, timeout: float = 300) -> list:
+    """Run ``dp_child`` as ``world`` local ranks (one plain process for world 1); their results."""
+    d.mkdir(parents=True)
+    ssd = d / "ssd"
+    ssd.mkdir()
+    path = d / "spec.json"
+    path.write_text(json.dumps(dict(spec, ssd=str(ssd))))
+    port, procs = free_port(), []
+    for r in range(world):
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env |= env_extra or {}
+        if world > 1:
+            env |= dict(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1")
+            env |= dict(MASTER_PORT=str(port))
+        cmd = [sys.executable, "-m", "tests.integration.dp_child", str(path), str(d / f"out{r}.pt")]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        _, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err[-3000:]
+    for r in range(world):
+        outs.append(torch.load(d / f"out{r}.pt"))
+    return outs
+
+
+def assert_equivalent(one: dict, many: dict) -> None:
+    assert many["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert many["norms"] == pytest.approx(one["norms"], rel=1e-5)
+    assert many["weights"].keys() == one["weights"].keys()
+    for k, ref in one["weights"].items():
+        got, free = many["weights"][k], zero_grad_part(k, ref)
+        torch.testing.assert_close(got[~free], ref[~free], rtol=1e-5, atol=1e-5, msg=k)
+
+
+CASES = {
+    # name: world, spec
+    "2-clip": (2, dict(clip=1.0)),
+    "3-noclip-accum": (3, dict(clip=0.0, K=2, schedule="overlap_backward")),
+    "2-ramtier-clip-accum": (2, dict(clip=0.5, K=2, ram_weights=2, ram_state=2)),
+    "3-tied-clip": (3, dict(clip=1.0, family="llama_tied", policy="recompute")),
+}
+SLOW = pytest.mark.slow  # ~25 s each: the default tier keeps one case
+
+
+@pytest.mark.parametrize("case", [c if c == "2-clip" else pytest.param(c, marks=SLOW) for c in CASES])
+def test_ranks_train_what_one_process_trains(case: str, tmp_path) -> None:
+    world, extra = CASES[case]
+    spec = dict(steps=3, batch=2 * world * extra.get("K", 1), K=1, world=world) | extra
+    (one,) = launch(spec, 1, tmp_path / "one")
+    many = launch(spec, world, tmp_path / "many")
+    assert_equivalent(one, many[0])
+    for o in many:  # each rank reads and writes about its 1/N share (shards are padded to 32 elements)
+        assert o["ssd_read"] < 0.75 * one["ssd_read"] and o["ssd_written"] < 0.75 * one["ssd_written"]
+        assert o["comm"] > 0
+    assert one["comm"] == 0
+
+
+@SLOW
+@pytest.mark.parametrize("mode", ["arena", "resize"])
+def test_ranks_on_the_asynchronous_cpu_backend(mode: str, tmp_path) -> None:
+    """The collectives' stream ordering, checked where a GPU would show its mistakes."""
+    spec = dict(steps=2, batch=4, K=2, world=2, clip=1.0, policy="swap_ssd")
+    (one,) = launch(spec, 1, tmp_path / "one")
+    many = launch(spec, 2, tmp_path / "many", {"FUYOU_CPU_ASYNC": mode})
+    assert_equivalent(one, many[0])
