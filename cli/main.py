@@ -168,7 +168,7 @@ def finetune(
         )
     cfg = merge(file_values, given)
     summary = run(cfg)
-    if not cfg.progress:
+    if not cfg.progress and summary.get("rank", 0) == 0:
         click.echo(
             f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} → {summary['last_loss']:.4f}, "
             f"model in {summary['output']}"

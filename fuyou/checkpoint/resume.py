@@ -90,3 +90,56 @@ def set_aside_newer(stripes: list[str], name: str | None) -> list[str]:
             stacklevel=2,
         )
     return moved
+
+
+RANKS_MARKER = "ranks.json"
+"""In rank 0's checkpoint of a multi-rank run: written once every rank has taken it (the checkpoint
+counts only then)."""
+
+
+def mark_all_ranks(stripes: list[str], name: str, world: int) -> None:
+    """Rank 0, after every rank published checkpoint ``name``: record that all ``world`` ranks hold it
+    (atomic, fsync'd)."""
+    from fuyou.storage.manifest import write_manifest
+
+    write_manifest(os.path.join(stripes[0], CKPT, name), {"world": world, "name": name}, RANKS_MARKER)
+
+
+def all_ranks_hold(stripes: list[str], name: str, world: int) -> bool:
+    """Whether rank 0's checkpoint ``name`` carries the marker that all ``world`` ranks took it."""
+    from fuyou.errors import ManifestError
+    from fuyou.storage.manifest import read_manifest
+
+    try:
+        body = read_manifest(os.path.join(stripes[0], CKPT, name), RANKS_MARKER)
+    except (ManifestError, OSError):
+        return False
+    return isinstance(body, dict) and body.get("world") == world
+
+
+def agreed_resume_point(stripes: list[str], resume: str, ranks: Any) -> tuple[str, dict] | None:
+    """``resume_point`` for a run of several ranks (``fuyou.run.ranks.Ranks``; ``stripes``: this rank's):
+    the newest checkpoint that rank 0 marked as held by all ranks and that every rank finds intact,
+    the same on every rank. ``auto`` falls back through older marked ones (a damaged one warns) and
+    returns None when none is agreed; a path names the checkpoint by its directory name and raises
+    ConfigError unless every rank holds it intact and rank 0 marked it."""
+    if ranks.world == 1:
+        return resume_point(stripes, resume)
+    named = None if resume == "auto" else os.path.basename(os.path.abspath(resume).rstrip("/"))
+    offered = list_checkpoints(stripes) if ranks.root else []
+    offered = [n for n in offered if (named is None or n == named) and all_ranks_hold(stripes, n, ranks.world)]
+    for name in ranks.share(offered):
+        state, why = None, ""
+        try:
+            state = validate(stripes, name)
+        except (StoreError, OSError) as e:
+            why = str(e)
+        if ranks.all_ok(state is not None):
+            return name, state  # type: ignore[return-value]
+        if why:
+            warnings.warn(f"checkpoint {name} is damaged ({why}); trying an older one", FuyouWarning, stacklevel=2)
+    if named is not None:
+        raise ConfigError(
+            f"--resume {resume}: not a checkpoint every rank holds intact (rank 0 marks those); use --resume auto"
+        )
+    return None

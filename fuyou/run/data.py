@@ -29,8 +29,11 @@ class RunData:
             yield b["input_ids"], b["labels"]
 
 
-def build_data(cfg: FinetuneConfig, tokenizer: Any, config: Any) -> RunData:
-    """Index the JSONL (or write the demo text), split off held-out data, make the batch loader.
+def build_data(cfg: FinetuneConfig, tokenizer: Any, config: Any, world: int = 1) -> RunData:
+    """Index the JSONL (or write the demo text), split off held-out data, make the batch loader of
+    global batches: ``micro_batch_size × grad_accum × world`` sequences, of which each of the
+    ``world`` ranks trains its slice (every rank walks the same order, so a resumed loader state puts
+    every rank at its exact position).
 
     Raises DataError / ConfigError (from ``fuyou.data``) for bad data or a too-long ``--seq-len``.
     """
@@ -58,7 +61,7 @@ def build_data(cfg: FinetuneConfig, tokenizer: Any, config: Any) -> RunData:
             max_positions=max_pos,
             eval_fraction=cfg.eval_fraction,
         )
-    loader = BatchLoader(train, batch_size=cfg.micro_batch_size * cfg.grad_accum)
+    loader = BatchLoader(train, batch_size=cfg.micro_batch_size * cfg.grad_accum * world)
     total = loader.total_steps(steps=cfg.steps, epochs=cfg.epochs if cfg.steps is None else None)
     evals = []
     if held is not None:

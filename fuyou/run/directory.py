@@ -78,15 +78,6 @@ def check_fresh_after_auto(output: str, overwrite: bool) -> None:
         )
 
 
-def clear_earlier_run(output: str, stripes: list[str]) -> None:
-    """``--overwrite``: delete the finished outputs and every checkpoint (set-aside ones included).
-
-    The store itself is replaced when the engine creates the new one.
-    """
-    clear_finished(output)
-    remove_all(stripes)
-
-
 def clear_finished(output: str) -> None:
     """Delete ``run.json`` and ``model/`` (a starting or continuing run writes new ones at its end)."""
     for name in FINISHED:

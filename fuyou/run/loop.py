@@ -33,7 +33,7 @@ def prepare_output(path: str) -> str:
     path = os.path.abspath(path)
     try:
         os.makedirs(path, exist_ok=True)
-        probe = os.path.join(path, ".fuyou-write-test")
+        probe = os.path.join(path, f".fuyou-write-test-{os.getpid()}")  # ranks probe at once
         with open(probe, "w"):
             pass
         os.unlink(probe)
@@ -50,11 +50,12 @@ def _model(cfg: FinetuneConfig) -> tuple[str, bool]:
     return demo_model_dir()
 
 
-def plan_request(cfg: FinetuneConfig, config: Any) -> PlanRequest:
-    """What the plan chooser needs of this run (``cfg.precision`` resolved); the engine gets the same budgets."""
+def plan_request(cfg: FinetuneConfig, config: Any, stripes: list[str] | None = None) -> PlanRequest:
+    """What the plan chooser needs of this run (``cfg.precision`` resolved); the engine gets the same
+    budgets. ``stripes``: this rank's store directories (default: ``cfg.store_dirs``)."""
     return PlanRequest(
         model_config=config,
-        store_dirs=tuple(cfg.store_dirs),
+        store_dirs=tuple(stripes or cfg.store_dirs),
         cpu_memory=cfg.cpu_memory,
         gpu_memory=cfg.gpu_memory,
         device=cfg.device,
@@ -71,9 +72,11 @@ def plan_request(cfg: FinetuneConfig, config: Any) -> PlanRequest:
     )
 
 
-def _engine_config(cfg: FinetuneConfig, req: PlanRequest, chosen: ChosenPlan) -> EngineConfig:
+def _engine_config(cfg: FinetuneConfig, req: PlanRequest, chosen: ChosenPlan, world: int = 1) -> EngineConfig:
+    from fuyou.storage.dirs import rank_template
+
     return EngineConfig(
-        ssd_dirs=req.store_dirs,
+        ssd_dirs=rank_template(cfg.store_dirs, world),  # the engine fills in {rank}/{local_rank}
         device=req.device,
         gpu_memory=req.gpu_memory,
         cpu_memory=req.cpu_memory,
@@ -89,24 +92,43 @@ def _engine_config(cfg: FinetuneConfig, req: PlanRequest, chosen: ChosenPlan) ->
 
 
 def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
-    """Run a fine-tuning job end to end; return the summary (also written to OUTPUT/run.json)."""
+    """Run a fine-tuning job end to end; return the summary (also written to OUTPUT/run.json) and
+    this process's ``rank``.
+
+    Under ``torchrun`` every rank runs it with the same arguments (``fuyou.run.ranks``): each trains its
+    slice of every global batch on its shard of the state, in its own store directories; rank 0 writes
+    the run directory. A rank that stops makes the others stop with RankLostError.
+    """
+    from fuyou.run.ranks import join, lost
+
+    ranks = join(device_kind(cfg.device))  # before the output directory is touched
+    try:
+        return _finetune(cfg, ranks)
+    except Exception as e:
+        err = lost(e)
+        if err is not None:
+            raise err from e
+        raise
+
+
+def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    from fuyou.machine import refuse_multi_process
     from fuyou.models.adapters import architecture_of
     from fuyou.models.hf_io import ModelFileError, load_config
     from fuyou.run.data import build_data
     from fuyou.run.directory import check_fresh_start
 
-    refuse_multi_process("fuyou finetune")  # before the output directory is touched
     out = prepare_output(cfg.output)
-    cfg = FinetuneConfig(**{**cfg.__dict__, "output": out})
+    cfg = FinetuneConfig(**{**cfg.__dict__, "output": out, "progress": cfg.progress and ranks.root})
+    stripes = _stripes(cfg, ranks)
     if not cfg.resume:  # before any slow work: refuse to start over an earlier run unless --overwrite
-        check_fresh_start(out, _stripes(cfg), cfg.overwrite)
+        _on_every_rank(ranks, lambda: check_fresh_start(out, stripes, cfg.overwrite))
     model_dir, pretrained = _model(cfg)
     config = load_config(model_dir)
     architecture_of(config)  # unsupported models fail before any data is read
-    cfg, precision = _precision(cfg)
+    cfg, precision = ranks.share(_precision(cfg, stripes) if ranks.root else None)
+    cfg = FinetuneConfig(**{**cfg.__dict__, "progress": cfg.progress and ranks.root})
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError, KeyError) as e:
@@ -118,12 +140,17 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         raise ModelFileError(
             f"cannot load the tokenizer of {model_dir}: {e}; the directory needs tokenizer files"
         ) from e
-    data = build_data(cfg, tokenizer, config)
-    engine, state, chosen = _start(cfg, model_dir, config)
+    data = None
+    for r in range(ranks.world):  # one rank at a time: the demo text and data index are shared files
+        if r == ranks.rank:
+            data = build_data(cfg, tokenizer, config, ranks.world)
+        ranks.barrier()
+    assert data is not None
+    engine, state, chosen = _start(cfg, model_dir, config, ranks, stripes)
     _say_precision(precision)
     metrics_path = cfg.metrics or os.path.join(out, "metrics.jsonl")
     try:
-        summary = _train(cfg, engine, data, metrics_path, state, config)
+        summary = _train(cfg, engine, data, metrics_path, state, config, ranks)
         engine.export(os.path.join(out, "model"), dtype=cfg.precision)
     finally:
         engine.close()
@@ -134,27 +161,57 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
         metrics=metrics_path,
         precision=precision.to_json(),
         plan={**chosen.info, "executed": engine.plan.to_json(), "state_chunk_executed": engine.layout.state_chunk},
+        ranks=ranks.world,
     )
-    with open(os.path.join(out, "run.json.tmp"), "w") as f:
-        json.dump(summary, f, indent=1)
-    os.replace(os.path.join(out, "run.json.tmp"), os.path.join(out, "run.json"))
+    if ranks.root:
+        with open(os.path.join(out, "run.json.tmp"), "w") as f:
+            json.dump(summary, f, indent=1)
+        os.replace(os.path.join(out, "run.json.tmp"), os.path.join(out, "run.json"))
+    ranks.barrier()  # the run is finished for every rank once run.json exists
     if cfg.progress:
         summary_table(summary)
-    return summary
+    return summary | {"rank": ranks.rank}
 
 
-def _stripes(cfg: FinetuneConfig) -> list[str]:
-    return [os.path.abspath(d) for d in cfg.store_dirs]
+def _on_every_rank(ranks: Any, check: Any) -> None:
+    """Run ``check`` on every rank; if it raises on any, raise on all (this rank's error, or one naming
+    the rank that refused), so no rank goes on alone."""
+    from fuyou.errors import ConfigError
+
+    err: Exception | None = None
+    try:
+        check()
+    except ConfigError as e:
+        err = e
+    refused = [r for r, ok in enumerate(ranks.gather(err is None)) if not ok]
+    if err is not None:
+        raise err
+    if refused:
+        raise ConfigError(f"rank {refused[0]} refused to start (see its message); every rank stops")
 
 
-def _precision(cfg: FinetuneConfig) -> tuple[FinetuneConfig, Any]:
+def _stripes(cfg: FinetuneConfig, ranks: Any = None) -> list[str]:
+    """This rank's store directories (absolute; ``{rank}``/``{local_rank}`` filled in, and with several
+    ranks a ``rank<r>`` subdirectory of a path without them, created when its parent exists)."""
+    from fuyou.storage.dirs import rank_dirs, rank_template
+
+    rank, world = (ranks.rank, ranks.world) if ranks is not None else (0, 1)
+    template = rank_template(cfg.store_dirs, world)
+    out = [os.path.abspath(d) for d in rank_dirs(template, rank, world, ranks.local_rank if ranks else 0)]
+    for given, t, d in zip(cfg.store_dirs, template, out):
+        if t != given and os.path.isdir(os.path.dirname(d)):
+            os.makedirs(d, exist_ok=True)
+    return out
+
+
+def _precision(cfg: FinetuneConfig, stripes: list[str]) -> tuple[FinetuneConfig, Any]:
     """Resolve ``--precision`` once for the run (``fuyou.device.precision``): ``auto`` resuming a
     store takes the store's precision; otherwise bf16 or fp32 by the device's measured bf16 speed. The
     choice is printed when training starts (``_say_precision``); an explicit bf16 on a device where it is slow warns with the measured factor."""
     from fuyou.device import get_backend
     from fuyou.device.precision import PrecisionChoice, choose_precision
 
-    stored = _stored_precision(cfg) if cfg.resume and cfg.precision == "auto" else None
+    stored = _stored_precision(stripes[0]) if cfg.resume and cfg.precision == "auto" else None
     if stored:
         choice = PrecisionChoice(stored, "auto", None, f"auto: the store being resumed computes in {stored}")
     else:
@@ -174,11 +231,11 @@ def _say_precision(choice: Any) -> None:
     _log(f"precision: {choice.precision} ({choice.reason})")
 
 
-def _stored_precision(cfg: FinetuneConfig) -> str | None:
-    """``bf16``/``fp32`` of the store in the run's first store directory, or None if there is none."""
+def _stored_precision(first: str) -> str | None:
+    """``bf16``/``fp32`` of the store in the run's first store directory ``first``, or None if there is none."""
     from fuyou.storage.manifest import MANIFEST, read_manifest
 
-    path = os.path.join(os.path.abspath(cfg.store_dirs[0]), MANIFEST)
+    path = os.path.join(first, MANIFEST)
     if not os.path.isfile(path):
         return None
     try:
@@ -188,47 +245,54 @@ def _stored_precision(cfg: FinetuneConfig) -> str | None:
     return {"bfloat16": "bf16", "float32": "fp32"}.get(str(dtype).replace("torch.", ""))
 
 
-def _start(cfg: FinetuneConfig, model_dir: str, config: Any) -> tuple[Engine, dict | None, ChosenPlan]:
+def _start(
+    cfg: FinetuneConfig, model_dir: str, config: Any, ranks: Any, stripes: list[str]
+) -> tuple[Engine, dict | None, ChosenPlan]:
     """A fresh engine from the model, or one restored from a checkpoint (``--resume``) with its trainer
-    state, running the plan chosen for this run (``fuyou.run.plan_choice``).
+    state, running the plan chosen for this run (``fuyou.run.plan_choice``; by rank 0, for every rank).
 
     Deletes nothing of an earlier run except with ``--overwrite`` on a fresh start; checkpoints newer
     than the one resumed (or, when ``auto`` found none intact, the damaged ones) are set aside.
     Raises ConfigError when ``auto`` would start fresh over a finished model without ``--overwrite``.
     """
     from fuyou.checkpoint import restore
-    from fuyou.checkpoint.resume import resume_point
+    from fuyou.checkpoint.resume import agreed_resume_point
 
-    stripes = _stripes(cfg)
     for d in stripes:
         if d.startswith(os.path.abspath(cfg.output)):
             os.makedirs(d, exist_ok=True)
-    point = resume_point(stripes, cfg.resume) if cfg.resume else None
-    _make_way(cfg, stripes, point)
-    req = plan_request(cfg, config)
-    chosen = choose_plan(req, log=_log if cfg.progress else lambda s: None)
+    point = agreed_resume_point(stripes, cfg.resume, ranks) if cfg.resume else None
+    _on_every_rank(ranks, lambda: _make_way(cfg, stripes, point, ranks.root))
+    req = plan_request(cfg, config, stripes)
+    chosen = ranks.share(choose_plan(req, log=_log if cfg.progress else lambda s: None) if ranks.root else None)
+    ec = _engine_config(cfg, req, chosen, ranks.world)
     if point is None:
-        return Engine.from_pretrained(model_dir, _engine_config(cfg, req, chosen)), None, chosen
+        return Engine.from_pretrained(model_dir, ec), None, chosen
     name, state = point
     restore(stripes, name)
-    return Engine.resume(_engine_config(cfg, req, chosen)), state, chosen
+    return Engine.resume(ec), state, chosen
 
 
-def _make_way(cfg: FinetuneConfig, stripes: list[str], point: tuple[str, dict] | None) -> None:
+def _make_way(cfg: FinetuneConfig, stripes: list[str], point: tuple[str, dict] | None, root: bool = True) -> None:
     """Clear what the starting run would collide with: ``--overwrite`` on a fresh start deletes the
     earlier run; otherwise checkpoints are only set aside, and the old run.json and model/ removed
-    (this run writes new ones) once it is clear that a finished model is not being replaced."""
+    (this run writes new ones) once it is clear that a finished model is not being replaced. Only
+    rank 0 (``root``) touches the run directory's shared files; every rank its own store."""
+    from fuyou.checkpoint import remove_all
     from fuyou.checkpoint.resume import set_aside_newer
-    from fuyou.run.directory import check_fresh_after_auto, clear_earlier_run, clear_finished
+    from fuyou.run.directory import check_fresh_after_auto, clear_finished
 
     if point is None and cfg.overwrite:
-        clear_earlier_run(cfg.output, stripes)
+        if root:
+            clear_finished(cfg.output)
+        remove_all(stripes)
         return
     if point is None and cfg.resume:
         check_fresh_after_auto(cfg.output, cfg.overwrite)
     if cfg.resume:
         set_aside_newer(stripes, point[0] if point else None)
-    clear_finished(cfg.output)
+    if root:
+        clear_finished(cfg.output)
 
 
 def _log(msg: str) -> None:
@@ -243,10 +307,11 @@ def _evaluate(engine: Engine, batches: list) -> float | None:
     return sum(engine.evaluate(ids, labels) for ids, labels in batches) / len(batches)
 
 
-def _checkpoint(cfg: FinetuneConfig, engine: Engine, data: Any, step: int, counters: dict) -> float:
-    """Save a checkpoint after ``step`` steps; return the training stall in seconds."""
+def _checkpoint(cfg: FinetuneConfig, engine: Engine, data: Any, step: int, counters: dict, ranks: Any) -> float:
+    """Save a checkpoint after ``step`` steps; return the training stall in seconds. With several ranks
+    each takes its own, then rank 0 marks it held by all; only then are older ones pruned."""
     from fuyou.checkpoint import prune, take
-    from fuyou.checkpoint.resume import checkpoint_name, encode_rng
+    from fuyou.checkpoint.resume import checkpoint_name, encode_rng, mark_all_ranks
 
     t0 = time.perf_counter()
     engine.flush()  # only committed state is checkpointed
@@ -258,12 +323,17 @@ def _checkpoint(cfg: FinetuneConfig, engine: Engine, data: Any, step: int, count
         "counters": counters,
     }
     take(engine.store, checkpoint_name(step), state)
+    if ranks.world > 1:
+        ranks.barrier()  # every rank holds it
+        if ranks.root:
+            mark_all_ranks(list(engine.store.dirs), checkpoint_name(step), ranks.world)
+        ranks.barrier()  # marked: the older ones may go
     prune(list(engine.store.dirs), cfg.keep_checkpoints)
     return time.perf_counter() - t0
 
 
 def _train(
-    cfg: FinetuneConfig, engine: Engine, data: Any, metrics_path: str, state: dict | None, config: Any
+    cfg: FinetuneConfig, engine: Engine, data: Any, metrics_path: str, state: dict | None, config: Any, ranks: Any
 ) -> dict[str, Any]:
     from fuyou.checkpoint.resume import decode_rng
     from fuyou.planner.shapes import shape_from_config
@@ -281,35 +351,39 @@ def _train(
         "eval_before": None,
     }
     start = 0
+    metrics = metrics_path if ranks.root else os.devnull  # rank 0 writes the run's metrics
     if state is None:
         c["eval_before"] = _evaluate(engine, data.eval_batches)
-        open(metrics_path, "w").close()
+        open(metrics, "w").close()
     else:
         start, c = state["step"], state["counters"]
         data.loader.load_state_dict(state["loader"])
         engine.backend.set_rng_state(decode_rng(state["rng"]))
-        _truncate_lines(metrics_path, start)
+        if ranks.root:
+            _truncate_lines(metrics_path, start)
     batches: Iterator = data.train_batches()
     progress = Progress(total, enabled=cfg.progress)
-    with open(metrics_path, "a") as mf, progress:
+    with open(metrics, "a") as mf, progress:
         progress.advance_to(start)
         for step in range(start, total):
             t0 = time.perf_counter()
-            ids, labels = next(batches)
+            ids, labels = next(batches)  # the global batch: this rank trains its slice
+            n = ids.shape[0] // ranks.world
+            per = slice(ranks.rank * n, (ranks.rank + 1) * n)
             engine.set_lr(lr_at(step, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, total))
             engine.timeline.clear()
-            st = engine.train_step(ids, labels)
-            rec = _record(step, st, fpt)
+            st = engine.train_step(ids[per], labels[per])
+            rec = _record(step, st, fpt, ranks.world)
             mf.write(json.dumps(rec) + "\n")
             mf.flush()
-            c["tokens"] += st["tokens"]
+            c["tokens"] += st["tokens"] * ranks.world
             c["written"] += st["ssd_write_bytes"]
             c["read"] += st["ssd_read_bytes"]
             c["first_loss"] = st["loss"] if c["first_loss"] is None else c["first_loss"]
             c["loss"] = st["loss"]
             c["wall"] += time.perf_counter() - t0
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total:
-                c["stall"] += _checkpoint(cfg, engine, data, step + 1, c)
+                c["stall"] += _checkpoint(cfg, engine, data, step + 1, c, ranks)
             progress.update(rec)
     if cfg.trace:
         engine.timeline.to_chrome_trace(cfg.trace)
@@ -333,25 +407,27 @@ def _train(
     }
 
 
-def _record(step: int, st: dict, fpt: int) -> dict:
-    """One metrics.jsonl line."""
+def _record(step: int, st: dict, fpt: int, world: int = 1) -> dict:
+    """One metrics.jsonl line: tokens and speed of the whole step (every rank's slice of the global
+    batch, ``world`` ranks), SSD bytes and busy fractions of this rank."""
+    tokens = st["tokens"] * world
     return {
         "step": step + 1,
         "loss": st["loss"],
         "lr": st["lr"],
         "grad_norm": st["grad_norm"],
         "applied": st["applied"],
-        "tokens": st["tokens"],
+        "tokens": tokens,
         "step_time_s": st["step_time_s"],
-        "tokens_per_s": st["tokens_per_s"],
-        "tflops": fpt * st["tokens"] / st["step_time_s"] / 1e12,
+        "tokens_per_s": tokens / st["step_time_s"],
+        "tflops": fpt * tokens / st["step_time_s"] / 1e12,
         "flop_formula": FLOP_FORMULA,
         "flops_per_token": fpt,
         "busy_frac": st["busy_frac"],
         "bottleneck": st["bottleneck"],
         "ssd_read_gb": st["ssd_read_bytes"] / 1e9,
         "ssd_write_gb": st["ssd_write_bytes"] / 1e9,
-    }
+    } | ({"ranks": world, "comm_gb": st["comm_bytes"] / 1e9} if world > 1 else {})
 
 
 def _truncate_lines(path: str, n: int) -> None:

@@ -164,19 +164,27 @@ RANK_FIELDS = ("{rank}", "{local_rank}")
 """Placeholders in a store path that each data-parallel rank fills in."""
 
 
+def rank_template(dirs: tuple[str, ...] | list[str], world: int) -> tuple[str, ...]:
+    """``dirs`` as a per-rank template: with several ranks, a path without ``{rank}``/``{local_rank}``
+    gets a ``rank{rank}`` subdirectory (what ``rank_dirs`` would give it); one rank: unchanged."""
+    if world == 1:
+        return tuple(dirs)
+    return tuple(d if any(f in d for f in RANK_FIELDS) else os.path.join(d, "rank{rank}") for d in dirs)
+
+
 def rank_dirs(dirs: tuple[str, ...] | list[str], rank: int, world: int, local_rank: int | None = None) -> list[str]:
     """The store directories of data-parallel rank ``rank`` of ``world``: ``{rank}`` and
-    ``{local_rank}`` (default: ``LOCAL_RANK``, else ``rank``) filled in; a path without either gets
-    a ``rank<r>`` subdirectory (created when the path is a directory), so ranks never share a store.
-    One rank: ``dirs`` unchanged."""
-    if world == 1:
-        return list(dirs)
+    ``{local_rank}`` (default: ``LOCAL_RANK``, else ``rank``) filled in; with several ranks a path
+    without either gets a ``rank<r>`` subdirectory (created when the path is a directory), so ranks
+    never share a store."""
     if local_rank is None:
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
+        local_rank = int(os.environ.get("LOCAL_RANK", rank)) if world > 1 else rank
     out = []
     for d in dirs:
         if any(f in d for f in RANK_FIELDS):
             out.append(d.replace("{rank}", str(rank)).replace("{local_rank}", str(local_rank)))
+        elif world == 1:
+            out.append(d)
         else:
             out.append(os.path.join(d, f"rank{rank}"))
             if os.path.isdir(d):

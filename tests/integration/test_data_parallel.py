@@ -69,10 +69,11 @@ CASES = {
     "2-ramtier-clip-accum": (2, dict(clip=0.5, K=2, ram_weights=2, ram_state=2)),
     "3-tied-clip": (3, dict(clip=1.0, family="llama_tied", policy="recompute")),
 }
-SLOW = pytest.mark.slow  # ~25 s each: the default tier keeps one case
+SLOW = pytest.mark.slow  # ~25 s each; the default tier runs torchrun through the CLI (test_data_parallel_cli)
 
 
-@pytest.mark.parametrize("case", [c if c == "2-clip" else pytest.param(c, marks=SLOW) for c in CASES])
+@SLOW
+@pytest.mark.parametrize("case", list(CASES))
 def test_ranks_train_what_one_process_trains(case: str, tmp_path) -> None:
     world, extra = CASES[case]
     spec = dict(steps=3, batch=2 * world * extra.get("K", 1), K=1, world=world) | extra

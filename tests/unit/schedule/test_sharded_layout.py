@@ -56,7 +56,8 @@ def test_a_rank_outside_the_world_is_refused() -> None:
 
 
 def test_rank_dirs(tmp_path) -> None:
-    assert rank_dirs(["/a", "/b"], 1, 1) == ["/a", "/b"]
+    assert rank_dirs(["/a", "/b"], 0, 1) == ["/a", "/b"]
+    assert rank_dirs(["/nvme{local_rank}/x{rank}"], 0, 1) == ["/nvme0/x0"]
     assert rank_dirs(["/nvme{local_rank}/run-{rank}"], 5, 8, local_rank=1) == ["/nvme1/run-5"]
     got = rank_dirs([str(tmp_path)], 1, 2)
     assert got == [str(tmp_path / "rank1")] and (tmp_path / "rank1").is_dir()

@@ -1,0 +1,127 @@
+"""``fuyou finetune`` under torchrun: N ranks train what one process trains on the same global batch;
+a rank SIGKILLed mid-run makes the others exit with a clear message; ``--resume auto`` on every rank
+then ends bit-identical to an uninterrupted N-rank run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fuyou.run.demo import _random_model
+from fuyou.storage.manifest import MANIFEST
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def model_and_data(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp")
+    model = _random_model(str(tmp / "tiny"))
+    data = tmp / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i * i}"}) + "\n" for i in range(60)))
+    return model, str(data)
+
+
+def finetune_args(model: str, data: str, out: str, mb: int, K: int, extra: tuple[str, ...] = ()) -> list[str]:
+    return [
+        "finetune", model, "--data", data, "--output", out, "--steps", str(STEPS), "--seq-len", "32",
+        "--micro-batch-size", str(mb), "--grad-accum", str(K), "--precision", "fp32", "--lr", "1e-3",
+        "--cpu-memory", "256MiB", "--eval-fraction", "0", "--no-progress", *extra,
+    ]  # fmt: skip
+
+
+def env_without_ranks(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return env | {"FUYOU_COLLECTIVE_TIMEOUT": "60"} | extra
+
+
+def losses(out: str) -> list[float]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def weights(out: str) -> dict:
+    d = os.path.join(out, "model")
+    t = {}
+    for f in sorted(os.listdir(d)):
+        if f.endswith(".safetensors"):
+            t.update(load_file(os.path.join(d, f)))
+    return t
+
+
+def test_torchrun_two_ranks_train_what_one_process_trains(tmp_path, model_and_data) -> None:
+    model, data = model_and_data
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    cmd = [sys.executable, "-m", "fuyou"] + finetune_args(model, data, one, 1, 4)  # the CLI's defaults otherwise
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600, env=env_without_ranks())
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fuyou"]
+    p = subprocess.run(
+        run + finetune_args(model, data, two, 1, 2), cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=env_without_ranks(),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+    w1, w2 = weights(one), weights(two)
+    assert w1.keys() == w2.keys()
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5, msg=k)
+    with open(os.path.join(two, "run.json")) as f:
+        summary = json.load(f)
+    assert summary["ranks"] == 2 and summary["tokens"] == json.load(open(os.path.join(one, "run.json")))["tokens"]
+    for r in range(2):  # each rank's own store
+        assert os.path.isfile(os.path.join(two, "store", f"rank{r}", MANIFEST))
+
+
+def launch_ranks(args: list[str], world: int, **env: str) -> list[subprocess.Popen]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(world):
+        e = env_without_ranks(**env) | dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world))
+        e |= dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(
+            subprocess.Popen([sys.executable, "-m", "fuyou"] + args, cwd=ROOT, env=e, stderr=subprocess.PIPE, text=True)
+        )
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 600) -> None:
+    for p in procs:
+        _, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err[-3000:]
+
+
+@pytest.mark.slow  # ~1.5 min
+def test_a_killed_rank_stops_the_others_and_resume_is_bit_identical(tmp_path, model_and_data) -> None:
+    model, data = model_and_data
+    ckpt = ("--save-every", "1", "--keep-checkpoints", "2", "--resume", "auto", "--max-grad-norm", "1.0")
+    clean, killed = str(tmp_path / "clean"), str(tmp_path / "killed")
+    finish(launch_ranks(finetune_args(model, data, clean, 1, 2, ckpt), 2))
+    procs = launch_ranks(finetune_args(model, data, killed, 1, 2, ckpt), 2)
+    metrics = os.path.join(killed, "metrics.jsonl")
+    deadline = time.time() + 300
+    while time.time() < deadline and not (os.path.exists(metrics) and len(open(metrics).readlines()) >= 3):
+        assert procs[0].poll() is None, procs[0].communicate()[1][-3000:]
+        time.sleep(0.05)
+    procs[1].kill()  # SIGKILL, in the middle of a step
+    t0 = time.time()
+    _, err = procs[0].communicate(timeout=120)
+    assert procs[0].returncode != 0 and time.time() - t0 < 90
+    assert "another rank of this run stopped" in err, err[-3000:]
+    procs[1].communicate()
+    finish(launch_ranks(finetune_args(model, data, killed, 1, 2, ckpt), 2))
+    with open(os.path.join(killed, "run.json")) as f:
+        assert json.load(f)["resumed_from_step"] >= 2  # from the last checkpoint every rank held
+    assert losses(killed) == losses(clean)
+    wc, wk = weights(clean), weights(killed)
+    assert wc.keys() == wk.keys() and all(torch.equal(wc[k], wk[k]) for k in wc)
