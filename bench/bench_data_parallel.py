@@ -145,15 +145,18 @@ def main() -> None:
         f"{args.batch}, {args.precision}, clipping on, --cpu-memory {args.cpu_memory} per rank; median of "
         f"{args.steps} steps after {args.warmup}\n"
     )
-    print("| ranks | step s (rank 0) | ÷ 1 rank | SSD read MB/rank/step | SSD write MB/rank/step | "
-          "÷ 1 rank (r+w, max rank) | comm MB/rank/step |")
+    print(
+        "| ranks | step s (rank 0) | ÷ 1 rank | SSD read MB/rank/step | SSD write MB/rank/step | "
+        "÷ 1 rank (r+w, max rank) | comm MB/rank/step |"
+    )
     print("|---|---|---|---|---|---|---|")
     base_rw = one[0]["read"] + one[0]["written"]
     for n, outs in results.items():
         rw = max(o["read"] + o["written"] for o in outs)
+        reads = "/".join(f"{o['read'] / 1e6:.1f}" for o in outs)
+        writes = "/".join(f"{o['written'] / 1e6:.1f}" for o in outs)
         print(
-            f"| {n} | {outs[0]['step_s']:.2f} | {outs[0]['step_s'] / one[0]['step_s']:.2f} | "
-            f"{'/'.join(f'{o['read'] / 1e6:.1f}' for o in outs)} | {'/'.join(f'{o['written'] / 1e6:.1f}' for o in outs)} | "
+            f"| {n} | {outs[0]['step_s']:.2f} | {outs[0]['step_s'] / one[0]['step_s']:.2f} | {reads} | {writes} | "
             f"{rw / base_rw:.3f} | {outs[0]['comm'] / 1e6:.1f} |"
         )
 

@@ -18,28 +18,6 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-
-def refuse_multi_process(what: str) -> None:
-    """Raise ConfigError if this process is one of several ranks of a launcher (torchrun, accelerate,
-    ``torch.distributed.launch``: ``WORLD_SIZE`` > 1): each rank would run a whole, independent copy of
-    ``what`` over the same store and output directories, and their writes would corrupt each other.
-    Data-parallel ranks run through the engine's Python API (``fuyou.engine.Engine`` under torchrun)."""
-    raw = os.environ.get("WORLD_SIZE", "1").strip() or "1"
-    try:
-        world = int(raw)
-    except ValueError:
-        world = 2  # unparseable: some launcher set it; refuse rather than guess
-    if world > 1:
-        from fuyou.errors import ConfigError
-
-        raise ConfigError(
-            f"{what} was launched as one of {raw} processes (WORLD_SIZE={raw}, e.g. torchrun "
-            "--nproc-per-node); it trains in one process for now, and several would overwrite each "
-            "other's store: run it once, without torchrun/accelerate launch (data-parallel ranks: "
-            "fuyou.engine.Engine in a torchrun script)"
-        )
-
-
 ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA")
 """Environment variables that change which CPU kernels torch runs (so: a different machine)."""
 

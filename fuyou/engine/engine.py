@@ -31,9 +31,9 @@ from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.optim import AdamWHyper
 from fuyou.schedule import rules, sizing
 from fuyou.schedule.plan import Plan
+from fuyou.storage.dirs import rank_dirs
 from fuyou.storage.store import TensorStore
 from fuyou.timeline import Timeline
-from fuyou.storage.dirs import rank_dirs
 from fuyou.transfer.activation_files import ActivationSpace
 from fuyou.transfer.collectives import Collectives, world_size
 from fuyou.transfer.grad_park import GradientParking
@@ -206,7 +206,9 @@ class Engine:
         directories hold no Fuyou training store, StoreError if its last committed step kept extents
         in host RAM that were never written back (``ram_tier_stale``: resume from a checkpoint).
         """
-        store = TensorStore.open(rank_dirs(cfg.ssd_dirs, *_rank_world()), io=cfg.io, direct=cfg.direct, checksums=cfg.checksums)
+        store = TensorStore.open(
+            rank_dirs(cfg.ssd_dirs, *_rank_world()), io=cfg.io, direct=cfg.direct, checksums=cfg.checksums
+        )
         files = os.path.join(store.dirs[0], HF_FILES)
         try:
             if not os.path.isdir(files) or "compute_dtype" not in store.meta:
@@ -381,11 +383,15 @@ class Engine:
         self.tier.persist(self.commit_meta())
 
     # ------------------------------------------------------------------ results
-    def master_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def master_weights(self, everywhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF key, fp32 master tensor) for every parameter, one block at a time. With several ranks
-        they are gathered on rank 0, which alone yields them; every rank must iterate to the end."""
+        they are gathered on rank 0, which alone yields them (``everywhere``: on every rank); every
+        rank must iterate to the end."""
         self.flush()
-        yield from iter_master(self.tier, self.layout, self._gather_to_root())
+        gather = self._gather_to_root()
+        if everywhere and self.comm is not None:
+            gather = self.comm.gather_everywhere
+        yield from iter_master(self.tier, self.layout, gather)
 
     def export(self, out_dir: str, dtype: str = "bf16") -> None:
         """Write the current weights as a Hugging Face model directory (sharded safetensors). With

@@ -44,7 +44,6 @@ from transformers import Trainer, TrainingArguments
 
 from fuyou.engine import Engine, EngineConfig
 from fuyou.errors import ConfigError
-from fuyou.machine import refuse_multi_process
 from fuyou.run.plan_choice import ChosenPlan, PlanRequest, choose_plan
 
 SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
@@ -152,14 +151,25 @@ class FuyouTrainer(Trainer):
     def __init__(self, model: Any = None, args: FuyouTrainingArguments | None = None, **kwargs: Any) -> None:
         if model is None or args is None:
             raise ConfigError("FuyouTrainer needs model= and args=FuyouTrainingArguments(...)")
-        refuse_multi_process("FuyouTrainer")
         problems = _unsupported(args)
         if problems:
             raise ConfigError("FuyouTrainer: " + "; ".join(problems))
+        from fuyou.run.plan_choice import device_kind
+        from fuyou.run.ranks import join
+
         super().__init__(model=model, args=args, **kwargs)
         req, seq_from = plan_request(args, model.config)
-        # the engine plan this trainer runs and how it was chosen (info: source, profile, prediction)
-        self.plan_choice = _choose(req, seq_from, _stderr if args.should_log else lambda s: None)
+        self._ranks = join(device_kind(req.device))  # torchrun: Trainer's process group, and Fuyou's shards
+        if self._ranks.world > 1:  # Fuyou synchronizes the ranks itself: accelerate must not wrap the model in DDP
+            prepare = self.accelerator.prepare_model
+
+            def unwrapped(m: Any, device_placement: Any = None, evaluation_mode: bool = False) -> Any:
+                return prepare(m, device_placement=False, evaluation_mode=True)
+
+            self.accelerator.prepare_model = unwrapped
+        # the engine plan this trainer runs and how it was chosen (info: source, profile, prediction); rank 0's for all
+        log = _stderr if args.should_log and self._ranks.root else lambda s: None
+        self.plan_choice = self._ranks.share(_choose(req, seq_from, log) if self._ranks.root else None)
         cfg = EngineConfig(
             ssd_dirs=req.store_dirs,
             cpu_memory=req.cpu_memory,
@@ -224,6 +234,8 @@ class FuyouTrainer(Trainer):
         batch, self._pending = self._pending, []
         self.engine.set_lr(self._optimizer().param_groups[0]["lr"])
         n = None if num_items_in_batch is None else int(num_items_in_batch)
+        if self._ranks.world > 1 and not self.args.average_tokens_across_devices:
+            n = None  # a per-rank count: the engine sums every rank's (the loss is the global batch's mean)
         self._last = self.engine.train_micro_batches([b["input_ids"] for b in batch], [b["labels"] for b in batch], n)
         return torch.tensor(self._last["loss"], device=self.args.device)
 
@@ -259,15 +271,15 @@ class FuyouTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the trained weights as a Hugging Face directory (streamed safetensors), plus the tokenizer."""
         out = str(output_dir or self.args.output_dir)
-        self.engine.export(out, dtype="bf16" if self.args.bf16 else "fp32")
-        if self.processing_class is not None:
+        self.engine.export(out, dtype="bf16" if self.args.bf16 else "fp32")  # every rank; rank 0 writes
+        if self.processing_class is not None and self._ranks.root:
             self.processing_class.save_pretrained(out)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """Train, then load the final weights into ``self.model`` so it can be used right away."""
         out = super().train(*args, **kwargs)
         self.engine.flush()
-        trained = dict(self.engine.master_weights())
+        trained = dict(self.engine.master_weights(everywhere=True))
         with torch.no_grad():
             for name, p in self._model().named_parameters():
                 if name in trained:
@@ -278,7 +290,11 @@ class FuyouTrainer(Trainer):
         """Trainer's checkpoint (and its ``save_total_limit`` rotation), then the same rotation for
         the copy-free checkpoints of the SSD state."""
         super()._save_checkpoint(model, trial)
-        if self.args.save_total_limit and self.args.save_total_limit > 0 and self.args.should_save:
+        if (
+            self.args.save_total_limit
+            and self.args.save_total_limit > 0
+            and (self.args.should_save or self._ranks.world > 1)
+        ):
             self._prune_fuyou_checkpoints(self._get_output_dir(trial=trial))
 
     def _prune_fuyou_checkpoints(self, run_dir: str) -> list[str]:
@@ -302,36 +318,60 @@ class FuyouTrainer(Trainer):
         return gone
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Checkpoint the SSD state copy-free (hard links) and save the LR scheduler as Trainer does."""
+        """Checkpoint the SSD state copy-free (hard links) and save the LR scheduler as Trainer does.
+        With several ranks each checkpoints its own store; rank 0 marks the checkpoint once all hold it
+        and writes the Trainer checkpoint's files."""
         from fuyou.checkpoint import take
+        from fuyou.checkpoint.resume import mark_all_ranks
 
         self.engine.flush()
-        name = f"hf-{os.path.basename(os.path.normpath(output_dir))}-{self.engine.store.version}"
+        name = self._ranks.share(f"hf-{os.path.basename(os.path.normpath(output_dir))}-{self.engine.store.version}")
         take(
             self.engine.store,
             name,
             {"hf_checkpoint": os.path.abspath(output_dir), "step": self.state.global_step},
             replace=True,
         )
-        with open(os.path.join(output_dir, FUYOU_CKPT), "w") as f:
-            json.dump({"stripes": list(self.engine.store.dirs), "name": name, "plan": self.plan_record()}, f)
-        torch.save(self._scheduler().state_dict(), os.path.join(output_dir, "scheduler.pt"))
+        self._ranks.barrier()  # every rank holds it
+        if self._ranks.world > 1 and self._ranks.root:
+            mark_all_ranks(list(self.engine.store.dirs), name, self._ranks.world)
+        if self._ranks.root:
+            record = {"stripes": list(self.engine.store.dirs), "name": name, "plan": self.plan_record()}
+            with open(os.path.join(output_dir, FUYOU_CKPT), "w") as f:
+                json.dump(record | {"ranks": self._ranks.world}, f)
+            torch.save(self._scheduler().state_dict(), os.path.join(output_dir, "scheduler.pt"))
+        self._ranks.barrier()
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """``resume_from_checkpoint``: restore the SSD state (weights, master, m, v, step) and the scheduler."""
         if checkpoint is None:
             return
         from fuyou.checkpoint import restore, validate
+        from fuyou.checkpoint.resume import all_ranks_hold
 
         path = os.path.join(checkpoint, FUYOU_CKPT)
         if not os.path.isfile(path):
             raise ConfigError(f"{checkpoint} has no {FUYOU_CKPT}: it was not written by FuyouTrainer")
         with open(path) as f:
             ref = json.load(f)
-        validate(ref["stripes"], ref["name"])
+        world = self._ranks.world
+        if ref.get("ranks", 1) != world:
+            raise ConfigError(
+                f"{checkpoint} was saved by {ref.get('ranks', 1)} ranks; resume it with as many, not {world}"
+            )
+        stripes = ref["stripes"] if world == 1 else list(self.engine.store.dirs)  # each rank its own store
+        err = ""
+        try:
+            validate(stripes, ref["name"])
+            if world > 1 and self._ranks.root and not all_ranks_hold(stripes, ref["name"], world):
+                err = "not every rank finished saving it"
+        except Exception as e:  # noqa: BLE001 - reported on every rank below
+            err = str(e)
+        if not self._ranks.all_ok(not err):
+            raise ConfigError(f"cannot resume from {checkpoint}: {err or 'another rank cannot (see its message)'}")
         cfg = self.engine.cfg
         self.engine.close()
-        restore(ref["stripes"], ref["name"])
+        restore(stripes, ref["name"])
         self.engine = Engine.resume(cfg)
         sched = self._scheduler()
         sched.load_state_dict(torch.load(os.path.join(checkpoint, "scheduler.pt"), weights_only=True))

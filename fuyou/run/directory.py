@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from fuyou.checkpoint.snapshot import CKPT, remove_all
+from fuyou.checkpoint.snapshot import CKPT
 from fuyou.errors import ConfigError
 from fuyou.storage.manifest import MANIFEST
 from fuyou.storage.store import ID_FILE

@@ -48,13 +48,14 @@ class Ranks:
         """Whether this is rank 0 (which writes the run directory's shared files)."""
         return self.rank == 0
 
-    def share(self, value: T) -> T:
-        """Rank 0's ``value`` on every rank (any picklable object; others pass a placeholder)."""
+    def share(self, value: T | None) -> T:
+        """Rank 0's ``value`` (not None) on every rank: any picklable object; the others pass None."""
         if self.world == 1:
+            assert value is not None
             return value
         import torch.distributed as dist
 
-        box = [value]
+        box: list[Any] = [value]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
 

@@ -176,6 +176,12 @@ class Collectives:
         dist.gather(shard, out, dst=0, group=self.control)
         return torch.cat(out) if out is not None else None
 
+    def gather_everywhere(self, shard: torch.Tensor) -> torch.Tensor:
+        """Every rank's host ``shard`` (equal sizes) concatenated in rank order, on every rank."""
+        out = [torch.empty_like(shard) for _ in range(self.world)]
+        dist.all_gather(out, shard, group=self.control)
+        return torch.cat(out)
+
     def barrier(self) -> None:
         """Wait until every rank is here."""
         dist.barrier(group=self.control)
