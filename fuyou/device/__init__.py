@@ -9,6 +9,8 @@ memory is poisoned (NaN), so a missing wait on the data path fails on CPU as it 
 
 from __future__ import annotations
 
+import os
+
 from fuyou.device.base import HOST_ALIGN, Backend, Event, MemoryStats, host_aligned_empty
 from fuyou.device.cpu import CPUBackend
 from fuyou.errors import ConfigError
@@ -42,7 +44,7 @@ def device_kind(kind: str = "auto") -> str:
 def get_backend(kind: str = "auto", capacity: int | None = None) -> Backend:
     """Return a backend: ``cuda`` if asked (or ``auto`` and a GPU is visible), else ``cpu``.
 
-    ``capacity`` caps device memory in bytes (on CPU: the fake device's size; default unlimited).
+    ``capacity`` caps device memory in bytes; under torchrun each rank takes GPU ``LOCAL_RANK`` (on CPU: the fake device's size; default unlimited).
     ``cpu`` is the asynchronous CPU backend when ``FUYOU_CPU_ASYNC`` is set (see the module docstring).
     Raises ConfigError for an unknown ``kind`` (or ``FUYOU_CPU_ASYNC`` value); FuyouError if ``cuda``
     is asked and absent.
@@ -50,7 +52,7 @@ def get_backend(kind: str = "auto", capacity: int | None = None) -> Backend:
     if device_kind(kind) == "cuda":
         from fuyou.device import cuda
 
-        return cuda.CUDABackend(capacity)
+        return cuda.CUDABackend(capacity, index=int(os.environ.get("LOCAL_RANK", "0")))  # torchrun: a GPU per rank
     from fuyou.device import cpu_async
 
     capacity = capacity if capacity is not None else 2**62

@@ -99,6 +99,7 @@ class CUDABackend(Backend):
         if not torch.cuda.is_available():
             raise FuyouError("no CUDA device is visible; use --device cpu or check the driver (nvidia-smi)")
         self.device = torch.device("cuda", index)
+        torch.cuda.set_device(self.device)  # torch's current stream and allocations default to this GPU (a rank's)
         total = torch.cuda.get_device_properties(self.device).total_memory
         self.capacity = total if capacity is None else min(capacity, total)
         self._cudart = torch.cuda.cudart()

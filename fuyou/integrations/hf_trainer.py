@@ -409,6 +409,7 @@ def plan_request(args: FuyouTrainingArguments, config: Any) -> tuple[PlanRequest
         activations=args.activations,
         profile=args.profile,
         profile_out=os.path.join(str(args.output_dir), FUYOU_PROFILE),
+        ranks=max(1, args.world_size),
     )
     return req, seq_from
 

@@ -50,9 +50,10 @@ def _model(cfg: FinetuneConfig) -> tuple[str, bool]:
     return demo_model_dir()
 
 
-def plan_request(cfg: FinetuneConfig, config: Any, stripes: list[str] | None = None) -> PlanRequest:
+def plan_request(cfg: FinetuneConfig, config: Any, stripes: list[str] | None = None, ranks: int = 1) -> PlanRequest:
     """What the plan chooser needs of this run (``cfg.precision`` resolved); the engine gets the same
-    budgets. ``stripes``: this rank's store directories (default: ``cfg.store_dirs``)."""
+    budgets. ``stripes``: this rank's store directories (default: ``cfg.store_dirs``); ``ranks``: how
+    many train together (the plan is one rank's)."""
     return PlanRequest(
         model_config=config,
         store_dirs=tuple(stripes or cfg.store_dirs),
@@ -69,6 +70,7 @@ def plan_request(cfg: FinetuneConfig, config: Any, stripes: list[str] | None = N
         activations=cfg.activations,
         profile=cfg.profile,
         profile_out=os.path.join(cfg.output, "profile.json"),
+        ranks=ranks,
     )
 
 
@@ -263,7 +265,7 @@ def _start(
             os.makedirs(d, exist_ok=True)
     point = agreed_resume_point(stripes, cfg.resume, ranks) if cfg.resume else None
     _on_every_rank(ranks, lambda: _make_way(cfg, stripes, point, ranks.root))
-    req = plan_request(cfg, config, stripes)
+    req = plan_request(cfg, config, stripes, ranks.world)
     chosen = ranks.share(choose_plan(req, log=_log if cfg.progress else lambda s: None) if ranks.root else None)
     ec = _engine_config(cfg, req, chosen, ranks.world)
     if point is None:

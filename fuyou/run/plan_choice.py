@@ -80,6 +80,9 @@ class PlanRequest:
     """Hardware profile JSON; None: ``$FUYOU_PROFILE``, this machine's ``hw.json``, else measured."""
     profile_out: str | None = None
     """Where a profile measured now is saved (None: not saved; it is cached per machine either way)."""
+    ranks: int = 1
+    """Data-parallel ranks (``torchrun``): the plan is one rank's, for its shards of the state and its
+    ``micro_batch_size × grad_accum`` sequences; the budgets are per rank."""
 
     def __post_init__(self) -> None:
         p = []
@@ -90,7 +93,7 @@ class PlanRequest:
         for name in ("precision", "state_precision"):
             if getattr(self, name) not in ("bf16", "fp32"):
                 p.append(f"{name.replace('_', ' ')} must be bf16 or fp32, got {getattr(self, name)!r}")
-        for name, low in (("micro_batch_size", 1), ("grad_accum", 1), ("seq_len", 2)):
+        for name, low in (("micro_batch_size", 1), ("grad_accum", 1), ("seq_len", 2), ("ranks", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or v < low:
                 p.append(f"{name.replace('_', ' ')} must be an integer ≥ {low}, got {v!r}")
@@ -207,6 +210,7 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
             f"{f', activations {req.activations}' if req.activations else ''})"
         )
         return ChosenPlan(plan, {"source": "rules"})
+    from fuyou.planner.cluster import Cluster
     from fuyou.planner.result import Budgets
     from fuyou.planner.search import Request, search
     from fuyou.planner.shapes import shape_from_config
@@ -218,13 +222,14 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
     budgets = Budgets(cpu_memory=parse_size(req.cpu_memory, "--cpu-memory"), gpu_memory=gpu)
     sreq = Request(
         seq_len=req.seq_len,
-        tokens_per_step=req.seq_len * req.micro_batch_size * req.grad_accum,
+        tokens_per_step=req.seq_len * req.micro_batch_size * req.grad_accum * req.ranks,
         clip=req.clip,
         state_precision=req.state_precision,
         micro_batch_size=req.micro_batch_size,
         prefetch_depth=req.prefetch_depth,
         activations=req.activations,
         precision=req.precision,
+        cluster=Cluster(req.ranks),  # one node; the link speed shapes the prediction, not the plan's memory
     )
     res = search(shape, prof, budgets, sreq)
     p = res.prediction

@@ -14,6 +14,7 @@ from transformers import GPT2Config, LlamaConfig, Qwen2Config
 from fuyou.engine.engine import admit
 from fuyou.models.adapters import make_adapter
 from fuyou.models.store_layout import ModelLayout
+from fuyou.planner.cluster import Cluster
 from fuyou.planner.result import Budgets
 from fuyou.planner.search import InfeasibleError, Request, search
 from fuyou.planner.shapes import shape_from_config
@@ -93,14 +94,15 @@ budgets = st.tuples(st.floats(-0.3, 5), st.floats(24, 36))
 """(log2 of the host budget ÷ the smallest buffer set any plan needs: 0.8 … 32×, so budgets that refuse,
 park gradients on SSD, shrink the chunk or fill a RAM tier all occur; log2 of the device budget, B)."""
 requests = st.builds(
-    lambda seq, seqs, mb, clip, prec, sprec, tiers: Request(
+    lambda seq, seqs, mb, clip, prec, sprec, tiers, world: Request(
         seq_len=seq,
-        tokens_per_step=seq * seqs,
+        tokens_per_step=seq * seqs * world,
         micro_batch_size=mb if seqs % mb == 0 else None,
         clip=clip,
         precision=prec,
         state_precision=sprec,
         ram_tiers=tiers,
+        cluster=Cluster(world),
     ),
     st.sampled_from([16, 64, 256, 1024]),
     st.integers(1, 8),
@@ -109,6 +111,7 @@ requests = st.builds(
     st.sampled_from(["bf16", "fp32"]),
     st.sampled_from(["fp32", "bf16"]),
     st.booleans(),
+    st.sampled_from([1, 1, 2, 3]),  # data-parallel ranks: the plan is one rank's, for its shards
 )
 
 
@@ -148,7 +151,10 @@ def test_planner_plans_are_admitted_and_refusals_name_the_binding_budget(m, prof
         assert binding, msg
         assert BINDING[binding[0]] in msg and "\n" not in msg
         return
-    layout = ModelLayout(blocks, DTYPES[req.precision], DTYPES[req.state_precision], res.plan.state_chunk)
+    world = req.cluster.world
+    layout = ModelLayout(
+        blocks, DTYPES[req.precision], DTYPES[req.state_precision], res.plan.state_chunk, world - 1, world
+    )
     fp = layout.footprint()
     assert admit(layout, res.plan, bud.cpu_memory, bud.gpu_memory) == res.plan
     need = sizing.host_need(fp, res.plan)
