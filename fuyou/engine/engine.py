@@ -79,6 +79,7 @@ class Engine:
             layout = _stored_layout(blocks, store, cfg, rank, world)
             plan = dataclasses.replace(plan, state_chunk=layout.state_chunk)
             self.progress.step = int(store.meta.get("step", 0))
+            _same_step_on_every_rank(self.comm, self.progress.step, store.dirs[0])
         self.plan: Plan = admit(
             layout, plan, cfg.cpu_bytes, self.backend.memory().capacity, store is not None, self.backend.name
         )
@@ -445,6 +446,20 @@ def admit(
             f"the device budget is {format_size(device_bytes)}; raise --gpu-memory (or use a GPU with more memory)"
         )
     return sizing.fit_host(fp, dataclasses.replace(plan, state_chunk=layout.state_chunk), host_bytes, fixed_chunk)
+
+
+def _same_step_on_every_rank(comm: Collectives | None, step: int, where: str) -> None:
+    """Raise ConfigError unless every rank's store was committed at ``step``: a crash can leave the
+    ranks' live stores a step apart (each commits its own), and ranks resuming from different steps
+    would train a model that no single run computes. Checkpoints are agreed across ranks."""
+    if comm is None:
+        return
+    low, high = comm.min_int(step), -comm.min_int(-step)
+    if low != high:
+        raise ConfigError(
+            f"the ranks' stores were left at different steps ({low} to {high}; this rank's, {where}, at "
+            f"{step}): resume from a checkpoint every rank holds (fuyou finetune --resume auto)"
+        )
 
 
 def _rank_world() -> tuple[int, int]:

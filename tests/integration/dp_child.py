@@ -3,16 +3,16 @@
     python -m tests.integration.dp_child SPEC.json OUT.pt      (RANK/WORLD_SIZE/MASTER_* from the launcher)
 
 SPEC: family, steps, batch (the global batch), seq, K (micro-batches per rank), clip, policy,
-precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, kill_at (step at
-which rank 1 SIGKILLs itself mid-step, after its forward of block 0). Writes on rank 0 (or the only
-process) the per-step losses, grad norms and final master weights; every rank writes its SSD bytes.
+precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, mismatch (then
+rank 1's store goes back one committed step and both ranks try ``Engine.resume``: each writes the
+error it got). Writes on rank 0 (or the only process) the per-step losses, grad norms and final
+master weights; every rank writes its SSD bytes.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 
 import torch
@@ -50,8 +50,6 @@ def main(spec_path: str, out: str) -> None:
     data = batches(spec["steps"], batch=spec["batch"], seq=spec.get("seq", 16))
     losses, norms, read, written, comm = [], [], 0, 0, 0
     eng = Engine.from_state_dict(cfg, sd, ec)
-    if spec.get("kill_at") is not None and rank == 1:
-        _arm_kill(eng, spec["kill_at"])
     for ids, labels in data:
         per = ids.shape[0] // world
         st = eng.train_step(ids[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per])
@@ -60,22 +58,29 @@ def main(spec_path: str, out: str) -> None:
         read, written, comm = read + st.ssd_read_bytes, written + st.ssd_write_bytes, comm + st.comm_bytes
     weights = dict(eng.master_weights())
     eng.close()
+    if spec.get("mismatch"):  # rank 1's live store goes back a step: resuming must refuse on every rank
+        _resume_mismatched(ec, rank, out)
+        return
     result = {"ssd_read": read, "ssd_written": written, "comm": comm, "rank": rank}
     if rank == 0:
         result |= {"losses": losses, "norms": norms, "weights": weights}
     torch.save(result, out)
 
 
-def _arm_kill(eng: Engine, step: int) -> None:
-    """SIGKILL this process in the middle of step ``step`` (1-based), after block 0's forward."""
-    forward = eng.adapter.forward
+def _resume_mismatched(ec: EngineConfig, rank: int, out: str) -> None:
+    from fuyou.errors import ConfigError
+    from fuyou.storage.dirs import rank_dirs
+    from fuyou.storage.store import TensorStore
 
-    def dying(b: int, *a: object, **kw: object):  # type: ignore[no-untyped-def]
-        if b == 1 and eng.step + 1 >= step:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return forward(b, *a, **kw)
-
-    eng.adapter.forward = dying  # type: ignore[method-assign]
+    if rank == 1:
+        with TensorStore.open(rank_dirs(ec.ssd_dirs, 1, 2)) as st:
+            st.commit(dict(st.meta, step=st.meta["step"] - 1))
+    try:
+        Engine.resume(ec).close()
+        message = "resumed"
+    except ConfigError as e:
+        message = str(e)
+    torch.save({"message": message, "rank": rank}, out)
 
 
 if __name__ == "__main__":

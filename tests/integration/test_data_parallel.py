@@ -80,8 +80,10 @@ def test_ranks_train_what_one_process_trains(case: str, tmp_path) -> None:
     (one,) = launch(spec, 1, tmp_path / "one")
     many = launch(spec, world, tmp_path / "many")
     assert_equivalent(one, many[0])
-    for o in many:  # each rank reads and writes about its 1/N share (shards are padded to 32 elements)
-        assert o["ssd_read"] < 0.75 * one["ssd_read"] and o["ssd_written"] < 0.75 * one["ssd_written"]
+    for o in many:  # each rank reads and writes about its 1/N share (shards are padded to 32 elements;
+        # a read that claims Adam's new weights in RAM instead of the SSD depends on timing)
+        share = (o["ssd_read"] + o["ssd_written"]) / (one["ssd_read"] + one["ssd_written"])
+        assert share < 1.25 / world, share
         assert o["comm"] > 0
     assert one["comm"] == 0
 
@@ -94,3 +96,11 @@ def test_ranks_on_the_asynchronous_cpu_backend(mode: str, tmp_path) -> None:
     (one,) = launch(spec, 1, tmp_path / "one")
     many = launch(spec, 2, tmp_path / "many", {"FUYOU_CPU_ASYNC": mode})
     assert_equivalent(one, many[0])
+
+
+@SLOW
+def test_resuming_ranks_whose_stores_are_steps_apart_is_refused_on_every_rank(tmp_path) -> None:
+    spec = dict(steps=2, batch=4, K=1, world=2, clip=1.0, mismatch=True)
+    outs = launch(spec, 2, tmp_path / "many")
+    for o in outs:
+        assert "left at different steps (1 to 2" in o["message"] and "--resume auto" in o["message"], o

@@ -13,10 +13,9 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from fuyou.run.demo import _random_model
 from fuyou.storage.manifest import MANIFEST
+from tests.integration.tiny_models import cli_inputs, exported_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 6
@@ -24,11 +23,7 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def model_and_data(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("dp")
-    model = _random_model(str(tmp / "tiny"))
-    data = tmp / "d.jsonl"
-    data.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i * i}"}) + "\n" for i in range(60)))
-    return model, str(data)
+    return cli_inputs(tmp_path_factory.mktemp("dp"))
 
 
 def finetune_args(model: str, data: str, out: str, mb: int, K: int, extra: tuple[str, ...] = ()) -> list[str]:
@@ -49,15 +44,6 @@ def losses(out: str) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
-def weights(out: str) -> dict:
-    d = os.path.join(out, "model")
-    t = {}
-    for f in sorted(os.listdir(d)):
-        if f.endswith(".safetensors"):
-            t.update(load_file(os.path.join(d, f)))
-    return t
-
-
 def test_torchrun_two_ranks_train_what_one_process_trains(tmp_path, model_and_data) -> None:
     model, data = model_and_data
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
@@ -70,7 +56,7 @@ def test_torchrun_two_ranks_train_what_one_process_trains(tmp_path, model_and_da
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert losses(two) == pytest.approx(losses(one), rel=1e-5)
-    w1, w2 = weights(one), weights(two)
+    w1, w2 = exported_weights(one), exported_weights(two)
     assert w1.keys() == w2.keys()
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5, msg=k)
@@ -123,5 +109,5 @@ def test_a_killed_rank_stops_the_others_and_resume_is_bit_identical(tmp_path, mo
     with open(os.path.join(killed, "run.json")) as f:
         assert json.load(f)["resumed_from_step"] >= 2  # from the last checkpoint every rank held
     assert losses(killed) == losses(clean)
-    wc, wk = weights(clean), weights(killed)
+    wc, wk = exported_weights(clean), exported_weights(killed)
     assert wc.keys() == wk.keys() and all(torch.equal(wc[k], wk[k]) for k in wc)

@@ -13,10 +13,9 @@ import sys
 import time
 
 import pytest
-from safetensors.torch import load_file
 
 from fuyou.checkpoint import list_checkpoints, validate
-from fuyou.run.demo import _random_model
+from tests.integration.tiny_models import cli_inputs, exported_weights
 from tests.io_engines import engines_posix_first, use_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,22 +59,11 @@ def command(model, data, out):
     ]
 
 
-def weights(out):
-    d = os.path.join(out, "model")
-    tensors = {}
-    for f in sorted(os.listdir(d)):
-        if f.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(d, f)))
-    return tensors
-
-
 @pytest.fixture(scope="module")
 def clean_run(tmp_path_factory):
     """(model dir, data file, output of an uninterrupted run with the default engine), made once."""
     tmp = tmp_path_factory.mktemp("clean")
-    model = _random_model(str(tmp / "tiny"))
-    data = tmp / "d.jsonl"
-    data.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i * i}"}) + "\n" for i in range(60)))
+    model, data = cli_inputs(tmp)
     clean = str(tmp / "clean")
     env = {k: v for k, v in os.environ.items() if k != "FUYOU_IO"}
     subprocess.run(command(model, str(data), clean), cwd=ROOT, check=True, capture_output=True, timeout=600, env=env)
@@ -105,7 +93,7 @@ def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path, monkey
         r = subprocess.run(command(model, data, out), cwd=ROOT, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
     assert kills == 10, f"the run finished after {kills} kills: lengthen it"
-    a, b = weights(clean), weights(out)
+    a, b = exported_weights(clean), exported_weights(out)
     assert a.keys() == b.keys()
     assert all((a[k] == b[k]).all() for k in a), [k for k in a if not (a[k] == b[k]).all()][:3]
     la = [json.loads(x)["loss"] for x in open(os.path.join(clean, "metrics.jsonl"))]

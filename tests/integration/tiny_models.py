@@ -80,3 +80,29 @@ def reference_steps(model, data, K: int, lr: float, wd: float, clip: float = 0.0
         opt.step()
         losses.append(total)
     return losses
+
+
+def cli_inputs(tmp) -> tuple[str, str]:
+    """(a tiny random HF model directory, a 60-record JSONL text file) in ``tmp``, for CLI runs."""
+    import json
+
+    from fuyou.run.demo import _random_model
+
+    model = _random_model(str(tmp / "tiny"))
+    data = tmp / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"def f{i}(x): return x * {i} + {i * i}"}) + "\n" for i in range(60)))
+    return model, str(data)
+
+
+def exported_weights(out: str) -> dict:
+    """Every tensor of the HF model a run exported to ``out/model``."""
+    import os
+
+    from safetensors.torch import load_file
+
+    d = os.path.join(out, "model")
+    tensors = {}
+    for f in sorted(os.listdir(d)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(d, f)))
+    return tensors
