@@ -25,6 +25,16 @@ HF_FILES = "hf-model-files"
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
+def read_master(store: TensorStore | RamTier, layout: ModelLayout, b: int) -> torch.Tensor:
+    """Block ``b``'s fp32 master vector as ``store`` holds it (this rank's shard when sharded)."""
+    master = torch.empty(layout.numel(b), dtype=torch.float32)
+    for c, (lo, hi) in enumerate(layout.chunks(b)):
+        s = torch.empty(layout.s(b, c).nbytes, dtype=torch.uint8)
+        store.read(layout.s(b, c).name, s).result()
+        master[lo:hi] = layout.s(b, c).views(s)["master"]
+    return master
+
+
 def iter_master(
     store: TensorStore | RamTier,
     layout: ModelLayout,
@@ -35,20 +45,20 @@ def iter_master(
     A sharded layout (``layout.world`` > 1) needs ``gather``: every rank's shard of a block's master
     in rank order on one rank (``Collectives.gather_to_root``), None on the others, which then yield
     nothing but must run the generator to its end, in step with that rank."""
+    if layout.world > 1 and gather is None:
+        raise ValueError("a sharded layout's masters need a gather across ranks")
     for b in range(len(layout.blocks)):
-        master: torch.Tensor | None = torch.empty(layout.numel(b), dtype=torch.float32)
-        assert master is not None
-        for c, (lo, hi) in enumerate(layout.chunks(b)):
-            s = torch.empty(layout.s(b, c).nbytes, dtype=torch.uint8)
-            store.read(layout.s(b, c).name, s).result()
-            master[lo:hi] = layout.s(b, c).views(s)["master"]
-        if layout.world > 1:
-            if gather is None:
-                raise ValueError("a sharded layout's masters need a gather across ranks")
-            master = gather(master)
-            if master is None:
-                continue
-        yield from layout.unflatten(b, master).items()
+        master = read_master(store, layout, b)
+        whole = gather(master) if gather is not None and layout.world > 1 else master
+        if whole is not None:
+            yield from layout.unflatten(b, whole).items()
+
+
+def _iter_ranks(stores: list[TensorStore], layouts: list[ModelLayout]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF key, fp32 master) of a run whose ranks' stores are all here: each block's shards put together."""
+    for b in range(len(layouts[0].blocks)):
+        whole = torch.cat([read_master(st, lay, b) for st, lay in zip(stores, layouts)])
+        yield from layouts[0].unflatten(b, whole).items()
 
 
 def export_layout(
@@ -74,7 +84,8 @@ def export_layout(
 
 
 def _store_dirs(paths: list[str]) -> list[str]:
-    """Store directories from a run directory (its run.json) or as given."""
+    """Store directories from a run directory (its run.json) or as given; a multi-rank run's hold
+    ``{rank}``."""
     if len(paths) == 1 and os.path.isfile(os.path.join(paths[0], "run.json")):
         with open(os.path.join(paths[0], "run.json")) as f:
             return list(json.load(f)["store_dirs"])
@@ -82,35 +93,68 @@ def _store_dirs(paths: list[str]) -> list[str]:
 
 
 def export_store(paths: list[str], out_dir: str, dtype: str = "bf16") -> None:
-    """``fuyou export``: a run directory or store directories → a Hugging Face model directory.
+    """``fuyou export``: a run directory or store directories → a Hugging Face model directory. A run
+    of several ranks (``torchrun``) is read from every rank's store, block by block.
 
     Raises ManifestError if the store lacks the model files or layout facts (not a Fuyou run store),
     StoreError if its last committed step kept host-RAM-tier extents never written back (export a
-    checkpoint, or resume and let the run finish).
+    checkpoint, or resume and let the run finish), ConfigError for one rank's store of several, or
+    ranks whose stores are at different steps.
     """
+    from fuyou.storage.dirs import RANK_FIELDS, rank_dirs
+
+    template = _store_dirs(paths)
+    ranked = any(f in d for d in template for f in RANK_FIELDS)
+    first = rank_dirs(template, 0, 2 if ranked else 1, 0)
+    with TensorStore.open(first) as store:
+        meta = store.meta
+        layout, config, files = _store_layout(store, first[0], ranked)
+        world = layout.world
+        if world == 1:
+            export_layout(store, layout, config, out_dir, dtype, files)
+            return
+    if not ranked:
+        raise ConfigError(
+            f"{first[0]} holds rank {meta['rank']}'s shard of a {world}-rank run; pass the run directory "
+            "(its run.json names every rank's store) or resume the run with torchrun and as many ranks"
+        )
+    dirs = [rank_dirs(template, r, world, r) for r in range(world)]
+    stores = [TensorStore.open(d) for d in dirs]
+    try:
+        layouts = [_store_layout(st, d[0], True)[0] for st, d in zip(stores, dirs)]
+        steps = {int(st.meta.get("step", 0)) for st in stores}
+        if len(steps) > 1 or [lay.rank for lay in layouts] != list(range(world)):
+            raise ConfigError(
+                f"the ranks' stores of {paths[0]} are at different steps ({sorted(steps)}) or out of order; "
+                "export a run that finished, or resume it with torchrun and --resume auto"
+            )
+        gen = ((k, t.to(DTYPES[dtype])) for k, t in _iter_ranks(stores, layouts))
+        save_streamed(out_dir, gen, config, DTYPES[dtype], copy_from=files)
+    finally:
+        for st in stores:
+            st.close()
+
+
+def _store_layout(store: TensorStore, first: str, ranked: bool) -> tuple[ModelLayout, Any, str]:
+    """The layout (its rank and world included), model config and model-files directory of an open
+    store whose first directory is ``first``; raises ManifestError / StoreError as ``export_store``."""
     from fuyou.models.adapters import make_adapter
 
-    dirs = _store_dirs(paths)
-    files = os.path.join(dirs[0], HF_FILES)
-    with TensorStore.open(dirs) as store:
-        meta = store.meta
-        if not os.path.isdir(files) or "compute_dtype" not in meta:
-            raise ManifestError(
-                f"{dirs[0]} is not a Fuyou training store (no model files or layout); pass a run "
-                "directory or the --ssd directories of a run"
-            )
-        refuse_stale(meta, dirs[0])
-        if meta.get("world", 1) > 1:
-            raise ConfigError(
-                f"{dirs[0]} holds rank {meta['rank']}'s shard of a {meta['world']}-rank run; a run's "
-                "model/ directory holds the whole model (exported at its end), or resume the run with "
-                "torchrun and the same number of ranks"
-            )
-        config = load_config(files)
-        layout = ModelLayout(
-            tuple(make_adapter(config).blocks),
-            dtype_from_name(meta["compute_dtype"]),
-            dtype_from_name(meta["state_dtype"]),
-            meta["state_chunk"],
+    files = os.path.join(first, HF_FILES)
+    meta = store.meta
+    if not os.path.isdir(files) or "compute_dtype" not in meta:
+        raise ManifestError(
+            f"{first} is not a Fuyou training store (no model files or layout); pass a run "
+            "directory or the --ssd directories of a run"
         )
-        export_layout(store, layout, config, out_dir, dtype, files)
+    refuse_stale(meta, first)
+    config = load_config(files)
+    layout = ModelLayout(
+        tuple(make_adapter(config).blocks),
+        dtype_from_name(meta["compute_dtype"]),
+        dtype_from_name(meta["state_dtype"]),
+        meta["state_chunk"],
+        meta.get("rank", 0),
+        meta.get("world", 1),
+    )
+    return layout, config, files

@@ -192,6 +192,14 @@ def _on_every_rank(ranks: Any, check: Any) -> None:
         raise ConfigError(f"rank {refused[0]} refused to start (see its message); every rank stops")
 
 
+def _store_template(cfg: FinetuneConfig, world: int) -> tuple[str, ...]:
+    """The run's store directories as run.json records them: absolute, with ``{rank}`` where each rank
+    has its own (``fuyou export RUN_DIR`` opens every rank's)."""
+    from fuyou.storage.dirs import rank_template
+
+    return tuple(os.path.abspath(d) for d in rank_template(cfg.store_dirs, world))
+
+
 def _stripes(cfg: FinetuneConfig, ranks: Any = None) -> list[str]:
     """This rank's store directories (absolute; ``{rank}``/``{local_rank}`` filled in, and with several
     ranks a ``rank<r>`` subdirectory of a path without them, created when its parent exists)."""
@@ -405,7 +413,7 @@ def _train(
         "resumed_from_step": start,
         "cpu_memory_bytes": parse_size(cfg.cpu_memory),
         "flop_formula": FLOP_FORMULA,
-        "store_dirs": list(cfg.store_dirs),
+        "store_dirs": list(_store_template(cfg, ranks.world)),
     }
 
 

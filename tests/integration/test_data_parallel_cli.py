@@ -111,3 +111,25 @@ def test_a_killed_rank_stops_the_others_and_resume_is_bit_identical(tmp_path, mo
     assert losses(killed) == losses(clean)
     wc, wk = exported_weights(clean), exported_weights(killed)
     assert wc.keys() == wk.keys() and all(torch.equal(wc[k], wk[k]) for k in wc)
+
+
+@pytest.mark.slow  # ~35 s
+def test_fuyou_export_of_a_two_rank_run_directory(tmp_path, model_and_data) -> None:
+    """``fuyou export RUN_DIR`` puts every rank's shards together: the same model the run exported."""
+    model, data = model_and_data
+    out = str(tmp_path / "run")
+    finish(launch_ranks(finetune_args(model, data, out, 1, 1, ("--steps", "2")), 2))
+    again = str(tmp_path / "again")
+    p = subprocess.run(
+        [sys.executable, "-m", "fuyou", "export", out, os.path.join(again, "model"), "--dtype", "fp32"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env_without_ranks(),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    a, b = exported_weights(out), exported_weights(again)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    p = subprocess.run(  # one rank's store alone is not a model
+        [sys.executable, "-m", "fuyou", "export", os.path.join(out, "store", "rank1"), str(tmp_path / "x")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=env_without_ranks(),
+    )  # fmt: skip
+    assert p.returncode == 1 and "holds rank 1's shard of a 2-rank run; pass the run directory" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
