@@ -9,7 +9,10 @@ figure ÷ one rank's. Step time is the median over ``--steps`` steps after ``--w
 bytes are per rank per step. On a machine with fewer cores than ranks × the engine's threads the
 ranks share the cores, so step time measures overhead, not speed-up.
 
-    python bench/bench_data_parallel.py [--ranks 1 2 3] [--hidden 512 --layers 4 --seq 256 --batch 6]
+    python bench/bench_data_parallel.py [--ranks 1 2 3] [--hidden 512 --layers 4 --seq 256 --batch 6] [--smoke]
+
+Prints one JSON line per rank count (machine description, figures, ratios to one rank) and the
+Markdown table for ``bench/RESULTS.md`` on stderr. ``--smoke``: a tiny model, 1 and 2 ranks, one step.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from bench.common import emit, hardware_info  # noqa: E402
 
 
 def child(args: argparse.Namespace) -> None:
@@ -123,7 +128,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where the stores go (default: a temporary directory)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model, 1 and 2 ranks, one step")
     args = ap.parse_args()
+    if args.smoke and not args.child:
+        args.ranks, args.hidden, args.layers, args.vocab, args.seq, args.batch = [1, 2], 128, 2, 512, 32, 2
+        args.steps, args.warmup = 1, 0
     if args.precision is None:
         from fuyou.device import get_backend
         from fuyou.device.precision import choose_precision
@@ -139,26 +148,47 @@ def main() -> None:
     args.forward = [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
     with tempfile.TemporaryDirectory(dir=args.dir) as base:
         results = {n: run(n, args, base) for n in args.ranks}
+        report(args, results, base)
+
+
+def report(args: argparse.Namespace, results: dict[int, list[dict]], base: str) -> None:
+    """JSON lines on stdout, the RESULTS.md table on stderr."""
     one = results[args.ranks[0]]
-    print(
+    base_rw = one[0]["read"] + one[0]["written"]
+    setup = {k: getattr(args, k) for k in ("hidden", "layers", "vocab", "seq", "batch", "precision", "cpu_memory")}
+    for n, outs in results.items():
+        emit(
+            {
+                "bench": "data_parallel",
+                "hardware": hardware_info([base]),
+                "smoke": args.smoke,
+                **setup,
+                "ranks": n,
+                "step_s": outs[0]["step_s"],
+                "step_ratio": outs[0]["step_s"] / one[0]["step_s"],
+                "ssd_read_per_rank": [o["read"] for o in outs],
+                "ssd_written_per_rank": [o["written"] for o in outs],
+                "ssd_share_max_rank": max(o["read"] + o["written"] for o in outs) / base_rw,
+                "comm_bytes_per_rank": outs[0]["comm"],
+            }
+        )
+    table = [
         f"Llama hidden {args.hidden} × {args.layers} layers, vocab {args.vocab}, seq {args.seq}, global batch "
         f"{args.batch}, {args.precision}, clipping on, --cpu-memory {args.cpu_memory} per rank; median of "
-        f"{args.steps} steps after {args.warmup}\n"
-    )
-    print(
+        f"{args.steps} steps after {args.warmup}\n",
         "| ranks | step s (rank 0) | ÷ 1 rank | SSD read MB/rank/step | SSD write MB/rank/step | "
-        "÷ 1 rank (r+w, max rank) | comm MB/rank/step |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    base_rw = one[0]["read"] + one[0]["written"]
+        "÷ 1 rank (r+w, max rank) | comm MB/rank/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for n, outs in results.items():
         rw = max(o["read"] + o["written"] for o in outs)
         reads = "/".join(f"{o['read'] / 1e6:.1f}" for o in outs)
         writes = "/".join(f"{o['written'] / 1e6:.1f}" for o in outs)
-        print(
+        table.append(
             f"| {n} | {outs[0]['step_s']:.2f} | {outs[0]['step_s'] / one[0]['step_s']:.2f} | {reads} | {writes} | "
             f"{rw / base_rw:.3f} | {outs[0]['comm'] / 1e6:.1f} |"
         )
+    print("\n".join(table), file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,11 @@ once complete:
   step — its forward, whose reads of block b wait for Adam(b)'s write, and its turnaround and
   backward, which its writes trail into. That step waits for them (``settle``: commit) only at its
   own end, before submitting its own updates.
+
+With data-parallel ranks (``StepContext.comm``) the loader hands each block over gathered from the
+ranks' shards, ``hand_off`` reduce-scatters the block's gradient first (the Adam stage and the
+parking see this rank's shard), and the loss and squared norm read back are sums over ranks; a late
+non-finite finding of any rank's Adam stage rolls the step back on all.
 """
 
 from __future__ import annotations

@@ -41,6 +41,10 @@ _ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 """torch ≥ 2.10's names of the tensor collectives (the older ones warn), else the older ones."""
 
+FORCE_ENV = "FUYOU_COLLECTIVES"
+"""``1``: one rank under torchrun still goes through the collectives (a check of the NCCL or gloo path
+on one GPU or CPU: every collective is then a copy)."""
+
 TIMEOUT_ENV = "FUYOU_COLLECTIVE_TIMEOUT"
 """Seconds a collective may wait for the other ranks before this rank gives up (default 600)."""
 
@@ -89,14 +93,15 @@ class Collectives:
 
         Uses the default process group if the caller (a Trainer, a script) set one up; otherwise sets
         it up from torchrun's environment (``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``):
-        NCCL on a GPU, gloo on CPU, with the ``FUYOU_COLLECTIVE_TIMEOUT`` timeout. Raises ConfigError
-        when the environment is incomplete.
+        NCCL on a GPU, gloo on CPU, with the ``FUYOU_COLLECTIVE_TIMEOUT`` timeout; one rank too with
+        ``FUYOU_COLLECTIVES=1``. Raises ConfigError when the environment is incomplete.
         """
+        forced = os.environ.get(FORCE_ENV, "") == "1"
         if dist.is_available() and dist.is_initialized():
-            if dist.get_world_size() == 1:
+            if dist.get_world_size() == 1 and not forced:
                 return None
         else:
-            if world_size() == 1:
+            if world_size() == 1 and not forced:
                 return None
             missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
             if missing:

@@ -2,7 +2,7 @@
 
     python -m tests.integration.dp_child SPEC.json OUT.pt      (RANK/WORLD_SIZE/MASTER_* from the launcher)
 
-SPEC: family, steps, batch (the global batch), seq, K (micro-batches per rank), clip, policy,
+SPEC: device (default cpu), family, steps, batch (the global batch), seq, K (micro-batches per rank), clip, policy,
 precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, mismatch (then
 rank 1's store goes back one committed step and both ranks try ``Engine.resume``: each writes the
 error it got). Writes on rank 0 (or the only process) the per-step losses, grad norms and final
@@ -39,6 +39,7 @@ def main(spec_path: str, out: str) -> None:
     )
     ec = EngineConfig(
         ssd_dirs=(spec["ssd"],),
+        device=spec.get("device", "cpu"),
         precision=spec.get("precision", "fp32"),
         lr=1e-3,
         weight_decay=0.01,
@@ -61,7 +62,7 @@ def main(spec_path: str, out: str) -> None:
     if spec.get("mismatch"):  # rank 1's live store goes back a step: resuming must refuse on every rank
         _resume_mismatched(ec, rank, out)
         return
-    result = {"ssd_read": read, "ssd_written": written, "comm": comm, "rank": rank}
+    result = {"ssd_read": read, "ssd_written": written, "comm": comm, "rank": rank, "ranked": eng.comm is not None}
     if rank == 0:
         result |= {"losses": losses, "norms": norms, "weights": weights}
     torch.save(result, out)

@@ -28,8 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(spec: dict, world: int, d, env_extra: dict | None = None, timeout: float = 300) -> list:
-    """Run ``dp_child`` as ``world`` local ranks (one plain process for world 1); their results."""
+def launch(
+    spec: dict, world: int, d, env_extra: dict | None = None, timeout: float = 300, ranked: bool = False
+) -> list:
+    """Run ``dp_child`` as ``world`` local ranks (one plain process for world 1 unless ``ranked``); their results."""
     d.mkdir(parents=True)
     ssd = d / "ssd"
     ssd.mkdir()
@@ -39,7 +41,7 @@ def launch(spec: dict, world: int, d, env_extra: dict | None = None, timeout: fl
     for r in range(world):
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
         env |= env_extra or {}
-        if world > 1:
+        if world > 1 or ranked:
             env |= dict(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r), MASTER_ADDR="127.0.0.1")
             env |= dict(MASTER_PORT=str(port))
         cmd = [sys.executable, "-m", "tests.integration.dp_child", str(path), str(d / f"out{r}.pt")]
@@ -104,3 +106,14 @@ def test_resuming_ranks_whose_stores_are_steps_apart_is_refused_on_every_rank(tm
     outs = launch(spec, 2, tmp_path / "many")
     for o in outs:
         assert "left at different steps (1 to 2" in o["message"] and "--resume auto" in o["message"], o
+
+
+def test_one_rank_through_the_collectives_is_bit_identical_to_one_process(tmp_path) -> None:
+    """``FUYOU_COLLECTIVES=1``: the data-parallel path at world size 1 (how one GPU checks NCCL's)."""
+    spec = dict(steps=2, batch=4, K=2, world=1, clip=1.0)
+    (one,) = launch(spec, 1, tmp_path / "one")
+    (ranked,) = launch(spec, 1, tmp_path / "ranked", {"FUYOU_COLLECTIVES": "1"}, ranked=True)
+    assert ranked["losses"] == one["losses"] and ranked["norms"] == one["norms"]
+    assert all(torch.equal(ranked["weights"][k], v) for k, v in one["weights"].items())
+    assert ranked["ranked"] and not one["ranked"]  # the first went through the collectives, the second not
+    assert ranked["comm"] == 0 and ranked["ssd_written"] == one["ssd_written"]

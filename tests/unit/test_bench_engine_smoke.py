@@ -55,3 +55,12 @@ def test_scale_bench_smoke(tmp_path):
     assert r["max_grad_norm"] > 0 and r["plan"]["schedule"] == "overlap_next_forward"
     assert r["plan"]["effective"]["park_ram_blocks"] < r["model"]["blocks"]
     assert not os.listdir(tmp_path)
+
+
+def test_data_parallel_bench_smoke(tmp_path):
+    recs = run_bench("bench/bench_data_parallel.py", tmp_path)
+    assert [r["ranks"] for r in recs] == [1, 2] and all(r["smoke"] for r in recs)
+    one, two = recs
+    assert one["comm_bytes_per_rank"] == 0 < two["comm_bytes_per_rank"]
+    assert 0.45 < two["ssd_share_max_rank"] < 0.6  # each rank moves about half of one process's bytes
+    assert two["step_s"] > 0 and math.isfinite(two["step_ratio"])
