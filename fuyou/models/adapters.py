@@ -29,12 +29,14 @@ class MicroBatchContext:
 
     position_ids: torch.Tensor
     mask: Any = None
+    """The attention mask (GPT-2), or one per attention kind (``layer_types``: Llama-like families)."""
     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
     extra: dict = field(default_factory=dict)
 
 
 def architecture_of(config: Any) -> str:
-    """The config's architecture name; raises ConfigError listing the supported ones if unknown."""
+    """The config's architecture name; raises ConfigError listing the supported ones if unknown, or
+    naming an attention layer kind Fuyou does not run (``layer_types``)."""
     archs = getattr(config, "architectures", None) or []
     name = (
         archs[0]
@@ -52,6 +54,8 @@ def architecture_of(config: Any) -> str:
             f"unsupported architecture {name or getattr(config, 'model_type', '?')!r}; Fuyou supports "
             f"{', '.join(SUPPORTED)}"
         )
+    if name in LLAMA_LIKE:
+        layer_types(config)  # an attention kind Fuyou does not run is refused by name, before any work
     return name
 
 
@@ -198,8 +202,42 @@ def _causal_mask(config: Any, embeds: torch.Tensor, position_ids: torch.Tensor) 
     )
 
 
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+"""The per-layer attention kinds (``config.layer_types``) Fuyou runs."""
+
+
+def layer_types(config: Any) -> list[str]:
+    """Each decoder layer's attention, as the family's own ``forward`` picks its mask:
+    ``config.layer_types`` where the family has them (Qwen2/3: ``sliding_attention`` past
+    ``max_window_layers`` with ``use_sliding_window``), else ``sliding_attention`` for every layer when
+    the config sets a ``sliding_window`` (Mistral), else ``full_attention``. Raises ConfigError for
+    another kind, by name."""
+    types = list(getattr(config, "layer_types", None) or [])
+    if not types:
+        sliding = getattr(config, "sliding_window", None) is not None
+        types = ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+    unknown = sorted(set(types) - set(ATTENTION_KINDS))
+    if unknown:
+        raise ConfigError(
+            f"unsupported attention layer type(s) {unknown} in this {getattr(config, 'model_type', '?')} config; "
+            f"Fuyou supports {', '.join(ATTENTION_KINDS)}"
+        )
+    return types
+
+
+def _masks(config: Any, embeds: torch.Tensor, position_ids: torch.Tensor, types: set[str]) -> dict[str, Any]:
+    """The attention mask of each kind in ``types``, made by ``transformers``' own mask functions."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    kw = dict(config=config, inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=position_ids)
+    make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    return {t: make[t](**kw) for t in types}
+
+
 class LlamaLike(Adapter):
-    """Llama, Mistral, Qwen2, Qwen3: ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``."""
+    """Llama, Mistral, Qwen2, Qwen3: ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``.
+
+    Sliding-window attention is honoured per layer (``layer_types``)."""
 
     def _block_modules(self) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
         m = self.model.model
@@ -212,20 +250,23 @@ class LlamaLike(Adapter):
         """Rebuild the rotary embedding (a computed buffer, meta in the skeleton) on ``device``."""
         rot = self.model.model.rotary_emb
         self.rotary = type(rot)(config=self.config).to(device)
+        self.layer_types = layer_types(self.config)
 
     def forward(self, block: int, x: torch.Tensor, ctx: MicroBatchContext | None) -> tuple[torch.Tensor, Any]:
         m = self.model.model
         if block == 0:
             embeds = m.embed_tokens(x)
             pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-            ctx = MicroBatchContext(pos, _causal_mask(self.config, embeds, pos), self.rotary(embeds, position_ids=pos))
+            masks = _masks(self.config, embeds, pos, set(self.layer_types))
+            ctx = MicroBatchContext(pos, masks, self.rotary(embeds, position_ids=pos))
             return embeds, ctx
         if block == len(self.blocks) - 1:
             return self.lm_head(m.norm(x)), ctx
         layer = m.layers[block - 1]
         assert ctx is not None  # block 0 made it
+        mask = ctx.mask[self.layer_types[block - 1]]
         return layer(
-            x, attention_mask=ctx.mask, position_embeddings=ctx.position_embeddings, position_ids=ctx.position_ids
+            x, attention_mask=mask, position_embeddings=ctx.position_embeddings, position_ids=ctx.position_ids
         ), ctx
 
 

@@ -79,6 +79,17 @@ def test_families_and_policies(tmp_path, family, policy):
     assert_same(model, ref_losses, losses, weights)
 
 
+@pytest.mark.parametrize("family", ["mistral_sw", "qwen2_sw"])
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_sliding_window_attention_is_honoured(tmp_path, family, policy):
+    """Mistral's sliding window (every layer) and Qwen2's (layers past ``max_window_layers``): 4-token
+    windows over 16-token sequences, so a full causal mask would train another model."""
+    cfg, model = tiny(family, layers=3)
+    data = batches(STEPS)
+    losses, weights = run_fuyou(cfg, model, tmp_path, data, policy=policy)
+    assert_same(model, reference_steps(model, data, 1, LR, WD), losses, weights)
+
+
 @pytest.mark.parametrize("family", ["llama_tied", "gpt2"])
 def test_recompute_with_block_inputs_in_host_memory(tmp_path, family):
     """recompute_cpu: block inputs copied off the device after forward and back one micro-batch

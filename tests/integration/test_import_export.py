@@ -85,3 +85,13 @@ def test_unsupported_architecture_lists_supported(tmp_path):
 
     with pytest.raises(ConfigError, match="unsupported architecture.*LlamaForCausalLM.*GPT2LMHeadModel"):
         Engine.from_state_dict(BertConfig(), {}, cfg_for(tmp_path))
+
+
+def test_an_attention_kind_fuyou_does_not_run_is_refused_by_name(tmp_path):
+    from fuyou.models.adapters import architecture_of
+    from tests.integration.tiny_models import tiny
+
+    cfg, _ = tiny("qwen2_sw", layers=2)
+    cfg.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ConfigError, match=r"unsupported attention layer type\(s\) \['chunked_attention'\]"):
+        architecture_of(cfg)

@@ -3,13 +3,24 @@
 from __future__ import annotations
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 VOCAB = 96
 
 
 def tiny(family: str, layers: int = 2, hidden: int = 64):
-    """(config, model) of a tiny random model of ``family``: llama, llama_tied, qwen2, gpt2."""
+    """(config, model) of a tiny random model of ``family``: llama, llama_tied, qwen2, gpt2, and with
+    sliding-window attention (a 4-token window) mistral_sw (every layer) and qwen2_sw (the layers
+    from the second on, as Qwen2's ``max_window_layers`` = 1 gives)."""
     common = dict(
         hidden_size=hidden,
         intermediate_size=2 * hidden,
@@ -25,6 +36,11 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
         cfg, cls = LlamaConfig(**common, tie_word_embeddings=True), LlamaForCausalLM
     elif family == "qwen2":
         cfg, cls = Qwen2Config(**common, tie_word_embeddings=False), Qwen2ForCausalLM
+    elif family == "mistral_sw":
+        cfg, cls = MistralConfig(**common, sliding_window=4, tie_word_embeddings=False), MistralForCausalLM
+    elif family == "qwen2_sw":
+        cfg = Qwen2Config(**common, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+        cls = Qwen2ForCausalLM
     elif family == "gpt2":
         cfg = GPT2Config(
             n_layer=layers,
