@@ -79,11 +79,12 @@ def test_families_and_policies(tmp_path, family, policy):
     assert_same(model, ref_losses, losses, weights)
 
 
-@pytest.mark.parametrize("family", ["mistral_sw", "qwen2_sw"])
+@pytest.mark.parametrize("family", ["mistral_sw", "qwen2_sw", "llama31"])
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
-def test_sliding_window_attention_is_honoured(tmp_path, family, policy):
+def test_sliding_window_attention_and_rope_scaling_are_honoured(tmp_path, family, policy):
     """Mistral's sliding window (every layer) and Qwen2's (layers past ``max_window_layers``): 4-token
-    windows over 16-token sequences, so a full causal mask would train another model."""
+    windows over 16-token sequences, so a full causal mask would train another model; Llama 3.1's RoPE
+    scaling past 8 original positions."""
     cfg, model = tiny(family, layers=3)
     data = batches(STEPS)
     losses, weights = run_fuyou(cfg, model, tmp_path, data, policy=policy)

@@ -18,7 +18,8 @@ VOCAB = 96
 
 
 def tiny(family: str, layers: int = 2, hidden: int = 64):
-    """(config, model) of a tiny random model of ``family``: llama, llama_tied, qwen2, gpt2, and with
+    """(config, model) of a tiny random model of ``family``: llama, llama_tied, qwen2, gpt2, llama31
+    (Llama 3.1/3.2 RoPE scaling), and with
     sliding-window attention (a 4-token window) mistral_sw (every layer) and qwen2_sw (the layers
     from the second on, as Qwen2's ``max_window_layers`` = 1 gives)."""
     common = dict(
@@ -36,6 +37,12 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
         cfg, cls = LlamaConfig(**common, tie_word_embeddings=True), LlamaForCausalLM
     elif family == "qwen2":
         cfg, cls = Qwen2Config(**common, tie_word_embeddings=False), Qwen2ForCausalLM
+    elif family == "llama31":  # Llama 3.1/3.2's RoPE scaling (llama3 rope type), scaled past 8 positions
+        rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, rope_theta=10000.0)
+        cfg = LlamaConfig(
+            **common, tie_word_embeddings=True, rope_scaling=rope | {"original_max_position_embeddings": 8}
+        )
+        cls = LlamaForCausalLM
     elif family == "mistral_sw":
         cfg, cls = MistralConfig(**common, sliding_window=4, tie_word_embeddings=False), MistralForCausalLM
     elif family == "qwen2_sw":
