@@ -3,8 +3,8 @@ one block at a time with real parameters bound to it.
 
 The blocks call the very modules, mask and rotary code of ``transformers``, in the order the
 library's own ``forward`` uses, so a streamed step computes what the in-RAM model computes.
-Supported: Llama, Mistral, Qwen2, Qwen3 (one block shape: GQA, RoPE, RMSNorm, SwiGLU; tied or
-untied embeddings) and GPT-2.
+Supported: Llama, Mistral, Qwen2, Qwen3 and Phi-3 (one block shape: GQA, RoPE, RMSNorm, SwiGLU — Phi-3
+with fused qkv and gate-up projections; tied or untied embeddings; sliding-window layers) and GPT-2.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 from fuyou.errors import ConfigError
 from fuyou.models.blocks import BlockSpec, ParamSpec
 
-LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 GPT2 = ("GPT2LMHeadModel",)
 SUPPORTED = LLAMA_LIKE + GPT2
 
@@ -46,6 +46,7 @@ def architecture_of(config: Any) -> str:
             "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
+            "phi3": "Phi3ForCausalLM",
             "gpt2": "GPT2LMHeadModel",
         }.get(getattr(config, "model_type", ""), "")
     )
@@ -235,7 +236,7 @@ def _masks(config: Any, embeds: torch.Tensor, position_ids: torch.Tensor, types:
 
 
 class LlamaLike(Adapter):
-    """Llama, Mistral, Qwen2, Qwen3: ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``.
+    """Llama, Mistral, Qwen2, Qwen3, Phi-3: ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``.
 
     Sliding-window attention is honoured per layer (``layer_types``)."""
 

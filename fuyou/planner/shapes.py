@@ -183,6 +183,8 @@ def _llama(cfg: dict, name: str) -> ModelShape:
         attn += [(hd,), (hd,)]
     mlp = [(i, h)] + ([(i,)] if mlp_bias else []) + [(i, h)] + ([(i,)] if mlp_bias else []) + [(h, i)]
     mlp += [(h,)] if mlp_bias else []
+    if mt == "phi3":  # fused projections: qkv_proj, o_proj; gate_up_proj, down_proj
+        attn, mlp = [(q + 2 * kv, h), (h, q)], [(2 * i, h), (h, i)]
     layer = _aligned(*attn, *mlp, (h,), (h,))
     mm = 2 * (2 * q * h + 2 * kv * h + 3 * i * h)
     act = 2 * (10 * h + 2 * kv + 4 * i)
@@ -207,7 +209,7 @@ def _gpt2(cfg: dict, name: str) -> ModelShape:
 
 
 def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
-    """The ModelShape of a Hugging Face config dict (Llama, Mistral, Qwen2, Qwen3, GPT-2).
+    """The ModelShape of a Hugging Face config dict (Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2).
 
     Raises ConfigError for another architecture or a config missing its dimensions.
     """
@@ -216,15 +218,15 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
     try:
         if mt == "gpt2" or "GPT2LMHeadModel" in archs:
             return _gpt2(cfg, name)
-        if mt in ("llama", "mistral", "qwen2", "qwen3") or any(
-            a.startswith(("Llama", "Mistral", "Qwen")) for a in archs
+        if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3") or any(
+            a.startswith(("Llama", "Mistral", "Qwen", "Phi3")) for a in archs
         ):
             return _llama(cfg, name)
     except KeyError as e:
         raise ConfigError(
             f"model config {name!r} lacks {e.args[0]!r}; pass a complete Hugging Face config.json"
         ) from None
-    raise ConfigError(f"cannot plan for model_type {mt or '?'!r}; supported: llama, mistral, qwen2, qwen3, gpt2")
+    raise ConfigError(f"cannot plan for model_type {mt or '?'!r}; supported: llama, mistral, qwen2, qwen3, phi3, gpt2")
 
 
 def load_shape(source: str) -> ModelShape:

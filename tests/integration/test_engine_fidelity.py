@@ -69,7 +69,7 @@ def assert_same(ref_model, ref_losses, losses, weights, tol=1e-5):
     assert set(sd) - set(weights) <= tied_alias
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "llama_tied", "qwen2", "gpt2", "phi3"])
 @pytest.mark.parametrize("policy", ["keep", "swap_cpu", "swap_ssd", "recompute"])
 def test_families_and_policies(tmp_path, family, policy):
     cfg, model = tiny(family)

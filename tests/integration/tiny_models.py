@@ -10,6 +10,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -19,7 +21,7 @@ VOCAB = 96
 
 def tiny(family: str, layers: int = 2, hidden: int = 64):
     """(config, model) of a tiny random model of ``family``: llama, llama_tied, qwen2, gpt2, llama31
-    (Llama 3.1/3.2 RoPE scaling), and with
+    (Llama 3.1/3.2 RoPE scaling), phi3, and with
     sliding-window attention (a 4-token window) mistral_sw (every layer) and qwen2_sw (the layers
     from the second on, as Qwen2's ``max_window_layers`` = 1 gives)."""
     common = dict(
@@ -43,6 +45,9 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
             **common, tie_word_embeddings=True, rope_scaling=rope | {"original_max_position_embeddings": 8}
         )
         cls = LlamaForCausalLM
+    elif family == "phi3":  # fused qkv_proj and gate_up_proj; partial rotary
+        cfg = Phi3Config(**common, tie_word_embeddings=False, partial_rotary_factor=0.5, pad_token_id=0)
+        cls = Phi3ForCausalLM
     elif family == "mistral_sw":
         cfg, cls = MistralConfig(**common, sliding_window=4, tie_word_embeddings=False), MistralForCausalLM
     elif family == "qwen2_sw":
