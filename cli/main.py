@@ -110,6 +110,12 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 @click.option("--metrics", type=click.Path(), help="Per-step metrics JSONL (default OUTPUT/metrics.jsonl).")
 @click.option("--trace", type=click.Path(), help="Write a Perfetto trace of the last step here.")
 @click.option("--data-format", type=click.Choice(["auto", "text", "prompt_completion", "messages"]))
+@click.option(
+    "--packing",
+    type=click.Choice(["auto", "documents", "concat"]),
+    help="documents: each packed document attends only to itself (positions restart per document); concat: "
+    "documents run on into each other. auto (default): documents for prompt/completion and messages data.",
+)
 @click.option("--eval-fraction", type=float, help="Share of the data held out for evaluation.")
 @click.option("--save-every", type=int, help="Checkpoint every N steps (copy-free hard links); 0 = never.")
 @click.option("--keep-checkpoints", type=int, help="Checkpoints to keep (default 2).")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fuyou.data.formats import check_format_name
+from fuyou.data.formats import TEXT, check_format_name
 from fuyou.data.index import build_index, split_records
 from fuyou.data.loader import PackedDataset
 from fuyou.data.tokenize import Encoder
@@ -38,6 +38,7 @@ def build_datasets(
     eval_fraction: float = 0.0,
     eval_path: str | os.PathLike[str] | None = None,
     split_seed: int = 0,
+    packing: str = "auto",
 ) -> tuple[PackedDataset, PackedDataset | None]:
     """Index, validate and split the data; return ``(train, held_out or None)``.
 
@@ -45,7 +46,9 @@ def build_datasets(
     ``auto`` or a format name; ``seed`` orders the training records per epoch;
     ``max_positions`` is the model's maximum sequence length (None = unchecked). The held-out set
     is either ``eval_fraction`` of the records of ``path`` (split with ``split_seed``) or the
-    whole of ``eval_path``; it is packed in file order and never shuffled.
+    whole of ``eval_path``; it is packed in file order and never shuffled. ``packing``: ``concat``,
+    ``documents`` (each document attends only to itself: ``fuyou.data.packing``) or ``auto``
+    (``documents`` for prompt/completion and messages data, ``concat`` for plain text).
 
     Raises ConfigError for a bad ``seq_len``, seed, format name or fraction, or both held-out
     options; DataError for anything wrong with the data (see
@@ -64,13 +67,17 @@ def build_datasets(
     index = build_index(path, encoder, data_format)
     train_ids, eval_ids = split_records(index.n_records, eval_fraction, split_seed, index.path)
     name = index.path if eval_fraction <= 0 else f"{index.path} (training split)"
-    train = PackedDataset(index, encoder, seq_len, train_ids, shuffle=True, seed=seed, name=name)
+    if packing not in ("auto", "concat", "documents"):
+        raise ConfigError(f"--packing must be auto, concat or documents, got {packing!r}")
+    if packing == "auto":
+        packing = "concat" if index.fmt == TEXT else "documents"
+    train = PackedDataset(index, encoder, seq_len, train_ids, shuffle=True, seed=seed, name=name, packing=packing)
     held_out: PackedDataset | None = None
     if len(eval_ids):
-        held_out = PackedDataset(
-            index, encoder, seq_len, eval_ids, shuffle=False, name=f"{index.path} (held-out {eval_fraction:g} split)"
-        )
+        held = f"{index.path} (held-out {eval_fraction:g} split)"
+        held_out = PackedDataset(index, encoder, seq_len, eval_ids, shuffle=False, name=held, packing=packing)
     elif eval_path is not None:
         eval_index = build_index(eval_path, encoder, data_format)
-        held_out = PackedDataset(eval_index, encoder, seq_len, shuffle=False, name=f"{eval_index.path} (held-out file)")
+        held = f"{eval_index.path} (held-out file)"
+        held_out = PackedDataset(eval_index, encoder, seq_len, shuffle=False, name=held, packing=packing)
     return train, held_out

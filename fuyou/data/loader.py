@@ -22,7 +22,7 @@ import torch
 
 from fuyou.data.formats import DataError, read_record_at, validate_record
 from fuyou.data.index import RecordIndex
-from fuyou.data.packing import locate, num_sequences, pack
+from fuyou.data.packing import PACKINGS, locate, num_sequences, pack
 from fuyou.data.tokenize import Encoder
 from fuyou.errors import ConfigError
 
@@ -31,7 +31,8 @@ STATE_VERSION = 1
 
 
 class PackedDataset:
-    """Sequences of ``seq_len`` tokens packed from a subset of an indexed JSONL file.
+    """Sequences of ``seq_len`` tokens packed from a subset of an indexed JSONL file (``packing``:
+    ``concat`` or ``documents``, ``fuyou.data.packing``).
 
     Raises DataError at construction when the subset holds fewer tokens than one sequence.
     """
@@ -45,8 +46,11 @@ class PackedDataset:
         shuffle: bool = True,
         seed: int = 0,
         name: str | None = None,
+        packing: str = "concat",
     ) -> None:
-        self.index, self.encoder, self.seq_len = index, encoder, seq_len
+        if packing not in PACKINGS:
+            raise ConfigError(f"--packing must be one of {', '.join(PACKINGS)}, got {packing!r}")
+        self.index, self.encoder, self.seq_len, self.packing = index, encoder, seq_len, packing
         self.records = (
             np.arange(index.n_records, dtype=np.int64) if records is None else np.asarray(records, dtype=np.int64)
         )
@@ -67,7 +71,7 @@ class PackedDataset:
         return (
             f"{os.path.basename(self.index.path)}:{self.index.file_size}:"
             f"{len(self.records)}:{self.n_tokens}:{self.seq_len}:{int(self.shuffle)}"
-        )
+        ) + (":documents" if self.packing == "documents" else "")
 
     def order(self, epoch: int) -> np.ndarray:
         """Record numbers in the order epoch ``epoch`` visits them (int64)."""
@@ -76,14 +80,16 @@ class PackedDataset:
         rng = np.random.default_rng([self.seed, epoch])
         return self.records[rng.permutation(len(self.records))]
 
-    def sequences(self, epoch: int, start: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Yield epoch ``epoch``'s sequences from number ``start`` on: int64 ``[seq_len]`` pairs."""
+    def sequences(self, epoch: int, start: int = 0) -> Iterator[tuple[np.ndarray, ...]]:
+        """Yield epoch ``epoch``'s sequences from number ``start`` on: int64 ``[seq_len]`` (ids, labels)
+        pairs, with ``documents`` packing (ids, labels, positions) triples."""
         if not 0 <= start < self.sequences_per_epoch:
             return
         order = self.order(epoch)
         pos, skip = locate(self.index.lengths[order], start * self.seq_len)
         docs = self._encoded(order[pos:])
-        yield from islice(pack(docs, self.seq_len, skip), self.sequences_per_epoch - start)
+        packed = pack(docs, self.seq_len, skip, documents=self.packing == "documents")
+        yield from islice(packed, self.sequences_per_epoch - start)
 
     def _encoded(self, records: np.ndarray) -> Iterator[tuple[list[int], list[int]]]:
         """Re-read and tokenize ``records`` in order; DataError if the file changed meanwhile."""
@@ -111,11 +117,11 @@ class PackedDataset:
             yield _to_batch(chunk)
 
 
-def _to_batch(seqs: list[tuple[np.ndarray, np.ndarray]]) -> Batch:
-    """Stack sequences into ``{"input_ids", "labels"}`` torch.long tensors of shape [B, T]."""
-    ids = torch.from_numpy(np.stack([s[0] for s in seqs]))
-    labels = torch.from_numpy(np.stack([s[1] for s in seqs]))
-    return {"input_ids": ids, "labels": labels}
+def _to_batch(seqs: list[tuple[np.ndarray, ...]]) -> Batch:
+    """Stack sequences into ``{"input_ids", "labels"}`` (and ``position_ids`` when packed by document)
+    torch.long tensors of shape [B, T]."""
+    keys = ("input_ids", "labels", "position_ids")
+    return {k: torch.from_numpy(np.stack([s[i] for s in seqs])) for i, k in enumerate(keys[: len(seqs[0])])}
 
 
 @dataclass(frozen=True)
@@ -212,7 +218,7 @@ class BatchLoader:
             )
         return total
 
-    def _sequence_stream(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def _sequence_stream(self) -> Iterator[tuple[np.ndarray, ...]]:
         """Sequences from the current position on, across epoch boundaries, forever."""
         epoch, index = self.epoch, self.index
         while True:

@@ -25,7 +25,7 @@ from fuyou.engine.config import EngineConfig
 from fuyou.engine.export import HF_FILES, export_layout, iter_master
 from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
 from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
-from fuyou.models.adapters import make_adapter
+from fuyou.models.adapters import MicroBatchContext, make_adapter
 from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config
 from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.optim import AdamWHyper
@@ -282,10 +282,14 @@ class Engine:
             raise ConfigError(f"learning rate must be a finite number ≥ 0, got {lr}")
         self.progress.lr = lr
 
-    def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> StepResult:
+    def train_step(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> StepResult:
         """One optimizer step on a batch of ``[B, T]`` token ids (B divisible by the micro-batch count).
 
-        ``labels`` default to ``input_ids``; -100 marks positions without loss. The loss is the mean
+        ``labels`` default to ``input_ids``; -100 marks positions without loss. ``position_ids``
+        (``[B, T]``, optional): each token's position in its document for packed documents
+        (``fuyou.data.packing``; each document then attends only to itself). The loss is the mean
         over all labelled tokens of the batch, as ``transformers`` computes it with
         ``num_items_in_batch``. Returns loss, grad norm, whether the update was applied, tokens,
         step time and the timeline summary (busy time per resource, bottleneck, SSD bytes).
@@ -293,20 +297,34 @@ class Engine:
         K = self.plan.grad_accum
         if input_ids.dim() != 2 or input_ids.shape[0] % K:
             raise ConfigError(f"batch of shape {tuple(input_ids.shape)} cannot be split into {K} micro-batches")
+        if position_ids is not None and position_ids.shape != input_ids.shape:
+            raise ConfigError(
+                f"position_ids of shape {tuple(position_ids.shape)} for input_ids of {tuple(input_ids.shape)}"
+            )
         labels = input_ids if labels is None else labels
-        return self.train_micro_batches(list(input_ids.chunk(K)), list(labels.chunk(K)))
+        positions = None if position_ids is None else list(position_ids.chunk(K))
+        return self.train_micro_batches(list(input_ids.chunk(K)), list(labels.chunk(K)), position_ids=positions)
 
     def train_micro_batches(
-        self, input_ids: list[torch.Tensor], labels: list[torch.Tensor], num_items: int | None = None
+        self,
+        input_ids: list[torch.Tensor],
+        labels: list[torch.Tensor],
+        num_items: int | None = None,
+        position_ids: list[torch.Tensor] | None = None,
     ) -> StepResult:
         """One optimizer step over micro-batches of ``[b, t]`` token ids (shapes may differ).
 
         All micro-batches pass each block together (layer-grouped accumulation). ``num_items`` is the
         number of labelled (shifted) tokens the summed loss is divided by; default: counted here (and,
         with several ranks, summed over their micro-batches: pass the same total on every rank).
+        ``position_ids``: one per micro-batch, as for ``train_step``.
         """
-        if len(input_ids) != len(labels) or not input_ids:
-            raise ConfigError("train_micro_batches needs one labels tensor per input_ids tensor")
+        if (
+            len(input_ids) != len(labels)
+            or not input_ids
+            or (position_ids is not None and len(position_ids) != len(input_ids))
+        ):
+            raise ConfigError("train_micro_batches needs one labels (and position_ids) tensor per input_ids tensor")
         dev = self.backend.device
         if num_items is None:
             num_items = int(sum((lab[:, 1:] != -100).sum() for lab in labels))
@@ -314,7 +332,7 @@ class Engine:
                 num_items = self.comm.sum_int(num_items)
         st = StepState(
             xs=[x.to(dev) for x in input_ids],
-            ctxs=[None] * len(input_ids),
+            ctxs=_seeds(position_ids, len(input_ids), dev),
             labels=[lab.to(dev) for lab in labels],
             num_items=num_items,
         )
@@ -340,20 +358,24 @@ class Engine:
         )
 
     @torch.no_grad()
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
-        """Mean loss over the labelled tokens of a ``[B, T]`` batch, forward only (no update).
+    def evaluate(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> float:
+        """Mean loss over the labelled tokens of a ``[B, T]`` batch, forward only (no update);
+        ``position_ids`` as for ``train_step``.
 
         Streams the weights block by block like a training step; pending updates are committed first.
         """
         self.flush()
         labels = input_ids if labels is None else labels
         dev = self.backend.device
+        seed = _seeds(None if position_ids is None else [position_ids], 1, dev)[0]
         H = len(self.layout.blocks) - 1
         borrowed = [self.layout.index(o) for o in self.layout.blocks[H].borrows]
         self.loader.gate = self.runner.gate
         self.loader.start(rules.eval_order(H + 1, borrowed))
         try:
-            x, ctx = input_ids.to(dev), None
+            x, ctx = input_ids.to(dev), seed
             for b in range(H):
                 w = self.loader.next(b)
                 self.loader.ready_event().wait(self.compute_stream)  # hazard: compute reading weights mid-copy
@@ -446,6 +468,14 @@ def admit(
             f"the device budget is {format_size(device_bytes)}; raise --gpu-memory (or use a GPU with more memory)"
         )
     return sizing.fit_host(fp, dataclasses.replace(plan, state_chunk=layout.state_chunk), host_bytes, fixed_chunk)
+
+
+def _seeds(position_ids: list[torch.Tensor] | None, n: int, dev: torch.device) -> list:
+    """What the embedding block of each of ``n`` micro-batches starts from: None, or a context holding
+    only the micro-batch's ``position_ids`` (packed documents)."""
+    if position_ids is None:
+        return [None] * n
+    return [MicroBatchContext(p.to(dev)) for p in position_ids]
 
 
 def _same_step_on_every_rank(comm: Collectives | None, step: int, where: str) -> None:

@@ -236,7 +236,10 @@ class FuyouTrainer(Trainer):
         n = None if num_items_in_batch is None else int(num_items_in_batch)
         if self._ranks.world > 1 and not self.args.average_tokens_across_devices:
             n = None  # a per-rank count: the engine sums every rank's (the loss is the global batch's mean)
-        self._last = self.engine.train_micro_batches([b["input_ids"] for b in batch], [b["labels"] for b in batch], n)
+        pos = [b["position_ids"] for b in batch] if all("position_ids" in b for b in batch) else None
+        self._last = self.engine.train_micro_batches(
+            [b["input_ids"] for b in batch], [b["labels"] for b in batch], n, position_ids=pos
+        )
         return torch.tensor(self._last["loss"], device=self.args.device)
 
     def _warn_longer(self, seq_len: int) -> None:
@@ -266,7 +269,8 @@ class FuyouTrainer(Trainer):
     ) -> tuple[torch.Tensor, None, None]:
         """Evaluation loss through the engine (the model object's weights are not the trained ones)."""
         mb = _micro_batch(inputs)
-        return torch.tensor(self.engine.evaluate(mb["input_ids"], mb["labels"])), None, None
+        loss = self.engine.evaluate(mb["input_ids"], mb["labels"], mb.get("position_ids"))
+        return torch.tensor(loss), None, None
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the trained weights as a Hugging Face directory (streamed safetensors), plus the tokenizer."""
@@ -447,7 +451,8 @@ def _refers(hf_dir: str, name: str) -> bool:
 
 
 def _micro_batch(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """input_ids and labels of a collated batch; right padding is allowed, left padding is not.
+    """input_ids and labels (and position_ids, when the collator packs documents) of a collated
+    batch; right padding is allowed, left padding is not.
 
     With right padding and a causal model, real tokens never attend to the padding after them, so
     dropping the attention mask (and masking the padding's labels) computes the same loss.
@@ -459,4 +464,7 @@ def _micro_batch(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
         raise ConfigError("FuyouTrainer supports right padding only (pad after the tokens, padding_side='right')")
     if mask is not None:
         labels = labels.masked_fill(mask == 0, -100)
-    return {"input_ids": ids, "labels": labels}
+    out = {"input_ids": ids, "labels": labels}
+    if inputs.get("position_ids") is not None:  # packed sequences (DataCollatorWithFlattening): per-document positions
+        out["position_ids"] = inputs["position_ids"]
+    return out

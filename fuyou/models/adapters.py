@@ -144,8 +144,9 @@ class Adapter:
 
     # -- running -------------------------------------------------------------------------------
     def forward(self, block: int, x: torch.Tensor, ctx: MicroBatchContext | None) -> tuple[torch.Tensor, Any]:
-        """Run block ``block``: embed takes token ids and returns (hidden, context); layers map
-        hidden → hidden; the head returns logits."""
+        """Run block ``block``: embed takes token ids (and, as ``ctx``, None or a context holding only the
+        tokens' ``position_ids``: packed documents) and returns (hidden, context); layers map hidden →
+        hidden; the head returns logits."""
         raise NotImplementedError
 
     def prepare(self, device: torch.device) -> None:
@@ -193,6 +194,15 @@ def _owner(mod: nn.Module, dotted: str) -> tuple[nn.Module, str]:
     for p in path:
         mod = getattr(mod, p)
     return mod, attr
+
+
+def _positions(x: torch.Tensor, seed: MicroBatchContext | None) -> torch.Tensor:
+    """The positions of a micro-batch's ``[b, t]`` tokens: the caller's (``seed.position_ids``: packed
+    documents, each counting from 0, which ``transformers``' mask functions turn into a block-diagonal
+    mask), else 0…t−1."""
+    if seed is not None:
+        return seed.position_ids
+    return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
 
 
 def _causal_mask(config: Any, embeds: torch.Tensor, position_ids: torch.Tensor) -> Any:
@@ -257,7 +267,7 @@ class LlamaLike(Adapter):
         m = self.model.model
         if block == 0:
             embeds = m.embed_tokens(x)
-            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            pos = _positions(x, ctx)
             masks = _masks(self.config, embeds, pos, set(self.layer_types))
             ctx = MicroBatchContext(pos, masks, self.rotary(embeds, position_ids=pos))
             return embeds, ctx
@@ -291,7 +301,7 @@ class GPT2Adapter(Adapter):
     def forward(self, block: int, x: torch.Tensor, ctx: MicroBatchContext | None) -> tuple[torch.Tensor, Any]:
         t = self.model.transformer
         if block == 0:
-            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            pos = _positions(x, ctx)
             embeds = t.wte(x)
             hidden = embeds + t.wpe(pos)
             ctx = MicroBatchContext(pos, _causal_mask(self.config, embeds, pos))

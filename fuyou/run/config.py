@@ -48,6 +48,9 @@ class FinetuneConfig:
     trace: str | None = None
     """Perfetto trace of the last step, if set."""
     data_format: str = "auto"
+    packing: str = "auto"
+    """``documents`` (each packed document attends only to itself), ``concat`` (documents run on into
+    each other) or ``auto``: documents for prompt/completion and messages data, concat for text."""
     eval_fraction: float = 0.05
     """Share of the data held out for the before/after evaluation loss."""
     save_every: int = 0
@@ -110,6 +113,8 @@ class FinetuneConfig:
             p.append(f"--prefetch-depth must be an integer ≥ 1, got {self.prefetch_depth!r}")
         if self.activations is not None and self.activations not in POLICIES:
             p.append(f"--activations must be one of {', '.join(POLICIES)}, got {self.activations!r}")
+        if self.packing not in ("auto", "concat", "documents"):
+            p.append(f"--packing must be auto, concat or documents, got {self.packing!r}")
         if not 0 <= self.eval_fraction < 1:
             p.append(f"--eval-fraction must be in [0, 1), got {self.eval_fraction!r}")
         for flag, v in (("--cpu-memory", self.cpu_memory), ("--gpu-memory", self.gpu_memory)):

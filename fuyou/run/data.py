@@ -20,13 +20,14 @@ class RunData:
     """What the training loop needs from the data."""
 
     loader: Any
-    eval_batches: list[tuple[torch.Tensor, torch.Tensor]]
+    eval_batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
     total_steps: int
 
-    def train_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(input_ids, labels) per step, ``total_steps`` of them."""
+    def train_batches(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """(input_ids, labels, position_ids or None) per step, ``total_steps`` of them (positions with
+        ``--packing documents``)."""
         for b in self.loader.batches(steps=self.total_steps):
-            yield b["input_ids"], b["labels"]
+            yield b["input_ids"], b["labels"], b.get("position_ids")
 
 
 def build_data(cfg: FinetuneConfig, tokenizer: Any, config: Any, world: int = 1) -> RunData:
@@ -50,6 +51,7 @@ def build_data(cfg: FinetuneConfig, tokenizer: Any, config: Any, world: int = 1)
             seed=cfg.seed,
             max_positions=max_pos,
             eval_path=eval_path,
+            packing=cfg.packing,
         )
     else:
         train, held = build_datasets(
@@ -60,6 +62,7 @@ def build_data(cfg: FinetuneConfig, tokenizer: Any, config: Any, world: int = 1)
             seed=cfg.seed,
             max_positions=max_pos,
             eval_fraction=cfg.eval_fraction,
+            packing=cfg.packing,
         )
     loader = BatchLoader(train, batch_size=cfg.micro_batch_size * cfg.grad_accum * world)
     total = loader.total_steps(steps=cfg.steps, epochs=cfg.epochs if cfg.steps is None else None)
@@ -68,5 +71,5 @@ def build_data(cfg: FinetuneConfig, tokenizer: Any, config: Any, world: int = 1)
         for i, b in enumerate(held.batches_once(cfg.micro_batch_size)):
             if i >= EVAL_BATCHES:
                 break
-            evals.append((b["input_ids"], b["labels"]))
+            evals.append((b["input_ids"], b["labels"], b.get("position_ids")))
     return RunData(loader, evals, total)

@@ -314,7 +314,7 @@ def _log(msg: str) -> None:
 def _evaluate(engine: Engine, batches: list) -> float | None:
     if not batches:
         return None
-    return sum(engine.evaluate(ids, labels) for ids, labels in batches) / len(batches)
+    return sum(engine.evaluate(ids, labels, pos) for ids, labels, pos in batches) / len(batches)
 
 
 def _checkpoint(cfg: FinetuneConfig, engine: Engine, data: Any, step: int, counters: dict, ranks: Any) -> float:
@@ -377,12 +377,12 @@ def _train(
         progress.advance_to(start)
         for step in range(start, total):
             t0 = time.perf_counter()
-            ids, labels = next(batches)  # the global batch: this rank trains its slice
+            ids, labels, pos = next(batches)  # the global batch: this rank trains its slice
             n = ids.shape[0] // ranks.world
             per = slice(ranks.rank * n, (ranks.rank + 1) * n)
             engine.set_lr(lr_at(step, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, total))
             engine.timeline.clear()
-            st = engine.train_step(ids[per], labels[per])
+            st = engine.train_step(ids[per], labels[per], None if pos is None else pos[per])
             rec = _record(step, st, fpt, ranks.world)
             mf.write(json.dumps(rec) + "\n")
             mf.flush()

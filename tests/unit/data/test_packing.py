@@ -57,6 +57,7 @@ def test_text_file_packs_with_eos_between_documents(tmp_path: Path, tiny_tok: An
     texts = [" ".join(WORDS[i : i + 2 + i % 5]) for i in range(20)]
     path = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in texts])
     train, _ = build_datasets(path, tiny_tok, seq_len=8)
+    assert train.packing == "concat"  # auto, for plain text
     enc = Encoder(tiny_tok)
     stream = [t for r in train.order(0) for t in enc.encode({"text": texts[r]}, "text")[0]]
     seqs = list(train.sequences(0))
@@ -69,10 +70,24 @@ def test_text_file_packs_with_eos_between_documents(tmp_path: Path, tiny_tok: An
 def test_prompt_completion_labels_survive_packing(tmp_path: Path, tiny_tok: Any) -> None:
     rows = [{"prompt": "what is 2 + 2 ?", "completion": "it is 4"}] * 6
     path = write_jsonl(tmp_path / "pc.jsonl", rows)
-    train, _ = build_datasets(path, tiny_tok, seq_len=5)
+    assert build_datasets(path, tiny_tok, seq_len=5)[0].packing == "documents"  # auto, for prompt/completion
+    train, _ = build_datasets(path, tiny_tok, seq_len=5, packing="concat")
     ids = np.concatenate([a for a, _ in train.sequences(0)])
     labels = np.concatenate([b for _, b in train.sequences(0)])
     one_ids, one_labels = Encoder(tiny_tok).encode(rows[0], "prompt_completion")
     n = len(ids)
     assert ids.tolist() == (one_ids * 6)[:n] and labels.tolist() == (one_labels * 6)[:n]
     assert (labels[labels != IGNORE_INDEX] == ids[labels != IGNORE_INDEX]).all()
+
+
+def test_documents_packing_restarts_positions_and_drops_each_documents_first_label():
+    docs = [([1, 2, 3], [1, 2, 3]), ([4, 5, 6, 7, 8], [4, 5, 6, 7, 8]), ([9, 10], [-100, 10])]
+    seqs = list(pack(iter(docs), 4, documents=True))
+    ids = [int(t) for s in seqs for t in s[0]]
+    labels = [int(t) for s in seqs for t in s[1]]
+    pos = [int(t) for s in seqs for t in s[2]]
+    assert ids == [1, 2, 3, 4, 5, 6, 7, 8]  # the 2-token remainder is dropped, as with concat packing
+    assert labels == [-100, 2, 3, -100, 5, 6, 7, 8]  # no document predicts the next one's first token
+    assert pos == [0, 1, 2, 0, 1, 2, 3, 4]  # the document split across sequences keeps counting
+    resumed = list(pack(iter(docs[1:]), 4, skip=1, documents=True))  # resume inside the second document
+    assert [int(t) for t in resumed[0][2]] == [1, 2, 3, 4] and [int(t) for t in resumed[0][1]] == [5, 6, 7, 8]
