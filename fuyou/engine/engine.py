@@ -189,7 +189,7 @@ class Engine:
     def from_pretrained(cls, model_dir: str, cfg: EngineConfig) -> Engine:
         """Stream a Hugging Face model directory (config.json + safetensors) into a new store."""
         config = load_config(model_dir)
-        reader = CheckpointReader(model_dir)
+        reader = CheckpointReader(model_dir, getattr(config, "model_type", None))
 
         def block_tensors(keys: list[str]) -> dict[str, torch.Tensor]:
             out = {k: reader.get(k).clone() for k in keys}

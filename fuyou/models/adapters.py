@@ -4,7 +4,9 @@ one block at a time with real parameters bound to it.
 The blocks call the very modules, mask and rotary code of ``transformers``, in the order the
 library's own ``forward`` uses, so a streamed step computes what the in-RAM model computes.
 Supported: Llama, Mistral, Qwen2, Qwen3 and Phi-3 (one block shape: GQA, RoPE, RMSNorm, SwiGLU — Phi-3
-with fused qkv and gate-up projections; tied or untied embeddings; sliding-window layers) and GPT-2.
+with fused qkv and gate-up projections; tied or untied embeddings; sliding-window layers), the
+mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (a decoder layer with its router and every
+expert is one block; no balance loss yet) and GPT-2.
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ from fuyou.errors import ConfigError
 from fuyou.models.blocks import BlockSpec, ParamSpec
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+"""Mixture-of-experts families: a decoder layer (attention, router, every expert, shared experts) is one block."""
 GPT2 = ("GPT2LMHeadModel",)
-SUPPORTED = LLAMA_LIKE + GPT2
+SUPPORTED = LLAMA_LIKE + MOE + GPT2
 
 
 @dataclass
@@ -36,7 +40,8 @@ class MicroBatchContext:
 
 def architecture_of(config: Any) -> str:
     """The config's architecture name; raises ConfigError listing the supported ones if unknown, or
-    naming an attention layer kind Fuyou does not run (``layer_types``)."""
+    naming what Fuyou does not run: an attention layer kind (``layer_types``), a mixture of experts'
+    balance loss (``output_router_logits``)."""
     archs = getattr(config, "architectures", None) or []
     name = (
         archs[0]
@@ -47,6 +52,9 @@ def architecture_of(config: Any) -> str:
             "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
             "phi3": "Phi3ForCausalLM",
+            "mixtral": "MixtralForCausalLM",
+            "qwen2_moe": "Qwen2MoeForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
             "gpt2": "GPT2LMHeadModel",
         }.get(getattr(config, "model_type", ""), "")
     )
@@ -55,8 +63,14 @@ def architecture_of(config: Any) -> str:
             f"unsupported architecture {name or getattr(config, 'model_type', '?')!r}; Fuyou supports "
             f"{', '.join(SUPPORTED)}"
         )
-    if name in LLAMA_LIKE:
+    if name in LLAMA_LIKE + MOE:
         layer_types(config)  # an attention kind Fuyou does not run is refused by name, before any work
+    if name in MOE and getattr(config, "output_router_logits", False):
+        raise ConfigError(
+            "this mixture-of-experts config trains with the router's balance loss (output_router_logits: "
+            "true), which Fuyou does not compute yet; set output_router_logits to false in config.json "
+            "to train without it"
+        )
     return name
 
 
@@ -101,6 +115,8 @@ class Adapter:
             for p in params
             if len(p.shape) == 2 and "embed" not in p.key and "wte" not in p.key and "wpe" not in p.key
         )
+        routed = getattr(self.config, "num_experts_per_tok", 0)  # fused experts [E, out, in]: top-k per token
+        flops += 2 * routed * sum(p.numel // p.shape[0] for p in params if len(p.shape) == 3)
         if borrows:
             flops += 2 * self.config.vocab_size * self.hidden
         return BlockSpec(name, tuple(params), borrows, flops)

@@ -54,11 +54,18 @@ def load_config(model_dir: str) -> Any:
 
 
 class CheckpointReader:
-    """Tensors of a model directory's safetensors files (sharded or not), read one at a time."""
+    """Tensors of a model directory's safetensors files (sharded or not), read one at a time.
 
-    def __init__(self, model_dir: str) -> None:
+    With ``model_type``, a parameter stored in the family's on-disk layout rather than the model's is
+    rebuilt the way ``transformers`` loads it, from its conversion mapping for that family
+    (``transformers.conversion_mapping``): renamed modules (Mixtral's ``block_sparse_moe`` → ``mlp``)
+    and fused experts (``experts.gate_up_proj`` [E, 2I, h] from every expert's gate and up
+    projections, ``experts.down_proj`` [E, h, I] from their down projections)."""
+
+    def __init__(self, model_dir: str, model_type: str | None = None) -> None:
         self.model_dir = model_dir
         self._open: dict[str, Any] = {}
+        self._renames, self._merges = _conversions(model_type)
         index = os.path.join(model_dir, "model.safetensors.index.json")
         single = os.path.join(model_dir, "model.safetensors")
         if os.path.isfile(index):
@@ -98,10 +105,35 @@ class CheckpointReader:
         return key in self.where
 
     def get(self, key: str) -> torch.Tensor:
-        """The tensor ``key``; raises ModelFileError if absent or unreadable, SystemLimitError if an
-        OS limit (open files, memory) stops the read."""
+        """The tensor ``key`` (rebuilt from the family's on-disk layout where it is stored so: see the
+        class docstring); raises ModelFileError if absent or unreadable, SystemLimitError if an OS
+        limit (open files, memory) stops the read."""
         if key not in self.where:
-            raise ModelFileError(f"{self.model_dir} has no tensor {key!r}; is this the right model?")
+            return self._converted(key)
+        return self._read(key)
+
+    def _on_disk(self, key: str) -> str:
+        """``key`` under the family's on-disk module names (the renamings undone)."""
+        for disk, model in self._renames:
+            key = key.replace(model, disk)
+        return key
+
+    def _converted(self, key: str) -> torch.Tensor:
+        """A parameter the checkpoint stores in the family's own layout: renamed, or merged experts."""
+        if self._on_disk(key) in self.where:
+            return self._read(self._on_disk(key))
+        for sources, target in self._merges:
+            if key.endswith(target):
+                base = self._on_disk(key[: len(key) - len(target)])
+                per_expert: list[torch.Tensor] = []
+                while all(base + s.replace("*", str(len(per_expert))) in self.where for s in sources):
+                    e = len(per_expert)
+                    per_expert.append(torch.cat([self._read(base + s.replace("*", str(e))) for s in sources]))
+                if per_expert:
+                    return torch.stack(per_expert)
+        raise ModelFileError(f"{self.model_dir} has no tensor {key!r}; is this the right model?")
+
+    def _read(self, key: str) -> torch.Tensor:
         try:
             return self._handle(self.where[key]).get_tensor(key)
         except ModelFileError:
@@ -112,6 +144,28 @@ class CheckpointReader:
                 os_limit_error(e, f"reading {key!r} from {where}")
                 or ModelFileError(f"cannot read {key!r} from {self.where[key]} in {self.model_dir}: {e}")
             ) from e
+
+
+def _conversions(model_type: str | None) -> tuple[list[tuple[str, str]], list[tuple[list[str], str]]]:
+    """(on-disk, model) module-name renamings and (per-expert source patterns, fused target) merges of
+    ``model_type``'s checkpoints, from ``transformers``' conversion mapping; none for other families.
+
+    Only what ``fuyou``'s families use is taken: plain renamings, and merges that stack experts
+    (``MergeModulelist`` on dim 0), then concatenate the sources along their rows (``Concatenate``
+    on dim 1 of the stacked tensors)."""
+    if not model_type:
+        return [], []
+    from transformers.conversion_mapping import WeightConverter, WeightRenaming, get_checkpoint_conversion_mapping
+
+    renames, merges = [], []
+    for conv in get_checkpoint_conversion_mapping(model_type) or []:
+        if isinstance(conv, WeightConverter):
+            ops = [(type(o).__name__, getattr(o, "dim", None)) for o in conv.operations or []]
+            if ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
+                merges.append(([p.lstrip(".") for p in conv.source_patterns], conv.target_patterns[0].lstrip(".")))
+        elif isinstance(conv, WeightRenaming) and len(conv.source_patterns) == len(conv.target_patterns) == 1:
+            renames.append((conv.source_patterns[0], conv.target_patterns[0]))
+    return renames, merges
 
 
 def save_streamed(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,26 +174,52 @@ def _llama(cfg: dict, name: str) -> ModelShape:
     kvh = cfg.get("num_key_value_heads") or nh
     hd = cfg.get("head_dim") or h // nh
     mt = cfg.get("model_type", "llama")
-    qkv_bias = mt == "qwen2" or bool(cfg.get("attention_bias", False))
-    o_bias, mlp_bias = bool(cfg.get("attention_bias", False)) and mt != "qwen2", bool(cfg.get("mlp_bias", False))
+    qwen2 = mt in ("qwen2", "qwen2_moe")
+    qkv_bias = qwen2 or bool(cfg.get("attention_bias", False))
+    o_bias, mlp_bias = bool(cfg.get("attention_bias", False)) and not qwen2, bool(cfg.get("mlp_bias", False))
     tied = bool(cfg.get("tie_word_embeddings", False))
     q, kv = nh * hd, kvh * hd
     attn = [(q, h)] + ([(q,)] if qkv_bias else []) + [(kv, h)] + ([(kv,)] if qkv_bias else [])
     attn += [(kv, h)] + ([(kv,)] if qkv_bias else []) + [(h, q)] + ([(h,)] if o_bias else [])
-    if mt == "qwen3":
+    if mt in ("qwen3", "qwen3_moe"):
         attn += [(hd,), (hd,)]
     mlp = [(i, h)] + ([(i,)] if mlp_bias else []) + [(i, h)] + ([(i,)] if mlp_bias else []) + [(h, i)]
     mlp += [(h,)] if mlp_bias else []
     if mt == "phi3":  # fused projections: qkv_proj, o_proj; gate_up_proj, down_proj
         attn, mlp = [(q + 2 * kv, h), (h, q)], [(2 * i, h), (h, i)]
-    layer = _aligned(*attn, *mlp, (h,), (h,))
-    mm = 2 * (2 * q * h + 2 * kv * h + 3 * i * h)
-    act = 2 * (10 * h + 2 * kv + 4 * i)
+    attn_mm = 2 * (2 * q * h + 2 * kv * h)
+    dense = (_aligned(*attn, *mlp, (h,), (h,)), attn_mm + 2 * 3 * i * h, 2 * (10 * h + 2 * kv + 4 * i))
     blocks = [BlockShape("embed", "embed", v * h, 0, 0)]
-    blocks += [BlockShape(f"layer.{k}", "layer", layer, mm, act) for k in range(L)]
+    for k in range(L):
+        numel, mm, act = _moe_layer(cfg, k, attn, attn_mm, h, kv) or dense
+        blocks.append(BlockShape(f"layer.{k}", "layer", numel, mm, act))
     head = _aligned((h,)) if tied else _aligned((h,), (v, h))
     blocks.append(BlockShape("head", "head", head, 2 * v * h, 0, ("embed",) if tied else ()))
     return ModelShape(name, tuple(blocks), h, L, v)
+
+
+def _moe_layer(
+    cfg: dict, k: int, attn: Sequence[tuple[int, ...]], attn_mm: int, h: int, kv: int
+) -> tuple[int, int, int] | None:
+    """(elements, matmul FLOPs per token, activation bytes per token) of decoder layer ``k`` of a
+    mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: router, fused experts [E, 2I, h] and [E, h, I],
+    Qwen2-MoE's gated shared expert), or None for a dense layer. Expert FLOPs are the routed ones:
+    ``num_experts_per_tok`` experts per token."""
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    if not experts or k in (cfg.get("mlp_only_layers") or []) or (k + 1) % step:
+        return None
+    i = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    top = cfg.get("num_experts_per_tok", 2)
+    mlp: list[tuple[int, ...]] = [(experts, h), (experts, 2 * i, h), (experts, h, i)]
+    mm = attn_mm + 2 * experts * h + 2 * top * 3 * i * h
+    act = 2 * (10 * h + 2 * kv + 4 * top * i)
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    if shared:
+        mlp += [(shared, h), (shared, h), (h, shared), (1, h)]
+        mm += 2 * (3 * shared * h + h)
+        act += 2 * 4 * shared
+    return _aligned(*attn, *mlp, (h,), (h,)), mm, act
 
 
 def _gpt2(cfg: dict, name: str) -> ModelShape:
@@ -208,8 +235,13 @@ def _gpt2(cfg: dict, name: str) -> ModelShape:
     return ModelShape(name, tuple(blocks), h, L, v)
 
 
+LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+"""``model_type``s of the Llama-like families (dense and mixture-of-experts) the planner shapes."""
+
+
 def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
-    """The ModelShape of a Hugging Face config dict (Llama, Mistral, Qwen2, Qwen3, Phi-3, GPT-2).
+    """The ModelShape of a Hugging Face config dict (Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral,
+    Qwen2-MoE, Qwen3-MoE, GPT-2).
 
     Raises ConfigError for another architecture or a config missing its dimensions.
     """
@@ -218,15 +250,13 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
     try:
         if mt == "gpt2" or "GPT2LMHeadModel" in archs:
             return _gpt2(cfg, name)
-        if mt in ("llama", "mistral", "qwen2", "qwen3", "phi3") or any(
-            a.startswith(("Llama", "Mistral", "Qwen", "Phi3")) for a in archs
-        ):
+        if mt in LLAMA_TYPES or any(a.startswith(("Llama", "Mistral", "Mixtral", "Qwen", "Phi3")) for a in archs):
             return _llama(cfg, name)
     except KeyError as e:
         raise ConfigError(
             f"model config {name!r} lacks {e.args[0]!r}; pass a complete Hugging Face config.json"
         ) from None
-    raise ConfigError(f"cannot plan for model_type {mt or '?'!r}; supported: llama, mistral, qwen2, qwen3, phi3, gpt2")
+    raise ConfigError(f"cannot plan for model_type {mt or '?'!r}; supported: {', '.join(LLAMA_TYPES)}, gpt2")
 
 
 def load_shape(source: str) -> ModelShape:

@@ -79,12 +79,13 @@ def test_families_and_policies(tmp_path, family, policy):
     assert_same(model, ref_losses, losses, weights)
 
 
-@pytest.mark.parametrize("family", ["mistral_sw", "qwen2_sw", "llama31"])
+@pytest.mark.parametrize("family", ["mistral_sw", "qwen2_sw", "llama31", "mixtral", "qwen2_moe", "qwen3_moe"])
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
-def test_sliding_window_attention_and_rope_scaling_are_honoured(tmp_path, family, policy):
+def test_more_families(tmp_path, family, policy):
     """Mistral's sliding window (every layer) and Qwen2's (layers past ``max_window_layers``): 4-token
     windows over 16-token sequences, so a full causal mask would train another model; Llama 3.1's RoPE
-    scaling past 8 original positions."""
+    scaling past 8 original positions; mixtures of experts (4 experts, top 2; Qwen2-MoE's shared
+    expert), without the balance loss (``output_router_logits`` off, as the families default)."""
     cfg, model = tiny(family, layers=3)
     data = batches(STEPS)
     losses, weights = run_fuyou(cfg, model, tmp_path, data, policy=policy)

@@ -48,6 +48,23 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
     elif family == "phi3":  # fused qkv_proj and gate_up_proj; partial rotary
         cfg = Phi3Config(**common, tie_word_embeddings=False, partial_rotary_factor=0.5, pad_token_id=0)
         cls = Phi3ForCausalLM
+    elif family in ("mixtral", "qwen3_moe", "qwen2_moe"):  # mixture of experts: 4 experts, top 2
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        moe = dict(num_experts_per_tok=2, output_router_logits=False)
+        if family == "mixtral":
+            moe |= dict(num_local_experts=4)
+        else:
+            moe |= dict(num_experts=4, moe_intermediate_size=hidden, decoder_sparse_step=1, norm_topk_prob=True)
+        if family == "qwen2_moe":
+            moe |= dict(shared_expert_intermediate_size=hidden)
+        cfg = AutoConfig.for_model(family, **common, **moe, tie_word_embeddings=False)
+        cls = AutoModelForCausalLM
+        cfg.architectures = [type(cls.from_config(cfg)).__name__]
+        torch.manual_seed(0)
+        model = cls.from_config(cfg)
+        model.train()
+        return cfg, model
     elif family == "mistral_sw":
         cfg, cls = MistralConfig(**common, sliding_window=4, tie_word_embeddings=False), MistralForCausalLM
     elif family == "qwen2_sw":

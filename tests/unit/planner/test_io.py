@@ -38,7 +38,7 @@ def test_shapes_match_the_adapter():
     from fuyou.models.store_layout import ModelLayout
     from fuyou.planner.shapes import shape_from_config
 
-    for fam in ("llama", "llama_tied", "qwen2", "gpt2", "phi3"):
+    for fam in ("llama", "llama_tied", "qwen2", "gpt2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"):
         cfg, _ = tiny(fam, hidden=72)
         ad = make_adapter(cfg)
         lay = ModelLayout(tuple(ad.blocks))
@@ -57,7 +57,7 @@ def test_the_planner_sizes_host_memory_from_the_engines_footprint():
     from fuyou.models.store_layout import ModelLayout
     from tests.integration.tiny_models import tiny
 
-    for fam in ("llama", "llama_tied", "qwen2", "gpt2", "phi3"):
+    for fam in ("llama", "llama_tied", "qwen2", "gpt2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"):
         cfg, _ = tiny(fam, hidden=72)
         blocks = tuple(make_adapter(cfg).blocks)
         shape = shape_from_config(cfg.to_dict())
