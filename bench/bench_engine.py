@@ -53,11 +53,22 @@ GROUPS = {"cpu": ("compute", "adam", "h2d", "d2h"), "ssd": ("ssd_read", "ssd_wri
 
 
 # ---------------------------------------------------------------------------------- models
-def llama_config(hidden: int, layers: int, inter: int, heads: int, kv_heads: int, vocab: int, seq: int) -> Any:
-    """A Llama config (untied embeddings, no dropout) of the given shape."""
-    from transformers import LlamaConfig
+def llama_config(
+    hidden: int,
+    layers: int,
+    inter: int,
+    heads: int,
+    kv_heads: int,
+    vocab: int,
+    seq: int,
+    experts: int = 0,
+    top_k: int = 2,
+) -> Any:
+    """A Llama config (untied embeddings, no dropout) of the given shape; with ``experts``, a Mixtral
+    of that shape (``experts`` experts of ``inter`` each, ``top_k`` per token, no balance loss)."""
+    from transformers import LlamaConfig, MixtralConfig
 
-    cfg = LlamaConfig(
+    shape = dict(
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,
@@ -67,16 +78,21 @@ def llama_config(hidden: int, layers: int, inter: int, heads: int, kv_heads: int
         max_position_embeddings=max(seq, 128),
         tie_word_embeddings=False,
     )
+    if experts:
+        cfg = MixtralConfig(**shape, num_local_experts=experts, num_experts_per_tok=top_k, output_router_logits=False)
+        cfg.architectures = ["MixtralForCausalLM"]
+        return cfg
+    cfg = LlamaConfig(**shape)
     cfg.architectures = ["LlamaForCausalLM"]
     return cfg
 
 
 def build_model(cfg: Any, seed: int = 0) -> torch.nn.Module:
-    """Random-init ``LlamaForCausalLM`` in RAM (fp32, train mode)."""
-    from transformers import LlamaForCausalLM
+    """Random-init model of ``cfg`` in RAM (fp32, train mode)."""
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
+    model = AutoModelForCausalLM.from_config(cfg)
     model.train()
     return model
 
@@ -414,6 +430,8 @@ def model_desc(a: argparse.Namespace, params: int) -> dict:
         "kv_heads": a.kv_heads,
         "vocab": a.vocab,
         "params": params,
+        "experts": getattr(a, "experts", 0),
+        "top_k": getattr(a, "top_k", 0),
         "batch": a.batch,
         "seq": a.seq,
         "tokens": a.batch * a.seq,
@@ -421,7 +439,7 @@ def model_desc(a: argparse.Namespace, params: int) -> dict:
 
 
 def run_p2(a: argparse.Namespace, work: str, hw: dict) -> None:
-    cfg = llama_config(a.hidden, a.layers, a.inter, a.heads, a.kv_heads, a.vocab, a.seq)
+    cfg = llama_config(a.hidden, a.layers, a.inter, a.heads, a.kv_heads, a.vocab, a.seq, a.experts, a.top_k)
     model = build_model(cfg)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     params = n_params(model)
@@ -613,6 +631,8 @@ def main() -> None:
             f"--{k.replace('_', '-')}", type=int, default=None, help="model/batch shape (default: per mode)"
         )
     ap.add_argument("--precision", choices=("fp32", "bf16"), default=None, help="default: fp32 for p2, bf16 otherwise")
+    ap.add_argument("--experts", type=int, default=0, help="p2: a Mixtral with this many experts per layer (0: Llama)")
+    ap.add_argument("--top-k", type=int, default=2, help="p2 with --experts: experts per token")
     ap.add_argument(
         "--policies", default=None, help="comma list of layer activation policies (keep,swap_cpu,recompute)"
     )

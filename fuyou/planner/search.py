@@ -273,6 +273,15 @@ class _Search:
                 f"{fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(need)}"
             )
 
+    def _fewer_tokens(self, room: int, per_tok: int) -> str:
+        """What to lower so the block inputs (``per_tok`` bytes per token) fit ``room`` bytes: the step's
+        tokens (all ranks'), or, when not even one sequence fits, the sequence length."""
+        seqs = max(0, room) // (per_tok * self.r.seq_len)
+        if seqs == 0:
+            fit = max(0, room) // per_tok
+            return f"Lower --seq-len (one sequence's inputs fit up to {fit} tokens)"
+        return f"Lower --tokens-per-step to ≤ {seqs * self.r.seq_len * self.r.cluster.world} (or --seq-len)"
+
     def _device_error(self, mb: int, depth: int, bufs: int, sched: str, chunk: int) -> NoReturn:
         pol = ("keep",) + (self.rc,) * (self.H - 1) + ("keep",)
         plan, cfg = self.plan(mb, pol, depth, bufs, sched, chunk), self.cfg(mb)
@@ -281,14 +290,12 @@ class _Search:
         inputs = per_tok * self.seqs * self.r.seq_len
         boundary = 0 if self.rc == "recompute_cpu" else inputs
         work = mem.device - boundary
-        fit_tokens = max(0, (self.b.gpu_memory - work) // per_tok // self.r.seq_len * self.r.seq_len)
-        fit_tokens *= self.r.cluster.world  # --tokens-per-step is all ranks'
         rank = " per rank" if self.r.cluster.world > 1 else ""
         msg = (
             f"device memory: block inputs kept for backward need {fs(boundary)} ({self.H} blocks × "
             f"{self.seqs * self.r.seq_len} tokens{rank} × {self.m.hidden} × {self.cb} B) plus a working set of {fs(work)} at "
-            f"micro-batch {mb}; --gpu-memory is {fs(self.b.gpu_memory)}. Lower --tokens-per-step to ≤ {fit_tokens} "
-            f"(or --seq-len), or raise --gpu-memory to ≥ {fs(mem.device)}"
+            f"micro-batch {mb}; --gpu-memory is {fs(self.b.gpu_memory)}. {self._fewer_tokens(self.b.gpu_memory - work, per_tok)}"
+            f", or raise --gpu-memory to ≥ {fs(mem.device)}"
         )
         if work > self.b.gpu_memory:
             raise InfeasibleError(
@@ -300,7 +307,7 @@ class _Search:
             raise InfeasibleError(
                 f"host memory: with block inputs in host RAM (recompute_cpu, {fs(inputs)}) the host needs "
                 f"{fs(mem.host)}; --cpu-memory is {fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(mem.host)}, "
-                f"or lower --tokens-per-step to ≤ {fit_tokens} (or --seq-len)"
+                f"or {self._fewer_tokens(self.b.cpu_memory - (mem.host - inputs), per_tok).lower()}"
             )
         raise InfeasibleError(msg)
 

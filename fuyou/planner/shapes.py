@@ -78,6 +78,52 @@ NAMED = {
         "num_key_value_heads": 8,
         "vocab_size": 128256,
     },
+    "llama-3.1-405b": {
+        "model_type": "llama",
+        "num_hidden_layers": 126,
+        "hidden_size": 16384,
+        "intermediate_size": 53248,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+    },
+    "mixtral-8x7b": {
+        "model_type": "mixtral",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "mixtral-8x22b": {
+        "model_type": "mixtral",
+        "num_hidden_layers": 56,
+        "hidden_size": 6144,
+        "intermediate_size": 16384,
+        "num_attention_heads": 48,
+        "num_key_value_heads": 8,
+        "vocab_size": 32768,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "qwen3-235b-a22b": {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 94,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
 }
 
 
@@ -263,7 +309,8 @@ def load_shape(source: str) -> ModelShape:
     """A ModelShape from a model directory, a ``config.json`` path, or a named shape.
 
     Named shapes: ``gpt3-13b`` (40 layers, hidden 5120, LoHan's testbed), ``gpt3-175b``, ``llama-2-7b``,
-    ``llama-2-13b``, ``llama-3-8b``, ``llama-3-70b`` (case-insensitive; ``GPT-3-13B`` works).
+    ``llama-2-13b``, ``llama-3-8b``, ``llama-3-70b``, ``llama-3.1-405b``, and the mixtures of experts
+    ``mixtral-8x7b``, ``mixtral-8x22b``, ``qwen3-235b-a22b`` (case-insensitive; ``GPT-3-13B`` works).
     Raises ConfigError if ``source`` is neither an existing path nor a known name.
     """
     key = source.lower().replace("_", "-").replace("gpt-3", "gpt3")

@@ -1,5 +1,7 @@
 """The plan search: fits the budgets, never slower with more memory, names the binding constraint."""
 
+import re
+
 import pytest
 
 from fuyou.planner.cost import host_buffers
@@ -77,6 +79,10 @@ def test_block_inputs_go_to_host_ram_when_the_device_cannot_hold_them():
     msg = str(e.value)
     assert "\n" not in msg and msg.startswith("device memory: block inputs kept for backward"), msg
     assert "host memory: with block inputs in host RAM" in msg and "--tokens-per-step to ≤" in msg
+    suggested = [int(n) for n in re.findall(r"--tokens-per-step to ≤ (\d+)", msg)]
+    assert len(suggested) == 2 and suggested[0] != suggested[1]  # the device's figure and the host's own
+    for n in suggested:  # each suggestion fits
+        search(small_llama(), HW, Budgets(cpu_memory=GiB, gpu_memory=GiB), Request(seq_len=1024, tokens_per_step=n))
 
 
 def test_clipping_under_a_small_host_budget_parks_gradients_on_ssd():

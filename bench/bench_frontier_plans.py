@@ -1,0 +1,76 @@
+"""The planner on frontier shapes (issue 18): a feasible plan, or the binding constraint, for each of
+GPT-3-175B, Llama-3.1-405B, Mixtral-8x7B, Mixtral-8x22B and Qwen3-235B-A22B on one stated single-GPU box.
+
+Pure prediction, no hardware: the hand-written profile ``bench/profiles/lohan_4090.json`` (Fuyou/LoHan's
+published testbed: one RTX 4090, 768 GB DDR4, 12 NVMe drives in RAID0), budgets as the README's
+example (``--cpu-memory 700GiB --gpu-memory 22GiB``), seq 2048, 65,536 tokens per step, clipping on
+(the CLI's default), bf16 compute with fp32 Adam state. Mixtures of experts count the FLOPs of the
+tokens routed (``num_experts_per_tok`` experts per token); DeepSeek-V3-style shapes (multi-head latent
+attention) are left out: the engine cannot run them.
+
+    python bench/bench_frontier_plans.py        # JSON lines on stdout, the Markdown table on stderr
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench.common import emit  # noqa: E402
+from fuyou.planner.profile import load_profile  # noqa: E402
+from fuyou.planner.result import Budgets  # noqa: E402
+from fuyou.planner.search import InfeasibleError, Request, search  # noqa: E402
+from fuyou.planner.shapes import load_shape  # noqa: E402
+from fuyou.run.plan_choice import describe  # noqa: E402
+from fuyou.units import parse_size  # noqa: E402
+
+PROFILE = os.path.join(ROOT, "bench", "profiles", "lohan_4090.json")
+SHAPES = ("gpt3-175b", "llama-3.1-405b", "mixtral-8x7b", "mixtral-8x22b", "qwen3-235b-a22b")
+SEQ, TOKENS = 2048, 65536
+
+
+def main() -> None:
+    prof = load_profile(PROFILE)
+    bud = Budgets(cpu_memory=parse_size("700GiB"), gpu_memory=parse_size("22GiB"))
+    req = Request(seq_len=SEQ, tokens_per_step=TOKENS, clip=True)
+    rows = []
+    for name in SHAPES:
+        shape = load_shape(name)
+        params = sum(b.numel for b in shape.blocks)
+        active = sum(b.matmul_flops_per_token for b in shape.blocks) // 2
+        rec = {"bench": "frontier_plan", "shape": name, "params": params, "active_params": active}
+        try:
+            res = search(shape, prof, bud, req)
+        except InfeasibleError as e:
+            rec |= {"feasible": False, "binding": str(e)}
+            rows.append(f"| {name} | {params / 1e9:.0f} B ({active / 1e9:.0f} B active) | — | — | — | — | {e} |")
+        else:
+            p = res.prediction
+            rec |= {
+                "feasible": True,
+                "plan": describe(res.plan),
+                "step_s": p.step_s,
+                "tflops": p.tflops,
+                "mfu": p.mfu,
+                "bottleneck": p.bottleneck,
+                "ssd_read_write_gb": (p.ssd_read_bytes + p.ssd_write_bytes) / 1e9,
+            }
+            rows.append(
+                f"| {name} | {params / 1e9:.0f} B ({active / 1e9:.0f} B active) | {p.step_s:.0f} | {p.tflops:.1f} "
+                f"| {p.bottleneck} | {(p.ssd_read_bytes + p.ssd_write_bytes) / 1e12:.2f} | {describe(res.plan)} |"
+            )
+        emit(rec)
+    print(
+        f"profile {os.path.relpath(PROFILE, ROOT)}, --cpu-memory 700GiB --gpu-memory 22GiB, seq {SEQ}, "
+        f"{TOKENS} tokens per step, clipping on\n\n"
+        "| shape | parameters | step s | TFLOPS | bottleneck | SSD TB read+written per step | plan, or the binding constraint |\n"
+        "| --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows),
+        file=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    main()
