@@ -169,7 +169,7 @@ class FuyouTrainer(Trainer):
             self.accelerator.prepare_model = unwrapped
         # the engine plan this trainer runs and how it was chosen (info: source, profile, prediction); rank 0's for all
         log = _stderr if args.should_log and self._ranks.root else lambda s: None
-        self.plan_choice = self._ranks.share(_choose(req, seq_from, log) if self._ranks.root else None)
+        self.plan_choice = self._ranks.decide(lambda: _choose(req, seq_from, log))
         cfg = EngineConfig(
             ssd_dirs=req.store_dirs,
             cpu_memory=req.cpu_memory,

@@ -129,7 +129,7 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     model_dir, pretrained = _model(cfg)
     config = load_config(model_dir)
     architecture_of(config)  # unsupported models fail before any data is read
-    cfg, precision = ranks.share(_precision(cfg, stripes) if ranks.root else None)
+    cfg, precision = ranks.decide(lambda: _precision(cfg, stripes))
     cfg = FinetuneConfig(**{**cfg.__dict__, "progress": cfg.progress and ranks.root})
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -274,7 +274,7 @@ def _start(
     point = agreed_resume_point(stripes, cfg.resume, ranks) if cfg.resume else None
     _on_every_rank(ranks, lambda: _make_way(cfg, stripes, point, ranks.root))
     req = plan_request(cfg, config, stripes, ranks.world)
-    chosen = ranks.share(choose_plan(req, log=_log if cfg.progress else lambda s: None) if ranks.root else None)
+    chosen = ranks.decide(lambda: choose_plan(req, log=_log if cfg.progress else lambda s: None))
     ec = _engine_config(cfg, req, chosen, ranks.world)
     if point is None:
         return Engine.from_pretrained(model_dir, ec), None, chosen

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -58,6 +59,22 @@ class Ranks:
         box: list[Any] = [value]
         dist.broadcast_object_list(box, src=0, group=self.group)
         return box[0]
+
+    def decide(self, fn: Callable[[], T]) -> T:
+        """``fn()`` run on rank 0 and its result on every rank; a FuyouError there (a budget that does
+        not fit, a bad profile) is raised on every rank, so none waits for a rank 0 that stopped."""
+        if self.world == 1:
+            return fn()
+        out: Any = None
+        if self.root:
+            try:
+                out = ("ok", fn())
+            except FuyouError as e:
+                out = ("error", e)
+        kind, value = self.share(out)
+        if kind == "error":
+            raise value
+        return value
 
     def gather(self, value: T) -> list[T]:
         """Every rank's ``value``, in rank order, on every rank."""

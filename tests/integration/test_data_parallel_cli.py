@@ -133,3 +133,15 @@ def test_fuyou_export_of_a_two_rank_run_directory(tmp_path, model_and_data) -> N
     )  # fmt: skip
     assert p.returncode == 1 and "holds rank 1's shard of a 2-rank run; pass the run directory" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
+
+
+def test_a_budget_that_does_not_fit_is_refused_on_every_rank_with_its_reason(tmp_path, model_and_data) -> None:
+    """Rank 0 plans for all: its refusal reaches every rank as the same one-line error (none waits)."""
+    model, data = model_and_data
+    out = str(tmp_path / "run")
+    procs = launch_ranks(finetune_args(model, data, out, 1, 1, ("--cpu-memory", "1MiB")), 2)
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 1, err[-2000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("error: ") and "--cpu-memory" in last and "another rank" not in last, last
