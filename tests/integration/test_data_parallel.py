@@ -108,6 +108,7 @@ def test_resuming_ranks_whose_stores_are_steps_apart_is_refused_on_every_rank(tm
         assert "left at different steps (1 to 2" in o["message"] and "--resume auto" in o["message"], o
 
 
+@SLOW
 def test_one_rank_through_the_collectives_is_bit_identical_to_one_process(tmp_path) -> None:
     """``FUYOU_COLLECTIVES=1``: the data-parallel path at world size 1 (how one GPU checks NCCL's)."""
     spec = dict(steps=2, batch=4, K=2, world=1, clip=1.0)

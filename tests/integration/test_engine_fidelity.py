@@ -80,7 +80,7 @@ def test_families_and_policies(tmp_path, family, policy):
 
 
 @pytest.mark.parametrize("family", ["mistral_sw", "qwen2_sw", "llama31", "mixtral", "qwen2_moe", "qwen3_moe"])
-@pytest.mark.parametrize("policy", ["keep", "recompute"])
+@pytest.mark.parametrize("policy", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_more_families(tmp_path, family, policy):
     """Mistral's sliding window (every layer) and Qwen2's (layers past ``max_window_layers``): 4-token
     windows over 16-token sequences, so a full causal mask would train another model; Llama 3.1's RoPE

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -57,6 +59,7 @@ def test_scale_bench_smoke(tmp_path):
     assert not os.listdir(tmp_path)
 
 
+@pytest.mark.slow  # ~25 s: two launches of local ranks
 def test_data_parallel_bench_smoke(tmp_path):
     recs = run_bench("bench/bench_data_parallel.py", tmp_path)
     assert [r["ranks"] for r in recs] == [1, 2] and all(r["smoke"] for r in recs)
