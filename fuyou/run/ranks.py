@@ -101,24 +101,16 @@ class Ranks:
 def join(device: str) -> Ranks:
     """This process's ranks: ``Ranks.single()`` without a multi-process launch, else the process group
     set up from torchrun's environment (``device``: ``cuda`` or ``cpu``, the backend kind). Raises
-    ConfigError when the launch environment is incomplete (``collectives.world_size``)."""
+    ConfigError when the launch environment is incomplete (``collectives.start_ranks``)."""
     import torch
     import torch.distributed as dist
 
-    from fuyou.errors import ConfigError
-    from fuyou.transfer.collectives import timeout_s, world_size
+    from fuyou.transfer.collectives import start_ranks, timeout_s
 
-    world = world_size()
-    if world == 1:
-        return Ranks.single()
-    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        raise ConfigError(f"WORLD_SIZE is {world} but {', '.join(missing)} is not set; launch the ranks with torchrun")
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    if not start_ranks(device, torch.device("cuda", local) if device == "cuda" else None):
+        return Ranks.single()
     timeout = datetime.timedelta(seconds=timeout_s())
-    if not dist.is_initialized():
-        dev = torch.device("cuda", local) if device == "cuda" else None
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timeout, device_id=dev)
     group = dist.new_group(backend="gloo", timeout=timeout)
     return Ranks(dist.get_rank(), dist.get_world_size(), local, group)
 

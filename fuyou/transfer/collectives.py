@@ -76,6 +76,26 @@ def timeout_s() -> float:
     return t
 
 
+def start_ranks(kind: str, device: torch.device | None = None) -> bool:
+    """Whether this process is one of several ranks (or ``FUYOU_COLLECTIVES=1``); if so and no default
+    process group is set up yet (a Trainer or script may have), set it up from torchrun's environment:
+    NCCL for ``kind`` ``cuda`` (on ``device``), gloo otherwise, with the ``FUYOU_COLLECTIVE_TIMEOUT``
+    timeout. Raises ConfigError when that environment is incomplete."""
+    forced = os.environ.get(FORCE_ENV, "") == "1"
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size() > 1 or forced
+    if world_size() == 1 and not forced:
+        return False
+    missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise ConfigError(
+            f"WORLD_SIZE is {world_size()} but {', '.join(missing)} is not set; launch the ranks with torchrun"
+        )
+    timeout = datetime.timedelta(seconds=timeout_s())
+    dist.init_process_group("nccl" if kind == "cuda" else "gloo", timeout=timeout, device_id=device)
+    return True
+
+
 class Collectives:
     """One rank's collectives; see the module docstring. ``rank``/``world`` are its place in them."""
 
@@ -96,21 +116,9 @@ class Collectives:
         NCCL on a GPU, gloo on CPU, with the ``FUYOU_COLLECTIVE_TIMEOUT`` timeout; one rank too with
         ``FUYOU_COLLECTIVES=1``. Raises ConfigError when the environment is incomplete.
         """
-        forced = os.environ.get(FORCE_ENV, "") == "1"
-        if dist.is_available() and dist.is_initialized():
-            if dist.get_world_size() == 1 and not forced:
-                return None
-        else:
-            if world_size() == 1 and not forced:
-                return None
-            missing = [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-            if missing:
-                raise ConfigError(
-                    f"WORLD_SIZE is {world_size()} but {', '.join(missing)} is not set; launch the ranks with torchrun"
-                )
-            kind = "nccl" if backend.name == "cuda" else "gloo"
-            device = backend.device if backend.name == "cuda" else None
-            dist.init_process_group(kind, timeout=datetime.timedelta(seconds=timeout_s()), device_id=device)
+        device = backend.device if backend.name == "cuda" else None
+        if not start_ranks(backend.name, device):
+            return None
         control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s()))
         return cls(backend, timeline, dist.group.WORLD, control)
 
@@ -186,7 +194,3 @@ class Collectives:
         out = [torch.empty_like(shard) for _ in range(self.world)]
         dist.all_gather(out, shard, group=self.control)
         return torch.cat(out)
-
-    def barrier(self) -> None:
-        """Wait until every rank is here."""
-        dist.barrier(group=self.control)
