@@ -44,6 +44,7 @@ def losses(out: str) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
+@pytest.mark.slow  # ~30 s: the default tier is at its 10-minute budget
 def test_torchrun_two_ranks_train_what_one_process_trains(tmp_path, model_and_data) -> None:
     model, data = model_and_data
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
@@ -135,6 +136,7 @@ def test_fuyou_export_of_a_two_rank_run_directory(tmp_path, model_and_data) -> N
     assert len(p.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # ~25 s
 def test_a_budget_that_does_not_fit_is_refused_on_every_rank_with_its_reason(tmp_path, model_and_data) -> None:
     """Rank 0 plans for all: its refusal reaches every rank as the same one-line error (none waits)."""
     model, data = model_and_data
