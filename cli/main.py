@@ -116,6 +116,12 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
     help="documents: each packed document attends only to itself (positions restart per document); concat: "
     "documents run on into each other. auto (default): documents for prompt/completion and messages data.",
 )
+@click.option(
+    "--moe-balance",
+    type=click.Choice(["global", "micro", "off"]),
+    help="A mixture of experts' balance loss (weight: the config's router_aux_loss_coef): global (default) counts "
+    "the experts' use over the whole step, micro per micro-batch (the HF model's own loss), off: none.",
+)
 @click.option("--eval-fraction", type=float, help="Share of the data held out for evaluation.")
 @click.option("--save-every", type=int, help="Checkpoint every N steps (copy-free hard links); 0 = never.")
 @click.option("--keep-checkpoints", type=int, help="Checkpoints to keep (default 2).")

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from fuyou.device.base import Backend
+from fuyou.engine.balance import StepBalance, prob_sums
 from fuyou.models.adapters import Adapter, MicroBatchContext
 from fuyou.schedule.plan import RECOMPUTES
 from fuyou.transfer.activation_copies import ActivationCopies, HostCopy
@@ -43,6 +44,9 @@ class Saved:
     swap: _Swap | None = None
     offloaded: _Offloaded | None = None
     """recompute_cpu: the block input in host memory."""
+    router: torch.Tensor | None = None
+    """A mixture of experts' router probability sums, in the graph (``fuyou.engine.balance``; graph
+    policies only: recompute policies recompute them)."""
 
     def release(self) -> None:
         """Return swapped bytes to the host budget (after backward)."""
@@ -139,6 +143,17 @@ def _input(x: torch.Tensor) -> torch.Tensor:
     return x.requires_grad_() if x.is_floating_point() else x
 
 
+def _run(
+    adapter: Adapter, b: int, x: torch.Tensor, ctx: MicroBatchContext | None, balance: StepBalance | None, k: int
+) -> tuple[torch.Tensor, MicroBatchContext | None, torch.Tensor | None]:
+    """The block's forward; with ``balance``, its routers' choices counted and their probability sums."""
+    if balance is None:
+        return (*adapter.forward(b, x, ctx), None)
+    with adapter.routes() as routed:
+        y, ctx2 = adapter.forward(b, x, ctx)
+    return y, ctx2, balance.observe(k, routed)
+
+
 def forward(
     adapter: Adapter,
     b: int,
@@ -149,12 +164,14 @@ def forward(
     weights: list[torch.Tensor],
     space: ActivationSpace,
     k: int = 0,
+    balance: StepBalance | None = None,
 ) -> tuple[torch.Tensor, MicroBatchContext | None, Saved]:
-    """Run block ``b`` forward (micro-batch ``k``) under ``policy``; return (output, context, what backward needs)."""
+    """Run block ``b`` forward (micro-batch ``k``) under ``policy``; return (output, context, what
+    backward needs). With ``balance`` (a mixture of experts' balance loss) the routers are counted."""
     if policy in RECOMPUTES:
         rng = backend.rng_state()
         with torch.no_grad():
-            y, ctx2 = adapter.forward(b, x, ctx)
+            y, ctx2, _ = _run(adapter, b, x, ctx, balance, k)
         if policy == "recompute_cpu":
             offloaded = _Offloaded(x.detach(), space, f"input of block {b}")
             return y, ctx2, Saved(policy, None, None, ctx, rng, offloaded=offloaded)
@@ -166,29 +183,47 @@ def forward(
             storages = {w.untyped_storage().data_ptr() for w in weights}
             hooks = _Swap(storages, space.pool, record, space.copies, f"activations of block {b}")
             with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                y, ctx2 = adapter.forward(b, x_in, ctx)
+                y, ctx2, router = _run(adapter, b, x_in, ctx, balance, k)
             if record is not None:
                 record.flush()
-            return y.detach(), ctx2, Saved(policy, x_in, y, ctx, swap=hooks)
-        y, ctx2 = adapter.forward(b, x_in, ctx)
-    return y.detach(), ctx2, Saved(policy, x_in, y, ctx)
+            return y.detach(), ctx2, Saved(policy, x_in, y, ctx, swap=hooks, router=router)
+        y, ctx2, router = _run(adapter, b, x_in, ctx, balance, k)
+    return y.detach(), ctx2, Saved(policy, x_in, y, ctx, router=router)
 
 
-def backward(adapter: Adapter, b: int, saved: Saved, dy: torch.Tensor, backend: Backend) -> torch.Tensor | None:
-    """Backward of block ``b`` for one micro-batch; gradients accumulate into the bound params' ``.grad``.
+def backward(
+    adapter: Adapter,
+    b: int,
+    saved: Saved,
+    dy: torch.Tensor,
+    backend: Backend,
+    k: int = 0,
+    balance: StepBalance | None = None,
+) -> torch.Tensor | None:
+    """Backward of block ``b`` for micro-batch ``k``; gradients accumulate into the bound params' ``.grad``.
 
+    With ``balance``, the block's routers also get the balance loss's gradient (``StepBalance.seed``).
     Returns the gradient of the block input (None for token ids).
     """
-    x_in, y = saved.x, saved.y
+    x_in, y, router = saved.x, saved.y, saved.router
     if saved.policy in RECOMPUTES:
         x_in = _input(saved.input())
         state = backend.rng_state()
         backend.set_rng_state(saved.rng)
         with torch.enable_grad():
-            y, _ = adapter.forward(b, x_in, saved.ctx)
+            if balance is None:
+                y, _ = adapter.forward(b, x_in, saved.ctx)
+            else:
+                with adapter.routes() as routed:
+                    y, _ = adapter.forward(b, x_in, saved.ctx)
+                router = prob_sums(routed) if routed else None
         backend.set_rng_state(state)
     assert y is not None and x_in is not None  # kept by forward, or recomputed just now
-    torch.autograd.backward(y, dy)
+    if router is not None and balance is not None:
+        torch.autograd.backward([y, router], [dy, balance.seed(k)])
+    else:
+        torch.autograd.backward(y, dy)
+    saved.router = None
     saved.release()
     return x_in.grad if x_in.requires_grad else None
 

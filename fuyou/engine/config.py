@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from fuyou.engine.balance import MODES as BALANCE_MODES
 from fuyou.errors import ConfigError
 from fuyou.schedule.plan import Plan
 from fuyou.schedule.rules import resolve
@@ -44,6 +45,10 @@ class EngineConfig:
     checksums: bool = True
     adam_threads: int | None = None
     """numba threads for the CPU Adam (default: all cores)."""
+    moe_balance: str = "global"
+    """A mixture of experts' balance loss, weighted by the config's ``router_aux_loss_coef``:
+    ``global`` (expert frequencies over the whole step, every rank's), ``micro`` (per micro-batch, the
+    HF model's own loss) or ``off`` (``--moe-balance``; ``fuyou.engine.balance``)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -54,6 +59,8 @@ class EngineConfig:
         for name, allowed in (("precision", PRECISIONS), ("state_precision", PRECISIONS)):
             if getattr(self, name) not in allowed:
                 problems.append(f"--{name.replace('_', '-')} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.moe_balance not in BALANCE_MODES:
+            problems.append(f"--moe-balance must be one of {', '.join(BALANCE_MODES)}, got {self.moe_balance!r}")
         if not (math.isfinite(self.lr) and self.lr >= 0):
             problems.append(f"--lr must be a finite number ≥ 0, got {self.lr}")
         if not (math.isfinite(self.max_grad_norm) and self.max_grad_norm >= 0):

@@ -21,6 +21,7 @@ import torch
 
 from fuyou.device import get_backend
 from fuyou.engine.adam_stage import AdamStage
+from fuyou.engine.balance import StepBalance, balance_rule
 from fuyou.engine.config import EngineConfig
 from fuyou.engine.export import HF_FILES, export_layout, iter_master
 from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
@@ -62,6 +63,8 @@ class Engine:
         self.progress = Progress(step=0, lr=cfg.lr)
         self.max_grad_norm = cfg.max_grad_norm
         self.adapter = make_adapter(config)
+        self.balance = balance_rule(config, cfg.moe_balance)
+        """A mixture of experts' balance loss (None: a dense model, ``--moe-balance off`` or no coefficient)."""
         self.backend = get_backend(cfg.device, cfg.gpu_bytes)
         self.adapter.prepare(self.backend.device)
         self.timeline = Timeline()
@@ -335,6 +338,7 @@ class Engine:
             ctxs=_seeds(position_ids, len(input_ids), dev),
             labels=[lab.to(dev) for lab in labels],
             num_items=num_items,
+            balance=None if self.balance is None else StepBalance(self.balance, len(input_ids), dev, self.comm),
         )
         try:
             applied, t0, t1 = self.runner.run(st)
@@ -354,6 +358,7 @@ class Engine:
             tokens=tokens,
             step_time_s=t1 - t0,
             tokens_per_s=tokens / (t1 - t0),
+            moe_balance_loss=None if st.balance is None else st.aux,
             **self.timeline.summary(t0, t1),
         )
 

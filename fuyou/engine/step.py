@@ -40,6 +40,7 @@ import torch
 from fuyou.device.base import Backend
 from fuyou.engine import activations
 from fuyou.engine.adam_stage import AdamStage
+from fuyou.engine.balance import StepBalance
 from fuyou.models.adapters import Adapter
 from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.optim.norm import read_scalars, sum_squares_lazy
@@ -118,6 +119,9 @@ class StepResult:
     ssd_write_bytes: int
     comm_bytes: int = 0
     """Bytes this rank's collectives moved (weights gathered in, gradients scattered out; 0 on one rank)."""
+    moe_balance_loss: float | None = None
+    """A mixture of experts' balance loss (unweighted, as ``transformers`` reports ``aux_loss``);
+    ``loss`` includes it times ``router_aux_loss_coef``. None: no balance loss."""
 
     def __getitem__(self, key: str) -> Any:
         """Dict-style access (``result["loss"]``), as earlier versions returned a dict."""
@@ -141,7 +145,8 @@ class StepState:
     params: dict[int, dict[str, torch.nn.Parameter]] = field(default_factory=dict)
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
     loss_sum: float | torch.Tensor = 0.0
-    """Σ of the micro-batches' losses, where they were computed (read back once: ``StepRunner.read_back``)."""
+    """Σ of the micro-batches' losses, plus the balance loss term, where they were computed (read back
+    once: ``StepRunner.read_back``)."""
     sq_sum: float | torch.Tensor = 0.0
     """Σ of the blocks' squared gradient norms, where the gradients are (read back once)."""
     loss: float = math.nan
@@ -150,6 +155,11 @@ class StepState:
     """Whether ``loss`` and ``norm_sq`` hold the read-back values."""
     written: dict[int, Future] = field(default_factory=dict)
     parked: dict[int, Parked] = field(default_factory=dict)
+    balance: StepBalance | None = None
+    """A mixture of experts' router statistics and balance-loss seeds (None: no balance loss)."""
+    aux_sum: float | torch.Tensor = 0.0
+    """The balance loss (this rank's share, read back with the loss)."""
+    aux: float = math.nan
 
 
 class StepRunner:
@@ -237,8 +247,17 @@ class StepRunner:
             with c.timeline.device_span("compute", f"fwd {c.layout.blocks[b].name}", c.backend, c.compute_stream):
                 out = [
                     activations.forward(
-                        c.adapter, b, st.xs[k], st.ctxs[k], policy, c.backend, [st.weights[b]], c.act_space, k
-                    )
+                        c.adapter,
+                        b,
+                        st.xs[k],
+                        st.ctxs[k],
+                        policy,
+                        c.backend,
+                        [st.weights[b]],
+                        c.act_space,
+                        k,
+                        st.balance,
+                    )  # fmt: skip
                     for k in range(len(st.xs))
                 ]
             st.xs = [o[0] for o in out]
@@ -254,6 +273,9 @@ class StepRunner:
         ``sizing.loss_chunk_tokens`` tokens, so logits never pile up."""
         c = self.c
         H = len(c.layout.blocks) - 1
+        if st.balance is not None:  # every router has run: the balance loss's counts are complete
+            weighted, st.aux_sum = st.balance.turnaround()
+            st.loss_sum = st.loss_sum + weighted
         st.weights[H] = self._load(st, H)
         borrowed = {o: self._load(st, o) for o in self.borrowed()}
         st.params[H] = self._bind(st, H, borrowed)
@@ -306,7 +328,7 @@ class StepRunner:
                 xs = []
                 for k, (s, dy) in enumerate(zip(saved, st.xs)):
                     activations.upload(saved[k + 1] if k + 1 < len(saved) else ahead)  # host-swapped: one ahead
-                    xs.append(activations.backward(c.adapter, b, s, dy, c.backend))
+                    xs.append(activations.backward(c.adapter, b, s, dy, c.backend, k, st.balance))
                 st.xs = xs
             self._drop_params(st, b)
             st.weights.pop(b)
@@ -322,7 +344,7 @@ class StepRunner:
         handed off every block (block 0 last)."""
         if not st.read:
             read = self.c.comm.sum_scalars if self.c.comm is not None else read_scalars
-            st.loss, st.norm_sq = read(st.loss_sum, st.sq_sum)
+            st.loss, st.norm_sq, st.aux = read(st.loss_sum, st.sq_sum, st.aux_sum)
             st.read = True
 
     @staticmethod

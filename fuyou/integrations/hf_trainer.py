@@ -89,6 +89,14 @@ class FuyouTrainingArguments(TrainingArguments):
         },
     )
 
+    moe_balance: str = dataclasses.field(
+        default="global",
+        metadata={
+            "help": "A mixture of experts' balance loss (weight: the config's router_aux_loss_coef): global (expert "
+            "use counted over the whole step), micro (per micro-batch) or off."
+        },
+    )
+
     @property
     def place_model_on_device(self) -> bool:
         """Never move the whole model to the GPU: Fuyou streams it layer by layer."""
@@ -185,6 +193,7 @@ class FuyouTrainer(Trainer):
             no_decay=frozenset(n for n, _ in model.named_parameters())
             - frozenset(self.get_decay_parameter_names(model)),
             plan=self.plan_choice.plan,
+            moe_balance=args.moe_balance,
         )
         self.engine = Engine.from_state_dict(model.config, model.state_dict(), cfg)
         if args.bf16:

@@ -6,11 +6,13 @@ library's own ``forward`` uses, so a streamed step computes what the in-RAM mode
 Supported: Llama, Mistral, Qwen2, Qwen3 and Phi-3 (one block shape: GQA, RoPE, RMSNorm, SwiGLU — Phi-3
 with fused qkv and gate-up projections; tied or untied embeddings; sliding-window layers), the
 mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (a decoder layer with its router and every
-expert is one block; no balance loss yet) and GPT-2.
+expert is one block; their routers' logits are tapped for the balance loss: ``routes``) and GPT-2.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,8 +42,7 @@ class MicroBatchContext:
 
 def architecture_of(config: Any) -> str:
     """The config's architecture name; raises ConfigError listing the supported ones if unknown, or
-    naming what Fuyou does not run: an attention layer kind (``layer_types``), a mixture of experts'
-    balance loss (``output_router_logits``)."""
+    naming what Fuyou does not run: an attention layer kind (``layer_types``)."""
     archs = getattr(config, "architectures", None) or []
     name = (
         archs[0]
@@ -65,12 +66,6 @@ def architecture_of(config: Any) -> str:
         )
     if name in LLAMA_LIKE + MOE:
         layer_types(config)  # an attention kind Fuyou does not run is refused by name, before any work
-    if name in MOE and getattr(config, "output_router_logits", False):
-        raise ConfigError(
-            "this mixture-of-experts config trains with the router's balance loss (output_router_logits: "
-            "true), which Fuyou does not compute yet; set output_router_logits to false in config.json "
-            "to train without it"
-        )
     return name
 
 
@@ -91,10 +86,42 @@ class Adapter:
             if isinstance(mod, nn.Embedding):  # backward scatters the tokens' rows into the preset gradient
                 mod.sparse = True  # instead of a dense vocab × hidden zero tensor added whole
         self.blocks = [self._spec(name, mods) for name, mods in self.modules]
+        self._routed: list[torch.Tensor] | None = None
+        self._tap_routers()
         self._meta = [
             [(_owner(mod, pname), p) for _, mod in mods for pname, p in mod.named_parameters(remove_duplicate=False)]
             for _, mods in self.modules
         ]
+
+    # -- router tap (mixtures of experts) -----------------------------------------------------
+    def _tap_routers(self) -> None:
+        """Hook every router module the family names for its ``router_logits`` output (the
+        ``OutputRecorder`` that ``transformers`` itself records them with)."""
+        recorder = getattr(type(self.model), "_can_record_outputs", {}).get("router_logits")
+        if recorder is None:
+            return
+        cls: type[nn.Module]
+        if isinstance(recorder, type):
+            cls, index = recorder, 0
+        else:
+            cls, index = recorder.target_class, recorder.index
+
+        def hook(_mod: nn.Module, _args: Any, out: Any) -> None:
+            if self._routed is not None:
+                self._routed.append(out[index])
+
+        for mod in self.model.modules():
+            if isinstance(mod, cls):
+                mod.register_forward_hook(hook)
+
+    @contextmanager
+    def routes(self) -> Iterator[list[torch.Tensor]]:
+        """Collect the logits (``[tokens, experts]``) of every router call made inside the block, in order."""
+        self._routed = []
+        try:
+            yield self._routed
+        finally:
+            self._routed = None
 
     # -- description -------------------------------------------------------------------------
     def _block_modules(self) -> list[tuple[str, list[tuple[str, nn.Module]]]]:

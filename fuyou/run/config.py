@@ -7,6 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from fuyou.engine.balance import MODES as BALANCE_MODES
 from fuyou.errors import ConfigError
 from fuyou.run.lr import SCHEDULES
 from fuyou.schedule.plan import POLICIES
@@ -51,6 +52,9 @@ class FinetuneConfig:
     packing: str = "auto"
     """``documents`` (each packed document attends only to itself), ``concat`` (documents run on into
     each other) or ``auto``: documents for prompt/completion and messages data, concat for text."""
+    moe_balance: str = "global"
+    """A mixture of experts' balance loss: ``global`` (expert use counted over the whole step),
+    ``micro`` (per micro-batch) or ``off`` (``fuyou.engine.balance``); dense models ignore it."""
     eval_fraction: float = 0.05
     """Share of the data held out for the before/after evaluation loss."""
     save_every: int = 0
@@ -115,6 +119,8 @@ class FinetuneConfig:
             p.append(f"--activations must be one of {', '.join(POLICIES)}, got {self.activations!r}")
         if self.packing not in ("auto", "concat", "documents"):
             p.append(f"--packing must be auto, concat or documents, got {self.packing!r}")
+        if self.moe_balance not in BALANCE_MODES:
+            p.append(f"--moe-balance must be one of {', '.join(BALANCE_MODES)}, got {self.moe_balance!r}")
         if not 0 <= self.eval_fraction < 1:
             p.append(f"--eval-fraction must be in [0, 1), got {self.eval_fraction!r}")
         for flag, v in (("--cpu-memory", self.cpu_memory), ("--gpu-memory", self.gpu_memory)):

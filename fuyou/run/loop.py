@@ -90,6 +90,7 @@ def _engine_config(cfg: FinetuneConfig, req: PlanRequest, chosen: ChosenPlan, wo
         weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm,
         plan=chosen.plan,
+        moe_balance=cfg.moe_balance,
     )
 
 
@@ -421,23 +422,27 @@ def _record(step: int, st: dict, fpt: int, world: int = 1) -> dict:
     """One metrics.jsonl line: tokens and speed of the whole step (every rank's slice of the global
     batch, ``world`` ranks), SSD bytes and busy fractions of this rank."""
     tokens = st["tokens"] * world
-    return {
-        "step": step + 1,
-        "loss": st["loss"],
-        "lr": st["lr"],
-        "grad_norm": st["grad_norm"],
-        "applied": st["applied"],
-        "tokens": tokens,
-        "step_time_s": st["step_time_s"],
-        "tokens_per_s": tokens / st["step_time_s"],
-        "tflops": fpt * tokens / st["step_time_s"] / 1e12,
-        "flop_formula": FLOP_FORMULA,
-        "flops_per_token": fpt,
-        "busy_frac": st["busy_frac"],
-        "bottleneck": st["bottleneck"],
-        "ssd_read_gb": st["ssd_read_bytes"] / 1e9,
-        "ssd_write_gb": st["ssd_write_bytes"] / 1e9,
-    } | ({"ranks": world, "comm_gb": st["comm_bytes"] / 1e9} if world > 1 else {})
+    return (
+        {
+            "step": step + 1,
+            "loss": st["loss"],
+            "lr": st["lr"],
+            "grad_norm": st["grad_norm"],
+            "applied": st["applied"],
+            "tokens": tokens,
+            "step_time_s": st["step_time_s"],
+            "tokens_per_s": tokens / st["step_time_s"],
+            "tflops": fpt * tokens / st["step_time_s"] / 1e12,
+            "flop_formula": FLOP_FORMULA,
+            "flops_per_token": fpt,
+            "busy_frac": st["busy_frac"],
+            "bottleneck": st["bottleneck"],
+            "ssd_read_gb": st["ssd_read_bytes"] / 1e9,
+            "ssd_write_gb": st["ssd_write_bytes"] / 1e9,
+        }
+        | ({"ranks": world, "comm_gb": st["comm_bytes"] / 1e9} if world > 1 else {})
+        | ({"moe_balance_loss": st["moe_balance_loss"]} if st["moe_balance_loss"] is not None else {})
+    )
 
 
 def _truncate_lines(path: str, n: int) -> None:

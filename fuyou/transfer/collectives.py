@@ -154,6 +154,16 @@ class Collectives:
             self.backend.keep_alive(full, self.stream)  # hazard: the caller drops the full gradient at once
         return shard, self.backend.record(self.stream), sq_sum
 
+    def sum_on_device(self, t: torch.Tensor, label: str) -> None:
+        """Sum the device tensor ``t`` over ranks in place, after the work issued so far on the
+        current stream; that stream waits for the sum (no host read)."""
+        self.backend.record().wait(self.stream)  # hazard: summing before the current stream wrote t
+        with self.timeline.device_span("comm", label, self.backend, self.stream, self._moved(t)):
+            with self.backend.on(self.stream):
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+            self.backend.keep_alive(t, self.stream)
+        self.backend.record(self.stream).wait(self.backend.current_stream())  # hazard: reading the sum early
+
     def sum_scalars(self, *values: float | torch.Tensor) -> list[float]:
         """``values`` (floats, or 0-d tensors on the device written by the current stream or this
         one) summed over ranks, as floats: one all-reduce and one device→host read."""

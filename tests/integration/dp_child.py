@@ -3,7 +3,7 @@
     python -m tests.integration.dp_child SPEC.json OUT.pt      (RANK/WORLD_SIZE/MASTER_* from the launcher)
 
 SPEC: device (default cpu), family, steps, batch (the global batch), seq, K (micro-batches per rank), clip, policy,
-precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, mismatch (then
+precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, moe_balance, mismatch (then
 rank 1's store goes back one committed step and both ranks try ``Engine.resume``: each writes the
 error it got). Writes on rank 0 (or the only process) the per-step losses, grad norms and final
 master weights; every rank writes its SSD bytes.
@@ -46,6 +46,7 @@ def main(spec_path: str, out: str) -> None:
         cpu_memory=spec.get("cpu_memory", "256MiB"),
         max_grad_norm=spec.get("clip", 0.0),
         plan=plan,
+        moe_balance=spec.get("moe_balance", "global"),
     )
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     data = batches(spec["steps"], batch=spec["batch"], seq=spec.get("seq", 16))

@@ -55,13 +55,18 @@ def zero_grad_part(key: str, t: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def assert_same(ref_model, ref_losses, losses, weights, tol=1e-5):
+def assert_same(ref_model, ref_losses, losses, weights, tol=1e-5, ill=None):
+    """Losses and fp32 weights within ``tol``; a key bias (``zero_grad_part``) and the elements in
+    ``ill`` (``reference_steps``: gradients near zero at some step, at most 10 % of the model) within
+    what Adam can move them."""
     assert losses == pytest.approx(ref_losses, rel=tol)
     sd = ref_model.state_dict()
+    if ill is not None:
+        assert sum(int(m.sum()) for m in ill.values()) <= 0.1 * sum(m.numel() for m in ill.values())
     for k, w in weights.items():
         ref = sd[k]
         diff = (w - ref).abs()
-        zero = zero_grad_part(k, ref)
+        zero = zero_grad_part(k, ref) | (ill[k] if ill is not None else False)
         assert diff[zero].max().item() <= 2 * LR * len(losses) if zero.any() else True, k
         if (~zero).any():
             assert diff[~zero].max().item() <= tol * ref[~zero].abs().max().item() + 1e-12, k
@@ -85,11 +90,12 @@ def test_more_families(tmp_path, family, policy):
     """Mistral's sliding window (every layer) and Qwen2's (layers past ``max_window_layers``): 4-token
     windows over 16-token sequences, so a full causal mask would train another model; Llama 3.1's RoPE
     scaling past 8 original positions; mixtures of experts (4 experts, top 2; Qwen2-MoE's shared
-    expert), without the balance loss (``output_router_logits`` off, as the families default)."""
+    expert) with the default balance loss (``global``; one micro-batch: the HF model's own loss)."""
     cfg, model = tiny(family, layers=3)
     data = batches(STEPS)
     losses, weights = run_fuyou(cfg, model, tmp_path, data, policy=policy)
-    assert_same(model, reference_steps(model, data, 1, LR, WD), losses, weights)
+    balance, ill = ("global", {}) if "moe" in family or family == "mixtral" else (None, None)
+    assert_same(model, reference_steps(model, data, 1, LR, WD, balance=balance, ill=ill), losses, weights, ill=ill)
 
 
 @pytest.mark.parametrize("family", ["llama_tied", "gpt2"])

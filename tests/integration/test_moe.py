@@ -1,7 +1,7 @@
 """Mixture-of-experts checkpoints as transformers writes them (one tensor per expert on disk, Mixtral's
 ``block_sparse_moe`` module name) stream into Fuyou's fused expert tensors, train as the HF model
-trains (fp32, no balance loss: ``output_router_logits`` off, the families' default), and export a
-directory transformers loads back to the same weights."""
+trains (fp32, with the default global balance loss), and export a directory transformers loads back
+to the same weights."""
 
 from __future__ import annotations
 
@@ -32,16 +32,7 @@ def test_moe_checkpoint_trains_as_transformers_and_exports_what_it_loads(tmp_pat
         losses = [eng.train_step(ids, labels).loss for ids, labels in data]
         weights = dict(eng.master_weights())
         eng.export(str(tmp_path / "out"), dtype="fp32")
-    assert_same(model, reference_steps(model, data, 2, LR, WD), losses, weights)
+    ill: dict = {}
+    assert_same(model, reference_steps(model, data, 2, LR, WD, balance="global", ill=ill), losses, weights, ill=ill)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     assert all(torch.equal(loaded[k], w) for k, w in weights.items())
-
-
-def test_a_config_asking_for_the_balance_loss_is_refused_by_name():
-    from fuyou.errors import ConfigError
-    from fuyou.models.adapters import architecture_of
-
-    cfg, _ = tiny("mixtral")
-    cfg.output_router_logits = True
-    with pytest.raises(ConfigError, match="balance loss \\(output_router_logits: true\\)"):
-        architecture_of(cfg)

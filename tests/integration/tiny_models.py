@@ -51,7 +51,7 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
     elif family in ("mixtral", "qwen3_moe", "qwen2_moe"):  # mixture of experts: 4 experts, top 2
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        moe = dict(num_experts_per_tok=2, output_router_logits=False)
+        moe = dict(num_experts_per_tok=2, output_router_logits=False, router_aux_loss_coef=0.02)  # Mixtral-8x7B's
         if family == "mixtral":
             moe |= dict(num_local_experts=4)
         else:
@@ -105,8 +105,24 @@ def batches(n: int, batch: int = 4, seq: int = 16, seed: int = 1):
     return out
 
 
-def reference_steps(model, data, K: int, lr: float, wd: float, clip: float = 0.0, lrs=None):
-    """Plain PyTorch + torch.optim.AdamW, ordinary accumulation over K micro-batches; per-step losses."""
+ILL_CONDITIONED = 1e-3
+"""An element whose gradient is below this share of its tensor's largest: Adam divides it by its own
+scale, so fp32 rounding of the gradient (1e-7 relative to the largest) becomes ~1e-4 of a step."""
+
+
+def reference_steps(
+    model, data, K: int, lr: float, wd: float, clip: float = 0.0, lrs=None, balance=None, auxes=None, ill=None
+):
+    """Plain PyTorch + torch.optim.AdamW, ordinary accumulation over K micro-batches; per-step losses.
+
+    ``balance`` (a mixture of experts): ``micro`` adds each micro-batch's balance loss, as the HF
+    model computes it, averaged over the K micro-batches; ``global`` adds the balance loss of the
+    whole batch, ``transformers``' own ``load_balancing_loss_func`` over every micro-batch's router
+    logits at once. Either is weighted by ``router_aux_loss_coef``; ``auxes`` (a list) receives each
+    step's unweighted balance loss. ``ill`` (a dict) receives, per parameter, the elements whose
+    gradient was below 1e-3 of the tensor's largest at some step (``ILL_CONDITIONED``)."""
+    import sys
+
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
     losses = []
     for i, (ids, labels) in enumerate(data):
@@ -116,10 +132,35 @@ def reference_steps(model, data, K: int, lr: float, wd: float, clip: float = 0.0
         n_items = int((labels[:, 1:] != -100).sum())
         opt.zero_grad()
         total = 0.0
-        for mi, ml in zip(ids.chunk(K), labels.chunk(K)):
-            loss = model(input_ids=mi, labels=ml, num_items_in_batch=n_items).loss
+        if balance is None:
+            for mi, ml in zip(ids.chunk(K), labels.chunk(K)):
+                loss = model(input_ids=mi, labels=ml, num_items_in_batch=n_items).loss
+                loss.backward()
+                total += loss.item()
+        else:
+            cfg = model.config
+            lbl = sys.modules[type(model).__module__].load_balancing_loss_func
+            experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+            ces, routers, micro = [], [], []
+            for mi, ml in zip(ids.chunk(K), labels.chunk(K)):
+                out = model(input_ids=mi, output_router_logits=True)
+                ces.append(model.loss_function(out.logits, ml, cfg.vocab_size, num_items_in_batch=n_items))
+                routers.append(out.router_logits)
+                micro.append(out.aux_loss)
+            if balance == "global":
+                aux = lbl(tuple(torch.cat(layer) for layer in zip(*routers)), experts, cfg.num_experts_per_tok)
+            else:
+                aux = sum(micro) / K
+            loss = sum(ces) + cfg.router_aux_loss_coef * aux
             loss.backward()
-            total += loss.item()
+            total = loss.item()
+            if auxes is not None:
+                auxes.append(aux.item())
+        if ill is not None:
+            for name, p in model.named_parameters():
+                g = p.grad.abs()
+                small = (g < ILL_CONDITIONED * g.max()) & (g > 0)  # exact zeros stay exact (unrouted experts)
+                ill[name] = ill[name] | small if name in ill else small
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
