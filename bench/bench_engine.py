@@ -65,7 +65,9 @@ def llama_config(
     top_k: int = 2,
 ) -> Any:
     """A Llama config (untied embeddings, no dropout) of the given shape; with ``experts``, a Mixtral
-    of that shape (``experts`` experts of ``inter`` each, ``top_k`` per token, no balance loss)."""
+    of that shape (``experts`` experts of ``inter`` each, ``top_k`` per token) with its balance loss:
+    the plain model computes it (``output_router_logits``) as Fuyou's default ``--moe-balance global``
+    does (the same loss over one step's batch)."""
     from transformers import LlamaConfig, MixtralConfig
 
     shape = dict(
@@ -79,7 +81,7 @@ def llama_config(
         tie_word_embeddings=False,
     )
     if experts:
-        cfg = MixtralConfig(**shape, num_local_experts=experts, num_experts_per_tok=top_k, output_router_logits=False)
+        cfg = MixtralConfig(**shape, num_local_experts=experts, num_experts_per_tok=top_k, output_router_logits=True)
         cfg.architectures = ["MixtralForCausalLM"]
         return cfg
     cfg = LlamaConfig(**shape)

@@ -3,14 +3,17 @@ one block at a time with real parameters bound to it.
 
 The blocks call the very modules, mask and rotary code of ``transformers``, in the order the
 library's own ``forward`` uses, so a streamed step computes what the in-RAM model computes.
-Supported: Llama, Mistral, Qwen2, Qwen3 and Phi-3 (one block shape: GQA, RoPE, RMSNorm, SwiGLU — Phi-3
-with fused qkv and gate-up projections; tied or untied embeddings; sliding-window layers), the
+Supported: Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 1/2/3 (one block shape: GQA, RoPE, RMSNorm,
+gated MLP — Phi-3 with fused qkv and gate-up projections, Gemma with scaled embeddings, Gemma 2's
+soft-capped attention and logits, Gemma 3's rotary table per attention kind; tied or untied
+embeddings; sliding-window layers), the
 mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (a decoder layer with its router and every
 expert is one block; their routers' logits are tapped for the balance loss: ``routes``) and GPT-2.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,10 +26,13 @@ from fuyou.errors import ConfigError
 from fuyou.models.blocks import BlockSpec, ParamSpec
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+"""Gemma 1/2/3 (text): Llama-like blocks with scaled embeddings, soft-capped attention and logits
+(Gemma 2), per-layer-kind rotary tables (Gemma 3)."""
 MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 """Mixture-of-experts families: a decoder layer (attention, router, every expert, shared experts) is one block."""
 GPT2 = ("GPT2LMHeadModel",)
-SUPPORTED = LLAMA_LIKE + MOE + GPT2
+SUPPORTED = LLAMA_LIKE + GEMMA + MOE + GPT2
 
 
 @dataclass
@@ -36,7 +42,8 @@ class MicroBatchContext:
     position_ids: torch.Tensor
     mask: Any = None
     """The attention mask (GPT-2), or one per attention kind (``layer_types``: Llama-like families)."""
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None
+    position_embeddings: Any = None
+    """The rotary (cos, sin), or one pair per attention kind (Gemma 3)."""
     extra: dict = field(default_factory=dict)
 
 
@@ -53,6 +60,9 @@ def architecture_of(config: Any) -> str:
             "qwen2": "Qwen2ForCausalLM",
             "qwen3": "Qwen3ForCausalLM",
             "phi3": "Phi3ForCausalLM",
+            "gemma": "GemmaForCausalLM",
+            "gemma2": "Gemma2ForCausalLM",
+            "gemma3_text": "Gemma3ForCausalLM",
             "mixtral": "MixtralForCausalLM",
             "qwen2_moe": "Qwen2MoeForCausalLM",
             "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -64,7 +74,7 @@ def architecture_of(config: Any) -> str:
             f"unsupported architecture {name or getattr(config, 'model_type', '?')!r}; Fuyou supports "
             f"{', '.join(SUPPORTED)}"
         )
-    if name in LLAMA_LIKE + MOE:
+    if name in LLAMA_LIKE + GEMMA + MOE:
         layer_types(config)  # an attention kind Fuyou does not run is refused by name, before any work
     return name
 
@@ -78,7 +88,7 @@ class Adapter:
         self.config = config
         config.use_cache = False
         with torch.device("meta"):
-            self.model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            self.model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_kernel(config))
         self.model.train()
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.modules = self._block_modules()
@@ -196,11 +206,14 @@ class Adapter:
         """Materialise parameter-free buffers (rotary tables) on ``device``."""
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits of the final hidden states ``h``, the weight gradient accumulated in place (``HeadLinear``)."""
+        """Logits of the final hidden states ``h``, the weight gradient accumulated in place
+        (``HeadLinear``), soft-capped where the config says (``final_logit_softcapping``: Gemma 2)."""
         head = self.model.lm_head
-        if head.bias is not None:
-            return head(h)
-        return HeadLinear.apply(h, head.weight)
+        logits = head(h) if head.bias is not None else HeadLinear.apply(h, head.weight)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 class HeadLinear(torch.autograd.Function):
@@ -256,6 +269,14 @@ def _causal_mask(config: Any, embeds: torch.Tensor, position_ids: torch.Tensor) 
     )
 
 
+def attention_kernel(config: Any) -> str:
+    """``sdpa``, or ``eager`` where the attention scores are soft-capped (``attn_logit_softcapping``:
+    Gemma 2), which ``sdpa`` cannot do and ``transformers`` trains with its eager attention. Eager
+    attention keeps each layer's ``heads × T × T`` probabilities for backward (the planner counts them:
+    ``fuyou.planner.shapes``)."""
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+
+
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 """The per-layer attention kinds (``config.layer_types``) Fuyou runs."""
 
@@ -289,9 +310,11 @@ def _masks(config: Any, embeds: torch.Tensor, position_ids: torch.Tensor, types:
 
 
 class LlamaLike(Adapter):
-    """Llama, Mistral, Qwen2, Qwen3, Phi-3: ``model.embed_tokens``, ``model.layers``, ``model.norm``, ``lm_head``.
+    """Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1/2/3 and the mixtures of experts: ``model.embed_tokens``,
+    ``model.layers``, ``model.norm``, ``lm_head``.
 
-    Sliding-window attention is honoured per layer (``layer_types``)."""
+    Sliding-window attention is honoured per layer (``layer_types``), with the rotary table of the
+    layer's kind where the family has one per kind (Gemma 3)."""
 
     def _block_modules(self) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
         m = self.model.model
@@ -301,10 +324,27 @@ class LlamaLike(Adapter):
         return blocks
 
     def prepare(self, device: torch.device) -> None:
-        """Rebuild the rotary embedding (a computed buffer, meta in the skeleton) on ``device``."""
-        rot = self.model.model.rotary_emb
-        self.rotary = type(rot)(config=self.config).to(device)
+        """Rebuild the computed buffers, meta in the skeleton, on ``device``: the rotary embedding and
+        a scaled embedding's scale (Gemma: √hidden). Raises ConfigError naming any other buffer."""
+        m = self.model.model
+        self.rotary = type(m.rotary_emb)(config=self.config).to(device)
         self.layer_types = layer_types(self.config)
+        self.per_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        for mod in m.modules():
+            if hasattr(mod, "scalar_embed_scale"):
+                mod.embed_scale = torch.tensor(mod.scalar_embed_scale, device=device)
+        left = [n for n, b in m.named_buffers() if b.is_meta and not n.startswith("rotary_emb.")]
+        if left:
+            raise ConfigError(
+                f"this {getattr(self.config, 'model_type', '?')} model has buffers Fuyou cannot rebuild ({left[:3]}); "
+                "it is not a supported variant of its family"
+            )
+
+    def _rotary(self, embeds: torch.Tensor, pos: torch.Tensor) -> Any:
+        """The rotary (cos, sin) for ``pos``: one pair, or one per attention kind (Gemma 3)."""
+        if self.per_kind:
+            return {t: self.rotary(embeds, pos, t) for t in set(self.layer_types)}
+        return self.rotary(embeds, position_ids=pos)
 
     def forward(self, block: int, x: torch.Tensor, ctx: MicroBatchContext | None) -> tuple[torch.Tensor, Any]:
         m = self.model.model
@@ -312,16 +352,15 @@ class LlamaLike(Adapter):
             embeds = m.embed_tokens(x)
             pos = _positions(x, ctx)
             masks = _masks(self.config, embeds, pos, set(self.layer_types))
-            ctx = MicroBatchContext(pos, masks, self.rotary(embeds, position_ids=pos))
+            ctx = MicroBatchContext(pos, masks, self._rotary(embeds, pos))
             return embeds, ctx
         if block == len(self.blocks) - 1:
             return self.lm_head(m.norm(x)), ctx
         layer = m.layers[block - 1]
         assert ctx is not None  # block 0 made it
-        mask = ctx.mask[self.layer_types[block - 1]]
-        return layer(
-            x, attention_mask=mask, position_embeddings=ctx.position_embeddings, position_ids=ctx.position_ids
-        ), ctx
+        kind = self.layer_types[block - 1]
+        rope = ctx.position_embeddings[kind] if self.per_kind else ctx.position_embeddings
+        return layer(x, attention_mask=ctx.mask[kind], position_embeddings=rope, position_ids=ctx.position_ids), ctx
 
 
 class GPT2Adapter(Adapter):

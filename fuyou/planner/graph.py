@@ -140,7 +140,9 @@ class StepGraph:
         if blk.kind == "layer" and measured:
             per = self.hw.layer_act_bytes_per_token * self.c.compute_bytes / self.hw.compute_bytes
         else:
-            per = blk.act_bytes_per_token * self.c.compute_bytes / 2
+            per = (
+                (blk.act_bytes_per_token + blk.act_bytes_per_token_per_key * self.c.seq_len) * self.c.compute_bytes / 2
+            )
         return per * self.K * self.mb_tokens
 
     def _policy(self, b: int) -> str:

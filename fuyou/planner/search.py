@@ -297,6 +297,15 @@ class _Search:
             f"micro-batch {mb}; --gpu-memory is {fs(self.b.gpu_memory)}. {self._fewer_tokens(self.b.gpu_memory - work, per_tok)}"
             f", or raise --gpu-memory to ≥ {fs(mem.device)}"
         )
+        big = max(self.m.blocks, key=lambda b: b.numel)
+        if work > self.b.gpu_memory and 2 * big.numel * self.cb >= self.b.gpu_memory:
+            raise InfeasibleError(
+                f"device memory: block {big.name} ({big.numel / 1e9:.2f} B params) needs "
+                f"{fs(2 * big.numel * self.cb)} on the device for its weights and gradients alone, whatever the "
+                f"sequence length; --gpu-memory is {fs(self.b.gpu_memory)}. A decoder layer is "
+                f"one block (a mixture of experts' is not split into expert groups yet): raise --gpu-memory to "
+                f"≥ {fs(work)}"
+            )
         if work > self.b.gpu_memory:
             raise InfeasibleError(
                 f"device memory: one micro-batch of {self.r.seq_len} tokens needs a working set of "

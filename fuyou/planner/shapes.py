@@ -141,6 +141,9 @@ class BlockShape:
     act_bytes_per_token: int = 0
     """Bytes the block saves for backward per token (bf16), what ``keep``/``swap_*`` hold or move."""
     borrows: tuple[str, ...] = ()
+    act_bytes_per_token_per_key: int = 0
+    """More saved bytes per token for each position it attends to (bf16): eager attention's
+    ``heads × T × T`` scores (soft-capped attention: ``fuyou.models.adapters.attention_kernel``)."""
 
     def fwd_flops_per_token(self, hidden: int, seq_len: int) -> int:
         """Forward FLOPs per token including attention scores for layers (4·d·T, no causal halving)."""
@@ -227,18 +230,20 @@ def _llama(cfg: dict, name: str) -> ModelShape:
     q, kv = nh * hd, kvh * hd
     attn = [(q, h)] + ([(q,)] if qkv_bias else []) + [(kv, h)] + ([(kv,)] if qkv_bias else [])
     attn += [(kv, h)] + ([(kv,)] if qkv_bias else []) + [(h, q)] + ([(h,)] if o_bias else [])
-    if mt in ("qwen3", "qwen3_moe"):
+    if mt in ("qwen3", "qwen3_moe", "gemma3_text"):  # q_norm, k_norm
         attn += [(hd,), (hd,)]
+    norms = [(h,)] * (4 if mt in ("gemma2", "gemma3_text") else 2)  # Gemma 2/3: pre/post attention and MLP
+    per_key = 8 * nh if cfg.get("attn_logit_softcapping") else 0  # eager: tanh out, fp32 softmax out, probs
     mlp = [(i, h)] + ([(i,)] if mlp_bias else []) + [(i, h)] + ([(i,)] if mlp_bias else []) + [(h, i)]
     mlp += [(h,)] if mlp_bias else []
     if mt == "phi3":  # fused projections: qkv_proj, o_proj; gate_up_proj, down_proj
         attn, mlp = [(q + 2 * kv, h), (h, q)], [(2 * i, h), (h, i)]
     attn_mm = 2 * (2 * q * h + 2 * kv * h)
-    dense = (_aligned(*attn, *mlp, (h,), (h,)), attn_mm + 2 * 3 * i * h, 2 * (10 * h + 2 * kv + 4 * i))
+    dense = (_aligned(*attn, *mlp, *norms), attn_mm + 2 * 3 * i * h, 2 * (10 * h + 2 * kv + 4 * i))
     blocks = [BlockShape("embed", "embed", v * h, 0, 0)]
     for k in range(L):
         numel, mm, act = _moe_layer(cfg, k, attn, attn_mm, h, kv) or dense
-        blocks.append(BlockShape(f"layer.{k}", "layer", numel, mm, act))
+        blocks.append(BlockShape(f"layer.{k}", "layer", numel, mm, act, act_bytes_per_token_per_key=per_key))
     head = _aligned((h,)) if tied else _aligned((h,), (v, h))
     blocks.append(BlockShape("head", "head", head, 2 * v * h, 0, ("embed",) if tied else ()))
     return ModelShape(name, tuple(blocks), h, L, v)
@@ -281,13 +286,15 @@ def _gpt2(cfg: dict, name: str) -> ModelShape:
     return ModelShape(name, tuple(blocks), h, L, v)
 
 
-LLAMA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe")
+LLAMA_TYPES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe",
+)  # fmt: skip
 """``model_type``s of the Llama-like families (dense and mixture-of-experts) the planner shapes."""
 
 
 def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
-    """The ModelShape of a Hugging Face config dict (Llama, Mistral, Qwen2, Qwen3, Phi-3, Mixtral,
-    Qwen2-MoE, Qwen3-MoE, GPT-2).
+    """The ModelShape of a Hugging Face config dict (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1/2/3,
+    Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-2).
 
     Raises ConfigError for another architecture or a config missing its dimensions.
     """
@@ -296,7 +303,9 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
     try:
         if mt == "gpt2" or "GPT2LMHeadModel" in archs:
             return _gpt2(cfg, name)
-        if mt in LLAMA_TYPES or any(a.startswith(("Llama", "Mistral", "Mixtral", "Qwen", "Phi3")) for a in archs):
+        if mt in LLAMA_TYPES or any(
+            a.startswith(("Llama", "Mistral", "Mixtral", "Qwen", "Phi3", "Gemma")) for a in archs
+        ):
             return _llama(cfg, name)
     except KeyError as e:
         raise ConfigError(

@@ -84,7 +84,9 @@ def test_families_and_policies(tmp_path, family, policy):
     assert_same(model, ref_losses, losses, weights)
 
 
-@pytest.mark.parametrize("family", ["mistral_sw", "qwen2_sw", "llama31", "mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize(
+    "family", ["mistral_sw", "qwen2_sw", "llama31", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3"]
+)
 @pytest.mark.parametrize("policy", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_more_families(tmp_path, family, policy):
     """Mistral's sliding window (every layer) and Qwen2's (layers past ``max_window_layers``): 4-token

@@ -26,7 +26,7 @@ def cfg_for(tmp_path, **kw):
     return EngineConfig(ssd_dirs=(str(d),), cpu_memory="64MiB", **kw)
 
 
-@pytest.mark.parametrize("family", ["llama_tied", "qwen2", "gpt2"])
+@pytest.mark.parametrize("family", ["llama_tied", "qwen2", "gpt2", "gemma2", "gemma3"])
 def test_sharded_import_train_export_round_trip(tmp_path, family):
     _, model = tiny(family)
     src = save(model, tmp_path / "src")

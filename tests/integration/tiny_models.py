@@ -21,7 +21,8 @@ VOCAB = 96
 
 def tiny(family: str, layers: int = 2, hidden: int = 64):
     """(config, model) of a tiny random model of ``family``: llama, llama_tied, qwen2, gpt2, llama31
-    (Llama 3.1/3.2 RoPE scaling), phi3, and with
+    (Llama 3.1/3.2 RoPE scaling), phi3, gemma, gemma2 and gemma3 (alternating sliding windows), the
+    mixtures of experts mixtral, qwen2_moe and qwen3_moe, and with
     sliding-window attention (a 4-token window) mistral_sw (every layer) and qwen2_sw (the layers
     from the second on, as Qwen2's ``max_window_layers`` = 1 gives)."""
     common = dict(
@@ -63,6 +64,23 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
         cfg.architectures = [type(cls.from_config(cfg)).__name__]
         torch.manual_seed(0)
         model = cls.from_config(cfg)
+        model.train()
+        return cfg, model
+    elif family in ("gemma", "gemma2", "gemma3"):  # scaled embeddings, tied; Gemma 2: soft-capping; 3: per-kind RoPE
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        extra = dict(head_dim=16, query_pre_attn_scalar=16, tie_word_embeddings=True)
+        if family != "gemma":  # alternating 4-token sliding windows and full attention
+            kinds = ["sliding_attention", "full_attention"] * layers
+            extra |= dict(sliding_window=4, layer_types=kinds[:layers])
+        if family == "gemma2":  # caps low enough to bend this tiny model's scores and logits
+            extra |= dict(attn_logit_softcapping=1.0, final_logit_softcapping=2.0)
+        if family == "gemma3":
+            extra |= dict(rope_local_base_freq=100.0)
+        cfg = AutoConfig.for_model(family if family != "gemma3" else "gemma3_text", **common, **extra)
+        cfg.architectures = [type(AutoModelForCausalLM.from_config(cfg)).__name__]
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager" if family == "gemma2" else "sdpa")
         model.train()
         return cfg, model
     elif family == "mistral_sw":

@@ -30,6 +30,21 @@ def test_named_shapes_and_errors(tmp_path):
         load_shape(str(tmp_path))
 
 
+FAMILIES = (
+    "llama",
+    "llama_tied",
+    "qwen2",
+    "gpt2",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
+
+
 def test_shapes_match_the_adapter():
     sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
     from tiny_models import tiny
@@ -38,7 +53,7 @@ def test_shapes_match_the_adapter():
     from fuyou.models.store_layout import ModelLayout
     from fuyou.planner.shapes import shape_from_config
 
-    for fam in ("llama", "llama_tied", "qwen2", "gpt2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"):
+    for fam in FAMILIES:
         cfg, _ = tiny(fam, hidden=72)
         ad = make_adapter(cfg)
         lay = ModelLayout(tuple(ad.blocks))
@@ -57,7 +72,7 @@ def test_the_planner_sizes_host_memory_from_the_engines_footprint():
     from fuyou.models.store_layout import ModelLayout
     from tests.integration.tiny_models import tiny
 
-    for fam in ("llama", "llama_tied", "qwen2", "gpt2", "phi3", "mixtral", "qwen2_moe", "qwen3_moe"):
+    for fam in FAMILIES:
         cfg, _ = tiny(fam, hidden=72)
         blocks = tuple(make_adapter(cfg).blocks)
         shape = shape_from_config(cfg.to_dict())
@@ -201,3 +216,35 @@ def test_cli_plan_puts_block_inputs_in_host_ram_where_a_24gb_gpu_cannot_hold_the
     mem = d["prediction"]["memory"]
     assert mem["device"] <= 22 << 30 and mem["host_activations"] >= 25 << 30
     assert d["prediction"]["bottleneck"] == "compute"
+
+
+def test_soft_capped_attention_counts_the_scores_a_layer_keeps():
+    """Gemma 2 trains with eager attention (its scores are soft-capped): a layer keeps ``heads × T``
+    bytes more per token as T grows (tanh and fp32 softmax outputs, bf16 probabilities: 8 per score).
+    The planner's coefficient is what a real bf16 layer's saved tensors measure; sdpa families keep none."""
+    import torch
+
+    from tests.integration.tiny_models import tiny
+
+    cfg, model = tiny("gemma2", layers=2)
+    model = model.to(torch.bfloat16)
+    layer, rot = model.model.layers[1], model.model.rotary_emb
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+    def saved_bytes(T: int) -> int:
+        x = torch.randn(1, T, cfg.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        pos = torch.arange(T)[None]
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(x, attention_mask=None, position_embeddings=rot(x, pos), position_ids=pos)
+        return sum(n for ptr, n in seen.items() if ptr not in params)
+
+    per_key = (saved_bytes(128) / 128 - saved_bytes(64) / 64) / 64
+    planned = shape_from_config(cfg.to_dict()).blocks[1].act_bytes_per_token_per_key
+    assert planned == 8 * cfg.num_attention_heads and abs(per_key - planned) <= 0.05 * planned
+    assert shape_from_config(tiny("gemma3")[0].to_dict()).blocks[1].act_bytes_per_token_per_key == 0

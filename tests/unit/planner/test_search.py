@@ -101,3 +101,14 @@ def test_clipping_under_a_small_host_budget_parks_gradients_on_ssd():
     assert tight.prediction.memory.host <= tight_budget
     assert tight.prediction.ssd_write_bytes > roomy.prediction.ssd_write_bytes
     assert tight.prediction.ssd_read_bytes > roomy.prediction.ssd_read_bytes
+
+
+def test_a_block_too_big_for_the_device_at_any_length_says_so():
+    """Mixtral-8x22B's decoder layer (2.5 B params with its experts) needs 9.3 GiB for bf16 weights and
+    gradients: at 8 GiB the error names the block and does not suggest a shorter sequence."""
+    from fuyou.planner.shapes import load_shape
+
+    with pytest.raises(InfeasibleError) as e:
+        search(load_shape("mixtral-8x22b"), HW, Budgets(cpu_memory=128 * GiB, gpu_memory=8 * GiB), REQ)
+    msg = str(e.value)
+    assert "block layer.0 (2.50 B params) needs 9.3 GiB" in msg and "--seq-len" not in msg, msg
