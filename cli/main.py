@@ -117,6 +117,17 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
     "documents run on into each other. auto (default): documents for prompt/completion and messages data.",
 )
 @click.option(
+    "--lora-rank", type=int, help="Train LoRA adapters of this rank on the frozen base (default: full fine-tuning)."
+)
+@click.option("--lora-alpha", type=int, help="LoRA scaling numerator: outputs × alpha / rank (default 2 × rank).")
+@click.option("--lora-dropout", type=float, help="Dropout on the adapters' input (default 0).")
+@click.option(
+    "--lora-targets",
+    help="Comma-separated module names the adapters wrap (e.g. q_proj,v_proj); default all-linear (every linear "
+    "layer but the output head).",
+)
+@click.option("--merge", is_flag=True, default=None, help="LoRA: also write OUTPUT/model with the adapters merged in.")
+@click.option(
     "--moe-balance",
     type=click.Choice(["global", "micro", "off"]),
     help="A mixture of experts' balance loss (weight: the config's router_aux_loss_coef): global (default) counts "

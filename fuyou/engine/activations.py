@@ -219,6 +219,9 @@ def backward(
                 router = prob_sums(routed) if routed else None
         backend.set_rng_state(state)
     assert y is not None and x_in is not None  # kept by forward, or recomputed just now
+    if not y.requires_grad:  # a frozen block nothing trainable feeds (LoRA: the embedding)
+        saved.release()
+        return None
     if router is not None and balance is not None:
         torch.autograd.backward([y, router], [dy, balance.seed(k)])
     else:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from fuyou.engine.balance import MODES as BALANCE_MODES
 from fuyou.errors import ConfigError
+from fuyou.models.lora import LoraSettings
 from fuyou.schedule.plan import Plan
 from fuyou.schedule.rules import resolve
 from fuyou.units import parse_size
@@ -45,6 +46,8 @@ class EngineConfig:
     checksums: bool = True
     adam_threads: int | None = None
     """numba threads for the CPU Adam (default: all cores)."""
+    lora: LoraSettings | None = None
+    """Train ``peft`` LoRA adapters on a frozen base (``fuyou.engine.lora``); None: full fine-tuning."""
     moe_balance: str = "global"
     """A mixture of experts' balance loss, weighted by the config's ``router_aux_loss_coef``:
     ``global`` (expert frequencies over the whole step, every rank's), ``micro`` (per micro-batch, the

@@ -24,10 +24,12 @@ from fuyou.engine.adam_stage import AdamStage
 from fuyou.engine.balance import StepBalance, balance_rule
 from fuyou.engine.config import EngineConfig
 from fuyou.engine.export import HF_FILES, export_layout, iter_master
+from fuyou.engine.lora import LoraState
 from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
 from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
 from fuyou.models.adapters import MicroBatchContext, make_adapter
 from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config
+from fuyou.models.lora import is_lora
 from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.optim import AdamWHyper
 from fuyou.schedule import rules, sizing
@@ -56,17 +58,39 @@ class Engine:
         tensors: Callable[[list[str]], dict[str, torch.Tensor]] | None,
         source_dir: str | None = None,
         store: TensorStore | None = None,
+        lora_init: dict[str, torch.Tensor] | None = None,
     ) -> None:
         """Build the engine; with ``store`` (an opened store of an earlier run) resume from it, else
-        create a new store in ``cfg.ssd_dirs`` and import ``tensors`` block by block."""
+        create a new store in ``cfg.ssd_dirs`` and import ``tensors`` block by block. With
+        ``cfg.lora``, LoRA adapters train on the frozen base, starting from ``lora_init`` (by ``peft``
+        parameter name), ``peft``'s initialisation, or the resumed store's. Raises ConfigError for
+        LoRA with several ranks (not supported yet), or a store trained with other LoRA settings."""
         self.cfg, self.source_dir = cfg, source_dir
         self.progress = Progress(step=0, lr=cfg.lr)
         self.max_grad_norm = cfg.max_grad_norm
-        self.adapter = make_adapter(config)
+        if cfg.lora is not None and world_size() > 1:
+            raise ConfigError("LoRA runs cannot be spread over several ranks yet; train LoRA in one process")
+        if cfg.lora is None and store is not None and any(e.name == LoraState.EXTENT for e in store.extents):
+            raise ConfigError(
+                f"the store in {store.dirs[0]} holds LoRA adapters; resume with the --lora-* settings it was trained with"
+            )
+        self.adapter = make_adapter(config, cfg.lora)
         self.balance = balance_rule(config, cfg.moe_balance)
         """A mixture of experts' balance loss (None: a dense model, ``--moe-balance off`` or no coefficient)."""
         self.backend = get_backend(cfg.device, cfg.gpu_bytes)
         self.adapter.prepare(self.backend.device)
+        self.lora = (
+            None
+            if cfg.lora is None
+            else LoraState(
+                self.adapter.model,
+                cfg.lora,
+                self.backend.device,
+                lora_init or {},
+                dict(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay),
+            )
+        )
+        """The trainable LoRA weights and their AdamW (None: full fine-tuning)."""
         self.timeline = Timeline()
         self.comm = Collectives.join(self.backend, self.timeline)
         """The data-parallel ranks' collectives (``torchrun``), or None for one process."""
@@ -93,7 +117,7 @@ class Engine:
             self.pool.reserve(c.name, c.nbytes, c.count)
         self.store = store or TensorStore.create(
             rank_dirs(cfg.ssd_dirs, rank, world),
-            self.layout.extents(),
+            self.layout.extents() + ([self.lora.extent()] if self.lora is not None else []),
             io=cfg.io,
             direct=cfg.direct,
             checksums=cfg.checksums,
@@ -110,6 +134,8 @@ class Engine:
             )
             if store is not None:
                 self.tier.load()
+                if self.lora is not None:
+                    self.lora.load_from(self.store, self.progress.step)
         except BaseException:
             if store is None:
                 self.store.close()
@@ -170,6 +196,7 @@ class Engine:
                 self.progress,
                 self.commit_meta,
                 self.comm,
+                self.lora,
             )
         )
         if store is None:
@@ -226,7 +253,8 @@ class Engine:
     @classmethod
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], cfg: EngineConfig) -> Engine:
         """Build from an in-memory state dict (tests, the Trainer plugin); copies go block by block."""
-        return cls(config, cfg, lambda keys: {k: state_dict[k] for k in keys})
+        lora = {k: v for k, v in state_dict.items() if is_lora(k)}
+        return cls(config, cfg, lambda keys: {k: state_dict[k] for k in keys}, lora_init=lora)
 
     def _import(self, tensors: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
         """Write every block's weights and zeroed state to the store (and the RAM tier's copies), one
@@ -234,6 +262,8 @@ class Engine:
         the host budget). The first committed version is complete."""
         for b, blk in enumerate(self.layout.blocks):
             self._import_block(b, tensors([p.key for p in blk.params]))
+        if self.lora is not None:
+            self.lora.save_to(self.store)
         self.tier.commit(self.commit_meta())
 
     def _import_block(self, b: int, src: dict[str, torch.Tensor]) -> None:
@@ -408,6 +438,10 @@ class Engine:
         Call before checkpoints and exports. Raises StoreError if a write or commit fails.
         """
         self.runner.settle()
+        if self.lora is not None:  # a frozen base: the adapters are all that changed
+            self.lora.save_to(self.store)
+            self.tier.commit(self.commit_meta())
+            return
         self.tier.persist(self.commit_meta())
 
     # ------------------------------------------------------------------ results
@@ -423,13 +457,29 @@ class Engine:
 
     def export(self, out_dir: str, dtype: str = "bf16") -> None:
         """Write the current weights as a Hugging Face model directory (sharded safetensors). With
-        several ranks every rank calls it; rank 0 writes ``out_dir``."""
+        several ranks every rank calls it; rank 0 writes ``out_dir``. A LoRA run writes the base with
+        its adapters merged (``LoraState.merged``)."""
         if dtype not in DTYPES:
             raise ConfigError(f"--dtype must be bf16 or fp32, got {dtype!r}")
         self.flush()
         export_layout(
-            self.tier, self.layout, self.adapter.config, out_dir, dtype, self.source_dir, self._gather_to_root()
+            self.tier,
+            self.layout,
+            self.adapter.config,
+            out_dir,
+            dtype,
+            self.source_dir,
+            self._gather_to_root(),
+            None if self.lora is None else self.lora.merged,
         )
+
+    def export_adapter(self, out_dir: str, base: str | None = None) -> None:
+        """Write the LoRA adapters as a PEFT adapter directory (``peft.PeftModel.from_pretrained``
+        loads it onto the base, which ``adapter_config.json`` names: ``base``, default the model
+        directory imported). Raises ConfigError when this run trains no LoRA."""
+        if self.lora is None:
+            raise ConfigError("this run trains no LoRA adapters (give --lora-rank); export the full model instead")
+        self.lora.save(out_dir, base or self.source_dir)
 
     def _gather_to_root(self) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
         return self.comm.gather_to_root if self.comm is not None else None

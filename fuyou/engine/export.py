@@ -69,13 +69,15 @@ def export_layout(
     dtype: str,
     copy_from: str | None,
     gather: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> None:
     """Write the store's current weights as a Hugging Face model directory in ``dtype``; a sharded
     layout streams its blocks through ``gather`` (``iter_master``) and only the rank it gathers on
-    writes."""
+    writes. ``transform(key, fp32 tensor)``, if given, changes each tensor first (LoRA merged in)."""
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype must be bf16 or fp32, got {dtype!r}")
-    gen = ((k, t.to(DTYPES[dtype])) for k, t in iter_master(store, layout, gather))
+    change = transform or (lambda _k, t: t)
+    gen = ((k, change(k, t).to(DTYPES[dtype])) for k, t in iter_master(store, layout, gather))
     if layout.world > 1 and layout.rank != 0:
         for _ in gen:  # the other ranks send their shards, block by block
             pass

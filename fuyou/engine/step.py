@@ -41,6 +41,7 @@ from fuyou.device.base import Backend
 from fuyou.engine import activations
 from fuyou.engine.adam_stage import AdamStage
 from fuyou.engine.balance import StepBalance
+from fuyou.engine.lora import LoraState
 from fuyou.models.adapters import Adapter
 from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.optim.norm import read_scalars, sum_squares_lazy
@@ -91,6 +92,9 @@ class StepContext:
     comm: Collectives | None = None
     """The data-parallel ranks' collectives (None: one rank). Each rank updates its shard of every
     block: gradients are reduce-scattered before they leave the device, the loss and norm summed."""
+    lora: LoraState | None = None
+    """LoRA adapters trained on a frozen base (None: full fine-tuning). The blocks then get no
+    gradients and no updates; the adapters are clipped and stepped after backward (``finish``)."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,8 @@ class StepRunner:
         update was applied and the step's start and end (``time.perf_counter``)."""
         c = self.c
         t0 = time.perf_counter()
+        if c.lora is not None:
+            c.lora.zero_grad()
         c.loader.gate = self.gate
         c.loader.start(rules.load_order(len(c.layout.blocks), self.borrowed()))
         try:
@@ -279,13 +285,15 @@ class StepRunner:
         st.weights[H] = self._load(st, H)
         borrowed = {o: self._load(st, o) for o in self.borrowed()}
         st.params[H] = self._bind(st, H, borrowed)
-        self._attach_grads(st, H)
+        if c.lora is None:
+            self._attach_grads(st, H)
         with c.timeline.device_span("compute", "head fwd+bwd", c.backend, c.compute_stream):
             st.xs = [self._head(st, k, x) for k, x in enumerate(st.xs)]
         self._drop_params(st, H)
         del borrowed
         st.weights.pop(H)
-        self.hand_off(st, H)
+        if c.lora is None:
+            self.hand_off(st, H)
 
     def _head(self, st: StepState, k: int, x: torch.Tensor) -> torch.Tensor:
         """Loss of micro-batch ``k`` (``[b, t, hidden]`` into the head) token chunk by token chunk, each
@@ -322,7 +330,8 @@ class StepRunner:
             st.weights[b] = self._load(st, b, refill=policy not in RECOMPUTES)
             if policy in RECOMPUTES:
                 st.params[b] = self._bind(st, b)
-            self._attach_grads(st, b)
+            if c.lora is None:
+                self._attach_grads(st, b)
             saved, ahead = st.saved.pop(b), st.saved.get(b - 1, [None])[0]
             with c.timeline.device_span("compute", f"bwd {c.layout.blocks[b].name}", c.backend, c.compute_stream):
                 xs = []
@@ -332,7 +341,8 @@ class StepRunner:
                 st.xs = xs
             self._drop_params(st, b)
             st.weights.pop(b)
-            self.hand_off(st, b)
+            if c.lora is None:
+                self.hand_off(st, b)
 
     # ---------------------------------------------------------------- optimizer hand-off
     def _update(self, b: int, grad: Any, ready: Any, scale: float, hold: bool = False) -> Future:
@@ -382,6 +392,8 @@ class StepRunner:
         Returns whether an update was applied (False: non-finite gradient, step skipped).
         """
         c = self.c
+        if c.lora is not None:
+            return self._finish_lora(st)
         self.read_back(st)
         if not c.plan.clips:
             wait(list(st.written.values()))
@@ -407,6 +419,20 @@ class StepRunner:
         scale = min(1.0, c.max_grad_norm / (norm + 1e-6)) if c.max_grad_norm else 1.0
         for b in range(len(c.layout.blocks)):
             self.pending[b] = self._update(b, *c.parking.source(st.parked.pop(b)), scale, hold=True)
+        c.progress.step += 1
+        return True
+
+    def _finish_lora(self, st: StepState) -> bool:
+        """LoRA: the adapters' gradients are the step's; clip them by their global norm and step their
+        AdamW (a non-finite norm skips the step). The frozen base is not written."""
+        c = self.c
+        st.sq_sum = c.lora.sq_norm() if c.lora is not None else 0.0
+        self.read_back(st)
+        if not self.finite(st) or c.lora is None:
+            return False
+        norm = math.sqrt(st.norm_sq)
+        scale = min(1.0, c.max_grad_norm / (norm + 1e-6)) if c.max_grad_norm else 1.0
+        c.lora.step(c.progress.lr, scale)
         c.progress.step += 1
         return True
 

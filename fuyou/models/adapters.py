@@ -24,6 +24,7 @@ from torch import nn
 
 from fuyou.errors import ConfigError
 from fuyou.models.blocks import BlockSpec, ParamSpec
+from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -82,13 +83,19 @@ def architecture_of(config: Any) -> str:
 class Adapter:
     """Base adapter: meta-device skeleton, block list, parameter binding. Subclasses run blocks."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, lora: LoraSettings | None = None) -> None:
+        """The skeleton of ``config``'s model; with ``lora``, ``peft``'s LoRA layers injected and the
+        base frozen (``frozen``): its parameters bind without gradients."""
         from transformers import AutoModelForCausalLM
 
         self.config = config
         config.use_cache = False
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_kernel(config))
+            if lora is not None:
+                inject(self.model, lora)
+        self.frozen = lora is not None
+        """Whether the streamed base is frozen (LoRA): no gradients for any block's parameters."""
         self.model.train()
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.modules = self._block_modules()
@@ -99,7 +106,12 @@ class Adapter:
         self._routed: list[torch.Tensor] | None = None
         self._tap_routers()
         self._meta = [
-            [(_owner(mod, pname), p) for _, mod in mods for pname, p in mod.named_parameters(remove_duplicate=False)]
+            [
+                (_owner(mod, pname), p)
+                for _, mod in mods
+                for pname, p in mod.named_parameters(remove_duplicate=False)
+                if not is_lora(pname)
+            ]
             for _, mods in self.modules
         ]
 
@@ -142,7 +154,9 @@ class Adapter:
         borrows: tuple[str, ...] = ()
         for prefix, mod in mods:
             for pname, p in mod.named_parameters():
-                key = f"{prefix}.{pname}"
+                if is_lora(pname):  # resident and trained apart (fuyou.engine.lora)
+                    continue
+                key = base_key(f"{prefix}.{pname}")
                 if self.tied and name == "head" and key == self.lm_head_key:
                     borrows = ("embed",)
                     continue
@@ -181,11 +195,13 @@ class Adapter:
         out = {}
         for prefix, mod in self.modules[block][1]:
             for pname, _ in list(mod.named_parameters()):
-                key = f"{prefix}.{pname}"
+                if is_lora(pname):
+                    continue
+                key = base_key(f"{prefix}.{pname}")
                 if self.tied and key == self.lm_head_key:
                     key = self.embed_key
                 owner, attr = _owner(mod, pname)
-                param = nn.Parameter(tensors[key], requires_grad=True)
+                param = nn.Parameter(tensors[key], requires_grad=not self.frozen)
                 owner._parameters[attr] = param
                 out[key] = param
         return out
@@ -394,7 +410,8 @@ class GPT2Adapter(Adapter):
         return t.h[block - 1](x, None, ctx.mask, None, position_ids=ctx.position_ids), ctx
 
 
-def make_adapter(config: Any) -> Adapter:
-    """The adapter for ``config``'s architecture; raises ConfigError for unsupported ones."""
+def make_adapter(config: Any, lora: LoraSettings | None = None) -> Adapter:
+    """The adapter for ``config``'s architecture (with ``lora``: LoRA layers injected, the base frozen);
+    raises ConfigError for unsupported ones."""
     arch = architecture_of(config)
-    return GPT2Adapter(config) if arch in GPT2 else LlamaLike(config)
+    return GPT2Adapter(config, lora) if arch in GPT2 else LlamaLike(config, lora)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from fuyou.engine.balance import MODES as BALANCE_MODES
 from fuyou.errors import ConfigError
+from fuyou.models.lora import LoraSettings
 from fuyou.run.lr import SCHEDULES
 from fuyou.schedule.plan import POLICIES
 from fuyou.units import parse_size
@@ -52,6 +53,15 @@ class FinetuneConfig:
     packing: str = "auto"
     """``documents`` (each packed document attends only to itself), ``concat`` (documents run on into
     each other) or ``auto``: documents for prompt/completion and messages data, concat for text."""
+    lora_rank: int | None = None
+    """Train LoRA adapters of this rank on the frozen base (None: full fine-tuning)."""
+    lora_alpha: int | None = None
+    """LoRA scaling numerator (default: 2 × rank)."""
+    lora_dropout: float = 0.0
+    lora_targets: str = "all-linear"
+    """Comma-separated module names the adapters wrap; ``all-linear``: every linear layer but the head."""
+    merge: bool = False
+    """LoRA: also write OUTPUT/model, the base with the adapters merged in."""
     moe_balance: str = "global"
     """A mixture of experts' balance loss: ``global`` (expert use counted over the whole step),
     ``micro`` (per micro-batch) or ``off`` (``fuyou.engine.balance``); dense models ignore it."""
@@ -119,6 +129,13 @@ class FinetuneConfig:
             p.append(f"--activations must be one of {', '.join(POLICIES)}, got {self.activations!r}")
         if self.packing not in ("auto", "concat", "documents"):
             p.append(f"--packing must be auto, concat or documents, got {self.packing!r}")
+        if self.lora_rank is None and (self.merge or self.lora_alpha is not None):
+            p.append("--merge and --lora-alpha need --lora-rank (LoRA)")
+        if self.lora_rank is not None:
+            try:
+                self.lora  # noqa: B018 - validates the LoRA settings
+            except ConfigError as e:
+                p.append(str(e))
         if self.moe_balance not in BALANCE_MODES:
             p.append(f"--moe-balance must be one of {', '.join(BALANCE_MODES)}, got {self.moe_balance!r}")
         if not 0 <= self.eval_fraction < 1:
@@ -131,6 +148,15 @@ class FinetuneConfig:
                     p.append(str(e))
         if p:
             raise ConfigError("; ".join(p))
+
+    @property
+    def lora(self) -> LoraSettings | None:
+        """The LoRA settings of the flags, or None (full fine-tuning). Raises ConfigError for bad values."""
+        if self.lora_rank is None:
+            return None
+        alpha = self.lora_alpha if self.lora_alpha is not None else 2 * self.lora_rank
+        targets = tuple(t.strip() for t in str(self.lora_targets).split(",") if t.strip())
+        return LoraSettings(self.lora_rank, alpha, float(self.lora_dropout), targets, self.seed)
 
     @property
     def store_dirs(self) -> tuple[str, ...]:

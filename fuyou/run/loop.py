@@ -91,6 +91,7 @@ def _engine_config(cfg: FinetuneConfig, req: PlanRequest, chosen: ChosenPlan, wo
         max_grad_norm=cfg.max_grad_norm,
         plan=chosen.plan,
         moe_balance=cfg.moe_balance,
+        lora=cfg.lora,
     )
 
 
@@ -154,13 +155,13 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     metrics_path = cfg.metrics or os.path.join(out, "metrics.jsonl")
     try:
         summary = _train(cfg, engine, data, metrics_path, state, config, ranks)
-        engine.export(os.path.join(out, "model"), dtype=cfg.precision)
+        result = _export(cfg, engine, out)
     finally:
         engine.close()
     summary.update(
         model=model_dir,
         pretrained=pretrained,
-        output=os.path.join(out, "model"),
+        output=result,
         metrics=metrics_path,
         precision=precision.to_json(),
         plan={**chosen.info, "executed": engine.plan.to_json(), "state_chunk_executed": engine.layout.state_chunk},
@@ -174,6 +175,18 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     if cfg.progress:
         summary_table(summary)
     return summary | {"rank": ranks.rank}
+
+
+def _export(cfg: FinetuneConfig, engine: Any, out: str) -> str:
+    """Write the run's result; returns its path: OUTPUT/model (the trained model), or for LoRA
+    OUTPUT/adapter (a PEFT adapter directory), with ``--merge`` also OUTPUT/model (merged)."""
+    if cfg.lora is None:
+        engine.export(os.path.join(out, "model"), dtype=cfg.precision)
+        return os.path.join(out, "model")
+    engine.export_adapter(os.path.join(out, "adapter"), base=cfg.model)
+    if cfg.merge:
+        engine.export(os.path.join(out, "model"), dtype=cfg.precision)
+    return os.path.join(out, "adapter")
 
 
 def _on_every_rank(ranks: Any, check: Any) -> None:

@@ -74,7 +74,7 @@ def test_a_step_reads_the_device_back_once(tmp_path, monkeypatch, clip, ram):
         monkeypatch.setattr(torch.Tensor, "item", lambda t: items.append(1) or real_item(t))
         results = [eng.train_step(*d) for d in batches(2)]
         monkeypatch.setattr(torch.Tensor, "item", real_item)
-    assert reads == [2, 2] and items == []  # (loss, norm) once per step; no per-micro-batch or per-block read
+    assert reads == [3, 3] and items == []  # (loss, norm, balance loss) once per step; none per micro-batch or block
     assert all(r.applied and r.loss > 0 and r.grad_norm > 0 for r in results)
 
 

@@ -67,3 +67,15 @@ def test_data_parallel_bench_smoke(tmp_path):
     assert one["comm_bytes_per_rank"] == 0 < two["comm_bytes_per_rank"]
     assert 0.45 < two["ssd_share_max_rank"] < 0.6  # each rank moves about half of one process's bytes
     assert two["step_s"] > 0 and math.isfinite(two["step_ratio"])
+
+
+@pytest.mark.slow  # ~15 s: three trainers on a tiny model
+def test_lora_bench_smoke(tmp_path):
+    recs = run_bench("bench/bench_lora.py", tmp_path)
+    by = {r["trainer"]: r for r in recs}
+    assert set(by) == {"fuyou_full", "fuyou_lora", "plain_lora"} and all(r["smoke"] for r in recs)
+    assert by["fuyou_lora"]["ssd_write_bytes_per_step"] == 0 < by["fuyou_full"]["ssd_write_bytes_per_step"]
+    assert 0 < by["fuyou_lora"]["ssd_read_bytes_per_step"] < by["fuyou_full"]["ssd_read_bytes_per_step"]
+    assert 0 < by["fuyou_lora"]["lora_params"] < by["fuyou_lora"]["params"]
+    assert all(math.isfinite(r["vs_fuyou_full"]) and r["step_s_median"] > 0 for r in recs)
+    assert not os.listdir(tmp_path)

@@ -1,0 +1,179 @@
+"""LoRA on a frozen streamed base vs full fine-tuning of the same model, side by side in one run.
+
+    python bench/bench_lora.py [--hidden 1024 --layers 8 --seq 256 --batch 4 --rank 16] [--smoke]
+
+Three trainers on one random Llama and the same batches, each for ``--steps`` steps after
+``--warmup``, interleaved step by step so drift hits all alike:
+
+* ``fuyou_full``: Fuyou full fine-tuning (weights and Adam state stream from the store);
+* ``fuyou_lora``: Fuyou LoRA (``--rank``, every linear layer): the base streams read-only;
+* ``plain_lora``: ``peft`` + ``torch.optim.AdamW`` with the whole model in RAM (the reference).
+
+Prints one JSON line per trainer (median step time, tokens/s, SSD bytes read and written per step)
+and the ratios, and a Markdown table for ``bench/RESULTS.md`` on stderr. Clipping on (1.0, the CLI
+default), fp32 unless ``--precision bf16``. ``--smoke``: a tiny model, two steps after one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from bench.common import emit, hardware_info  # noqa: E402
+
+
+def model(args: argparse.Namespace):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3 // 32 * 32,
+        num_attention_heads=max(1, args.hidden // 64),
+        num_key_value_heads=max(1, args.hidden // 128),
+        num_hidden_layers=args.layers,
+        vocab_size=args.vocab,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=False,
+    )
+    cfg.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    return cfg, LlamaForCausalLM(cfg)
+
+
+def engine(cfg, sd, d: str, args: argparse.Namespace, lora):
+    from fuyou.engine import Engine, EngineConfig
+
+    os.makedirs(d)
+    ec = EngineConfig(
+        ssd_dirs=(d,),
+        precision=args.precision,
+        cpu_memory=args.cpu_memory,
+        max_grad_norm=1.0,
+        lr=1e-4,
+        lora=lora,
+    )
+    return Engine.from_state_dict(cfg, sd, ec)
+
+
+class PlainLora:
+    """``peft`` + AdamW in RAM: the reference LoRA step."""
+
+    def __init__(self, hf_model, settings) -> None:
+        from peft import get_peft_model
+
+        self.model = get_peft_model(hf_model, settings.peft_config())
+        if settings and hf_model.dtype != torch.float32:
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.data = p.data.float()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4)
+
+    def step(self, ids: torch.Tensor) -> dict:
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        return {"step_time_s": time.perf_counter() - t0, "ssd_read_bytes": 0, "ssd_write_bytes": 0, "loss": loss.item()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=16000)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--cpu-memory", default="4GiB")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--dir", default=None, help="where the stores go (default: a temporary directory)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model, two steps after one")
+    args = ap.parse_args()
+    if args.smoke:
+        args.hidden, args.layers, args.vocab, args.seq, args.batch, args.steps = 128, 2, 512, 32, 2, 2
+    from fuyou.models.lora import LoraSettings
+
+    settings = LoraSettings(rank=args.rank, alpha=2 * args.rank)
+    cfg, hf = model(args)
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(args.warmup + args.steps)]
+    with tempfile.TemporaryDirectory(dir=args.dir) as base:
+        full = engine(cfg, sd, os.path.join(base, "full"), args, None)
+        lora = engine(cfg, sd, os.path.join(base, "lora"), args, settings)
+        plain = PlainLora(hf.to(torch.bfloat16) if args.precision == "bf16" else hf, settings)
+        runs: dict[str, list[dict]] = {"fuyou_full": [], "fuyou_lora": [], "plain_lora": []}
+        try:
+            for i, ids in enumerate(data):
+                for name, step in (("fuyou_full", full.train_step), ("fuyou_lora", lora.train_step)):
+                    st = step(ids)
+                    if i >= args.warmup:
+                        runs[name].append(st.to_json())
+                st2 = plain.step(ids)
+                if i >= args.warmup:
+                    runs["plain_lora"].append(st2)
+            hw = hardware_info([base])
+        finally:
+            full.close()
+            lora.close()
+        report(args, runs, hw, lora.lora.numel if lora.lora else 0, sum(p.numel() for p in hf.parameters()))
+
+
+def report(args: argparse.Namespace, runs: dict[str, list[dict]], hw: dict, lora_params: int, params: int) -> None:
+    tokens = args.batch * args.seq
+    med = {n: statistics.median(r["step_time_s"] for r in rs) for n, rs in runs.items()}
+    rows = []
+    for name, rs in runs.items():
+        rec = {
+            "bench": "lora",
+            "trainer": name,
+            "smoke": args.smoke,
+            "hardware": hw,
+            "params": params,
+            "lora_params": lora_params,
+            "rank": args.rank,
+            "precision": args.precision,
+            "tokens_per_step": tokens,
+            "step_s_median": med[name],
+            "step_s_all": [r["step_time_s"] for r in rs],
+            "tokens_per_s": tokens / med[name],
+            "ssd_read_bytes_per_step": statistics.median(r["ssd_read_bytes"] for r in rs),
+            "ssd_write_bytes_per_step": statistics.median(r["ssd_write_bytes"] for r in rs),
+            "vs_fuyou_full": med[name] / med["fuyou_full"],
+            "vs_plain_lora": med[name] / med["plain_lora"],
+        }
+        emit(rec)
+        rows.append(rec)
+    table = [
+        f"Llama hidden {args.hidden} × {args.layers} layers, vocab {args.vocab} ({params / 1e6:.1f} M params), "
+        f"{args.batch} × {args.seq} tokens per step, {args.precision}, clipping 1.0, LoRA rank {args.rank} on every "
+        f"linear layer ({lora_params / 1e6:.2f} M params); median of {args.steps} steps after {args.warmup}, "
+        "the three trainers interleaved step by step\n",
+        "| trainer | s/step | ÷ Fuyou full | ÷ plain peft | tokens/s | SSD read MB/step | SSD write MB/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        table.append(
+            f"| {r['trainer']} | {r['step_s_median']:.2f} | {r['vs_fuyou_full']:.2f} | {r['vs_plain_lora']:.2f} | "
+            f"{r['tokens_per_s']:.0f} | {r['ssd_read_bytes_per_step'] / 1e6:.1f} | "
+            f"{r['ssd_write_bytes_per_step'] / 1e6:.1f} |"
+        )
+    print("\n".join(table), file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

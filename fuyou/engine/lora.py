@@ -1,0 +1,176 @@
+"""LoRA on a frozen, streamed base: ``peft``'s adapters, resident on the device, with their own AdamW.
+
+The base model's blocks stream as for full fine-tuning but are frozen. They get no gradients, no
+optimizer state traffic, no Adam update and no writes. The LoRA weights that ``peft`` injected
+(``fuyou.models.lora``) are the only trainable parameters. They stay fp32 and on the device for the
+whole run, initialised by ``peft`` (``reset_lora_parameters``) or taken from given tensors. After a
+step's backward they are clipped by their global norm and updated by ``torch.optim.AdamW``
+(``LoraState.step``).
+
+The adapters and their AdamW moments live in the store too, as one extent ``lora``. It is written
+and committed at every ``Engine.flush``: checkpoints, exports and the end of the run. The store is
+never written by a step of a frozen base, so each committed version's step count and ``lora``
+extent agree. Checkpoints (hard links to a committed version) and ``Engine.resume`` therefore cover
+the adapters with no machinery of their own (``extent``, ``save_to``, ``load_from``).
+
+The output is a PEFT adapter directory that ``peft.PeftModel.from_pretrained`` loads:
+``adapter_config.json`` and ``adapter_model.safetensors`` (``LoraState.save``). ``merged`` gives a
+base weight plus its LoRA update, for a merged full model.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from fuyou.errors import ConfigError
+from fuyou.models.lora import ADAPTER, LoraSettings, is_lora
+from fuyou.storage.extents import ExtentSpec, TensorSpec
+
+
+class LoraState:
+    """The trainable LoRA weights on the device and their AdamW."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: LoraSettings,
+        device: torch.device,
+        init: dict[str, torch.Tensor],
+        hyper: dict[str, Any],
+    ) -> None:
+        """Materialise ``model``'s LoRA weights on ``device`` (fp32): ``init``'s tensors by parameter
+        name where given (all or none), else ``peft``'s initialisation seeded with ``settings.seed``.
+        ``hyper``: AdamW's ``betas``, ``eps``, ``weight_decay``."""
+        from peft.tuners.lora import LoraLayer
+
+        self.settings = settings
+        self.layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
+        """The LoRA layers by the Hugging Face key of the weight they adapt."""
+        with torch.random.fork_rng(devices=[]):  # the same adapters every run: seeded, on the host
+            torch.manual_seed(settings.seed)
+            for layer in self.layers.values():
+                layer.lora_A.to_empty(device="cpu")
+                layer.lora_B.to_empty(device="cpu")
+                layer.reset_lora_parameters(ADAPTER, True)
+                for p in list(layer.lora_A.parameters()) + list(layer.lora_B.parameters()):
+                    p.data = p.data.float().to(device)
+        self.params = {n: p for n, p in model.named_parameters() if is_lora(n)}
+        given = {k: v for k, v in init.items() if is_lora(k)}
+        if given:
+            missing = sorted(set(self.params) - set(given))
+            if missing:
+                raise ConfigError(f"LoRA weights given for some layers but not for {missing[:3]}")
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(given[n])
+        self.optimizer = torch.optim.AdamW(list(self.params.values()), lr=0.0, foreach=False, **hyper)
+
+    @property
+    def numel(self) -> int:
+        """Trainable parameters."""
+        return sum(p.numel() for p in self.params.values())
+
+    def zero_grad(self) -> None:
+        """Drop the last step's gradients (set to None)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def sq_norm(self) -> torch.Tensor:
+        """Σ of the squared gradients (a 0-d fp64 tensor on the device; 0 when none arrived)."""
+        grads = [p.grad for p in self.params.values() if p.grad is not None]
+        dev = next(iter(self.params.values())).device
+        if not grads:
+            return torch.zeros((), dtype=torch.float64, device=dev)
+        return torch.stack([g.double().square().sum() for g in grads]).sum()
+
+    def step(self, lr: float, scale: float) -> None:
+        """One AdamW update at ``lr``, the gradients first multiplied by ``scale`` (clipping)."""
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        if scale != 1.0:
+            for p in self.params.values():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        self.optimizer.step()
+
+    EXTENT = "lora"
+
+    def extent(self) -> ExtentSpec:
+        """The store extent holding every adapter weight and its AdamW moments (fp32)."""
+        specs = []
+        for n, p in self.params.items():
+            specs += [TensorSpec(f"{part}/{n}", tuple(p.shape), torch.float32) for part in ("w", "m", "v")]
+        return ExtentSpec(self.EXTENT, tuple(specs))
+
+    def save_to(self, store: Any) -> None:
+        """Write the adapters and their moments into the store's ``lora`` extent (not yet committed)."""
+        spec = self.extent()
+        buf = torch.zeros(spec.nbytes, dtype=torch.uint8)
+        views = spec.views(buf)
+        for n, p in self.params.items():
+            st = self.optimizer.state.get(p, {})
+            views[f"w/{n}"].copy_(p.detach())
+            for part, key in (("m", "exp_avg"), ("v", "exp_avg_sq")):
+                if key in st:
+                    views[f"{part}/{n}"].copy_(st[key])
+        store.write(self.EXTENT, buf).result()
+
+    def load_from(self, store: Any, step: int) -> None:
+        """Restore the adapters and their moments from the store's ``lora`` extent after ``step``
+        updates. Raises ConfigError when the store holds other adapters (or none)."""
+        names = {e.name: e for e in store.extents}
+        if names.get(self.EXTENT) != self.extent():
+            what = "no LoRA adapters" if self.EXTENT not in names else "LoRA adapters of another rank or targets"
+            raise ConfigError(
+                f"the store in {store.dirs[0]} holds {what}; resume with the --lora-* settings it was trained with"
+            )
+        buf = torch.empty(self.extent().nbytes, dtype=torch.uint8)
+        store.read(self.EXTENT, buf).result()
+        views = self.extent().views(buf)
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(views[f"w/{n}"])
+                if step:
+                    self.optimizer.state[p] = {
+                        "step": torch.tensor(float(step)),
+                        "exp_avg": views[f"m/{n}"].to(p.device).clone(),
+                        "exp_avg_sq": views[f"v/{n}"].to(p.device).clone(),
+                    }
+
+    @torch.no_grad()
+    def merged(self, key: str, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` (the base's, by Hugging Face ``key``, on the host) plus its LoRA update
+        ``scaling · B · A``; other weights unchanged."""
+        layer = self.layers.get(key)
+        if layer is None:
+            return weight
+        a: torch.Tensor = layer.lora_A[ADAPTER].weight  # type: ignore[assignment]
+        b: torch.Tensor = layer.lora_B[ADAPTER].weight  # type: ignore[assignment]
+        delta = (b.double() @ a.double()) * layer.scaling[ADAPTER]
+        if getattr(layer, "fan_in_fan_out", False):  # GPT-2's Conv1D keeps weights as [in, out]
+            delta = delta.T
+        return (weight.double() + delta.cpu()).to(weight.dtype)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The LoRA weights by parameter name (host copies)."""
+        return {n: p.detach().cpu().clone() for n, p in self.params.items()}
+
+    def save(self, out_dir: str, base: str | None) -> None:
+        """Write a PEFT adapter directory: ``adapter_config.json`` (``base`` as the base model's path)
+        and ``adapter_model.safetensors`` with ``peft``'s key names. Written to ``out_dir.partial``
+        and renamed, so ``out_dir`` is never half-written."""
+        import shutil
+
+        from safetensors.torch import save_file
+
+        tmp = out_dir.rstrip("/") + ".partial"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        self.settings.peft_config(base).save_pretrained(tmp)
+        tensors = {"base_model.model." + n.replace(f".{ADAPTER}.", "."): t for n, t in self.state_dict().items()}
+        save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)

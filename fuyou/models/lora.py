@@ -1,0 +1,88 @@
+"""LoRA settings and ``peft``'s LoRA layers in a model skeleton (``fuyou.engine.lora`` trains them).
+
+``peft`` injects its layers into the meta-device skeleton (``inject``). A wrapped linear layer's
+base weight is then named ``…q_proj.base_layer.weight``, which is ``…q_proj.weight`` in the
+Hugging Face checkpoint and in the store (``base_key``). Its LoRA weights (``is_lora``) are not
+part of any streamed block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from fuyou.errors import ConfigError
+
+ADAPTER = "default"
+"""The adapter name inside ``peft``'s layers."""
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """``--lora-rank/--lora-alpha/--lora-dropout/--lora-targets``."""
+
+    rank: int
+    alpha: int
+    """Scaling numerator: the adapters' output is multiplied by alpha / rank."""
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ("all-linear",)
+    """Module names (``peft``'s ``target_modules``), matched against the model's linear layers;
+    ``all-linear``: every linear layer but the output head."""
+    seed: int = 0
+    """Seed of the adapters' initialisation (``--seed``)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.rank, int) or self.rank < 1:
+            problems.append(f"--lora-rank must be an integer ≥ 1, got {self.rank!r}")
+        if not isinstance(self.alpha, int) or self.alpha < 1:
+            problems.append(f"--lora-alpha must be an integer ≥ 1, got {self.alpha!r}")
+        if not 0 <= self.dropout < 1:
+            problems.append(f"--lora-dropout must be in [0, 1), got {self.dropout!r}")
+        if not self.targets:
+            problems.append("--lora-targets names no module")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+    def peft_config(self, base: str | None = None) -> Any:
+        """The ``peft.LoraConfig`` of these settings."""
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules="all-linear" if self.targets == ("all-linear",) else list(self.targets),
+            base_model_name_or_path=base,
+            task_type="CAUSAL_LM",
+        )
+
+
+def is_lora(name: str) -> bool:
+    """Whether a parameter name (``named_parameters``) is a LoRA weight."""
+    return ".lora_" in name or name.startswith("lora_")
+
+
+def base_key(name: str) -> str:
+    """The Hugging Face key of a base parameter inside a ``peft`` layer (``q_proj.base_layer.weight``
+    → ``q_proj.weight``)."""
+    return name.replace(".base_layer.", ".").replace("base_layer.", "")
+
+
+def inject(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Wrap ``model``'s target linear layers with ``peft``'s LoRA layers, in place (meta device).
+
+    Raises ConfigError when no module matches ``settings.targets``, naming the model's linear layers.
+    """
+    from peft import inject_adapter_in_model
+
+    try:
+        return inject_adapter_in_model(settings.peft_config(), model, adapter_name=ADAPTER)
+    except ValueError as e:
+        names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
+        raise ConfigError(
+            f"--lora-targets {','.join(settings.targets)} matches no layer of this model ({str(e).splitlines()[0][:120]}); "
+            f"its linear layers are {', '.join(names)}"
+        ) from None
