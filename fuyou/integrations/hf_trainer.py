@@ -44,6 +44,7 @@ from transformers import Trainer, TrainingArguments
 
 from fuyou.engine import Engine, EngineConfig
 from fuyou.errors import ConfigError
+from fuyou.models.lora import ADAPTER, LoraSettings, base_key, is_lora
 from fuyou.run.plan_choice import ChosenPlan, PlanRequest, choose_plan
 
 SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
@@ -166,7 +167,8 @@ class FuyouTrainer(Trainer):
         from fuyou.run.ranks import join
 
         super().__init__(model=model, args=args, **kwargs)
-        req, seq_from = plan_request(args, model.config)
+        lora, state, config = _peft_parts(model)
+        req, seq_from = plan_request(args, config)
         self._ranks = join(device_kind(req.device))  # torchrun: Trainer's process group, and Fuyou's shards
         if self._ranks.world > 1:  # Fuyou synchronizes the ranks itself: accelerate must not wrap the model in DDP
             prepare = self.accelerator.prepare_model
@@ -194,8 +196,9 @@ class FuyouTrainer(Trainer):
             - frozenset(self.get_decay_parameter_names(model)),
             plan=self.plan_choice.plan,
             moe_balance=args.moe_balance,
+            lora=lora,
         )
-        self.engine = Engine.from_state_dict(model.config, model.state_dict(), cfg)
+        self.engine = Engine.from_state_dict(config, state, cfg)
         if args.bf16:
             _warn_if_bf16_is_slow(self.engine.backend)
         self._planned_seq_len = req.seq_len
@@ -284,7 +287,10 @@ class FuyouTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the trained weights as a Hugging Face directory (streamed safetensors), plus the tokenizer."""
         out = str(output_dir or self.args.output_dir)
-        self.engine.export(out, dtype="bf16" if self.args.bf16 else "fp32")  # every rank; rank 0 writes
+        if self.engine.lora is not None:  # a PEFT model: its adapter directory, as PeftModel.save_pretrained writes
+            self.engine.export_adapter(out, base=getattr(self.engine.adapter.config, "_name_or_path", None) or None)
+        else:
+            self.engine.export(out, dtype="bf16" if self.args.bf16 else "fp32")  # every rank; rank 0 writes
         if self.processing_class is not None and self._ranks.root:
             self.processing_class.save_pretrained(out)
 
@@ -292,6 +298,14 @@ class FuyouTrainer(Trainer):
         """Train, then load the final weights into ``self.model`` so it can be used right away."""
         out = super().train(*args, **kwargs)
         self.engine.flush()
+        if self.engine.lora is not None:  # a PEFT model: its base stayed frozen, its adapters trained
+            trained = self.engine.lora.state_dict()
+            peft_model: Any = self._model()
+            named = dict(peft_model.get_base_model().named_parameters())
+            with torch.no_grad():
+                for name, t in trained.items():
+                    named[name.replace(f".{ADAPTER}.", f".{peft_model.active_adapter}.")].copy_(t)
+            return out
         trained = dict(self.engine.master_weights(everywhere=True))
         with torch.no_grad():
             for name, p in self._model().named_parameters():
@@ -394,6 +408,50 @@ class FuyouTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """The weights come back with the SSD state in ``_load_optimizer_and_scheduler``."""
+
+
+def _peft_parts(model: Any) -> tuple[LoraSettings | None, dict[str, torch.Tensor], Any]:
+    """(LoRA settings, the engine's state dict, the base model's config) of ``model``: a plain HF model
+    (no LoRA), or a ``peft`` model with one LoRA adapter (its base streamed frozen, the adapters
+    trained from their current values). Raises ConfigError for PEFT features Fuyou does not train."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return None, model.state_dict(), model.config
+    if not isinstance(model, PeftModel):
+        return None, model.state_dict(), model.config
+    pcs = model.peft_config
+    pc: Any = pcs.get(model.active_adapter)  # a LoraConfig when the checks below pass
+    problems = []
+    if len(pcs) != 1 or pc is None:
+        problems.append(f"one adapter (this model has {sorted(pcs)})")
+    elif getattr(pc.peft_type, "value", pc.peft_type) != "LORA":
+        problems.append(f"LoRA adapters (this one is {pc.peft_type})")
+    else:
+        for flag in ("use_dora", "use_rslora", "modules_to_save", "layers_to_transform"):
+            if getattr(pc, flag, None):
+                problems.append(f"no {flag}")
+        if pc.bias != "none":
+            problems.append('bias="none"')
+        if float(pc.lora_alpha) != int(pc.lora_alpha):
+            problems.append(f"an integer lora_alpha (not {pc.lora_alpha})")
+    if problems:
+        raise ConfigError("FuyouTrainer trains PEFT models with " + ", ".join(problems))
+    targets = pc.target_modules
+    settings = LoraSettings(
+        int(pc.r),
+        int(pc.lora_alpha),
+        float(pc.lora_dropout),
+        (targets,) if isinstance(targets, str) else tuple(sorted(targets)),
+    )
+    base = model.get_base_model()
+    state = {}
+    for k, v in base.state_dict().items():
+        if is_lora(k):
+            state[k.replace(f".{model.active_adapter}.", f".{ADAPTER}.")] = v
+        else:
+            state[base_key(k)] = v
+    return settings, state, base.config
 
 
 def plan_request(args: FuyouTrainingArguments, config: Any) -> tuple[PlanRequest, str]:

@@ -245,3 +245,49 @@ def test_a_mixture_of_experts_trains_with_the_balance_loss_trainer_computes(tmp_
         ok = (v - ref_sd[k]).abs() <= 1e-5 * ref_sd[k].abs().max() + 1e-12
         close, total = close + int(ok.sum()), total + ok.numel()
     assert close >= 0.98 * total
+
+
+def test_a_peft_model_trains_its_adapters_as_plain_trainer_does(tmp_path):
+    """A ``peft`` LoRA model: Fuyou streams the base frozen and trains the adapters. Losses and
+    adapter weights equal transformers.Trainer's on the same model; ``save_model`` writes a PEFT
+    adapter directory that peft loads with the same logits. Other PEFT features are refused by name."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    _, model = tiny("qwen2", layers=2)
+    fresh = copy.deepcopy(model)
+    torch.manual_seed(1)
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():  # B starts at zero in peft: give it values so A trains from the first step
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    ref_pm = copy.deepcopy(pm)
+    data = dataset()
+    ref = Trainer(
+        model=ref_pm,
+        args=TrainingArguments(output_dir=str(tmp_path / "ref"), optim="adamw_torch", **COMMON),
+        train_dataset=data,
+    )
+    ref.train()
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    args = FuyouTrainingArguments(
+        output_dir=str(tmp_path / "fy"), optim="adamw_torch", ssd_dirs=[str(ssd)], cpu_memory="64MiB", **COMMON
+    )
+    fy = FuyouTrainer(model=pm, args=args, train_dataset=data)
+    assert fy.engine.lora is not None
+    fy.train()
+    assert losses(fy) == pytest.approx(losses(ref), rel=1e-5)
+    want = {n: p for n, p in ref_pm.named_parameters() if p.requires_grad}
+    got = dict(pm.named_parameters())
+    assert want and all((got[n] - p).abs().max() <= 1e-5 * p.abs().max() + 1e-12 for n, p in want.items())
+    fy.save_model(str(tmp_path / "adapter"))
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        loaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+        torch.testing.assert_close(
+            loaded(input_ids=ids).logits, ref_pm.eval()(input_ids=ids).logits, rtol=1e-4, atol=1e-5
+        )
+    dora = get_peft_model(copy.deepcopy(fresh), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(ConfigError, match="FuyouTrainer trains PEFT models with no use_dora"):
+        FuyouTrainer(model=dora, args=args, train_dataset=data)
