@@ -97,10 +97,12 @@ class Engine:
         rank, world = (self.comm.rank, self.comm.world) if self.comm is not None else (0, 1)
         blocks = tuple(self.adapter.blocks)
         plan = rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0)
+        if cfg.lora is not None:  # the base only streams in: no state, no gradient or weight traffic out
+            plan = dataclasses.replace(plan, frozen=True, ram_state_blocks=0)
         rules.check_ram_tier(plan, len(blocks))
         if store is None:
             layout = ModelLayout(
-                blocks, DTYPES[cfg.precision], DTYPES[cfg.state_precision], plan.state_chunk, rank, world
+                blocks, DTYPES[cfg.precision], DTYPES[cfg.state_precision], plan.state_chunk, rank, world, plan.frozen
             )
         else:
             layout = _stored_layout(blocks, store, cfg, rank, world)
@@ -276,7 +278,7 @@ class Engine:
             self.tier.write_through(lay.w(b).name, w).result()
         finally:
             self.pool.release(buf)
-        for c, (lo, hi) in enumerate(lay.chunks(b)):
+        for c, (lo, hi) in enumerate([] if lay.frozen else lay.chunks(b)):
             ext = lay.s(b, c)
             buf = self.pool.acquire(sizing.STATE)
             try:
@@ -290,13 +292,17 @@ class Engine:
     def commit_meta(self) -> dict:
         """What each committed store version records: progress, and the layout facts export needs."""
         lay = self.layout
-        return {
-            "step": self.step,
-            "lr": self.lr,
-            "compute_dtype": str(lay.compute_dtype).removeprefix("torch."),
-            "state_dtype": str(lay.state_dtype).removeprefix("torch."),
-            "state_chunk": lay.state_chunk,
-        } | ({"rank": lay.rank, "world": lay.world} if lay.world > 1 else {})
+        return (
+            {
+                "step": self.step,
+                "lr": self.lr,
+                "compute_dtype": str(lay.compute_dtype).removeprefix("torch."),
+                "state_dtype": str(lay.state_dtype).removeprefix("torch."),
+                "state_chunk": lay.state_chunk,
+            }
+            | ({"rank": lay.rank, "world": lay.world} if lay.world > 1 else {})
+            | ({"frozen": True} if lay.frozen else {})
+        )
 
     def _save_model_files(self) -> None:
         """Keep the HF config (and tokenizer files) with the store, so ``fuyou export`` needs nothing else."""
@@ -574,4 +580,12 @@ def _stored_layout(blocks: tuple, store: TensorStore, cfg: EngineConfig, rank: i
             f"the store in {store.dirs[0]} was trained with --precision "
             f"{'bf16' if compute == torch.bfloat16 else 'fp32'}; resume with the same precision"
         )
-    return ModelLayout(blocks, compute, dtype_from_name(meta["state_dtype"]), meta["state_chunk"], rank, world)
+    return ModelLayout(
+        blocks,
+        compute,
+        dtype_from_name(meta["state_dtype"]),
+        meta["state_chunk"],
+        rank,
+        world,
+        bool(meta.get("frozen")),
+    )

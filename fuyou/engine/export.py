@@ -26,7 +26,12 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def read_master(store: TensorStore | RamTier, layout: ModelLayout, b: int) -> torch.Tensor:
-    """Block ``b``'s fp32 master vector as ``store`` holds it (this rank's shard when sharded)."""
+    """Block ``b``'s fp32 master vector as ``store`` holds it (this rank's shard when sharded); a
+    frozen base's (no optimizer state) is its compute weights, which never change."""
+    if layout.frozen:
+        w = torch.empty(layout.w(b).nbytes, dtype=torch.uint8)
+        store.read(layout.w(b).name, w).result()
+        return w.view(layout.compute_dtype)[: layout.numel(b)].float()
     master = torch.empty(layout.numel(b), dtype=torch.float32)
     for c, (lo, hi) in enumerate(layout.chunks(b)):
         s = torch.empty(layout.s(b, c).nbytes, dtype=torch.uint8)
@@ -158,5 +163,6 @@ def _store_layout(store: TensorStore, first: str, ranked: bool) -> tuple[ModelLa
         meta["state_chunk"],
         meta.get("rank", 0),
         meta.get("world", 1),
+        bool(meta.get("frozen", False)),
     )
     return layout, config, files

@@ -45,6 +45,8 @@ class ModelLayout:
     """This process's data-parallel rank."""
     world: int = 1
     """Data-parallel ranks the blocks are sharded over (1: no sharding)."""
+    frozen: bool = False
+    """A frozen base (LoRA): compute weights only, no optimizer-state extents."""
 
     def __post_init__(self) -> None:
         if self.state_chunk <= 0 or self.state_chunk % 32:
@@ -114,7 +116,8 @@ class ModelLayout:
         out = []
         for b in range(len(self.blocks)):
             out.append(self.w(b))
-            out += [self.s(b, c) for c in range(len(self.chunks(b)))]
+            if not self.frozen:
+                out += [self.s(b, c) for c in range(len(self.chunks(b)))]
         return out
 
     def index(self, name: str) -> int:

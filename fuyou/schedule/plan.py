@@ -53,6 +53,9 @@ class Plan:
     ``overlap_backward`` with a RAM tier parks blocks 1…R−1's): blocks 0…N−1 in host RAM, later blocks
     on SSD (written as backward finishes them, read back by the Adam pass: ``fuyou.transfer.grad_park``).
     None: every block in RAM."""
+    frozen: bool = False
+    """No block trains (LoRA on a frozen base: ``fuyou.engine.lora``): weights are only read; no
+    gradient leaves the device, and there is no optimizer state, Adam or write."""
     state_chunk: int = 1 << 23
     """Elements per optimizer-state chunk, a multiple of 32 (8 Mi: 96 MiB of fp32 master + m + v):
     host memory for state is ``state_buffers`` × one chunk, whatever the largest block. A resumed
@@ -73,6 +76,8 @@ class Plan:
         for name in ("ram_weight_blocks", "ram_state_blocks"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be ≥ 0, got {getattr(self, name)}")
+        if self.frozen and self.ram_state_blocks:
+            problems.append("a frozen base has no optimizer state to keep in RAM (ram_state_blocks must be 0)")
         if self.park_ram_blocks is not None and self.park_ram_blocks < 0:
             problems.append(f"park_ram_blocks must be ≥ 0 or None, got {self.park_ram_blocks}")
         bad = [p for p in self.activation_policy if p not in POLICIES]

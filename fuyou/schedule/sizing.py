@@ -106,8 +106,11 @@ def state_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
 
 
 def buffer_classes(fp: Footprint, plan: Plan) -> list[BufferClass]:
-    """The host buffers ``plan`` streams through, in reservation order (the RAM tier apart)."""
+    """The host buffers ``plan`` streams through, in reservation order (the RAM tier apart). A frozen
+    base (``Plan.frozen``) streams weights only."""
     w = max(fp.weight_bytes)
+    if plan.frozen:
+        return [BufferClass(WEIGHTS, w, plan.prefetch_depth + 1)]
     g = max(fp.grad_bytes(b) for b in range(fp.nblocks))
     state = fp.state_extent_bytes(min(plan.state_chunk, max(fp.numels)))
     out = [

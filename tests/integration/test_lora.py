@@ -82,6 +82,10 @@ def test_lora_trains_as_peft(tmp_path, family, policy, K, clip):
             assert (v - ref[k]).abs().max() <= 1e-5 * ref[k].abs().max() + 1e-12, k
         base = dict(eng.master_weights())
         assert all(torch.equal(base[k], base_sd[k]) for k in base)  # never rewritten
+        from fuyou.schedule import sizing
+
+        assert eng.plan.frozen and not any(e.name.startswith("s/") for e in eng.store.extents)  # no optimizer state
+        assert [c.name for c in sizing.buffer_classes(eng.layout.footprint(), eng.plan)] == [sizing.WEIGHTS]
     finally:
         eng.close()
 
