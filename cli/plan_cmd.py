@@ -83,6 +83,11 @@ def _profile_path(path: str | None) -> str:
     show_default=True,
     help="Bus bandwidth of collectives across nodes (each node's link): ib200 or GB/s.",
 )
+@click.option(
+    "--lora-rank",
+    type=int,
+    help="Plan LoRA of this rank on the frozen base: weights only read, no optimizer state or writes.",
+)
 @click.option("--json", "json_out", type=click.Path(), help="Also write the result as JSON here ('-' for stdout only).")
 def plan_cmd(
     model: str,
@@ -103,6 +108,7 @@ def plan_cmd(
     nodes: int,
     interconnect: str,
     network: str,
+    lora_rank: int | None,
     json_out: str | None,
 ) -> None:
     """Plan a run of MODEL (a model directory, a config.json, or a named shape such as GPT-3-13B).
@@ -136,6 +142,7 @@ def plan_cmd(
         activations=activations,
         precision=precision,
         cluster=cluster,
+        frozen=lora_rank is not None,
     )
     res = search(shape, prof, bud, req)
     if json_out == "-":

@@ -168,7 +168,7 @@ class FuyouTrainer(Trainer):
 
         super().__init__(model=model, args=args, **kwargs)
         lora, state, config = _peft_parts(model)
-        req, seq_from = plan_request(args, config)
+        req, seq_from = plan_request(args, config, frozen=lora is not None)
         self._ranks = join(device_kind(req.device))  # torchrun: Trainer's process group, and Fuyou's shards
         if self._ranks.world > 1:  # Fuyou synchronizes the ranks itself: accelerate must not wrap the model in DDP
             prepare = self.accelerator.prepare_model
@@ -454,7 +454,7 @@ def _peft_parts(model: Any) -> tuple[LoraSettings | None, dict[str, torch.Tensor
     return settings, state, base.config
 
 
-def plan_request(args: FuyouTrainingArguments, config: Any) -> tuple[PlanRequest, str]:
+def plan_request(args: FuyouTrainingArguments, config: Any, frozen: bool = False) -> tuple[PlanRequest, str]:
     """The plan chooser's request for a Trainer run of a model with ``config``, and where its sequence
     length came from (``seq_len``, else the model's maximum positions capped: see the module docstring)."""
     if args.seq_len is not None:
@@ -481,6 +481,7 @@ def plan_request(args: FuyouTrainingArguments, config: Any) -> tuple[PlanRequest
         profile=args.profile,
         profile_out=os.path.join(str(args.output_dir), FUYOU_PROFILE),
         ranks=max(1, args.world_size),
+        frozen=frozen,
     )
     return req, seq_from
 

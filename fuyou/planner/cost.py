@@ -34,7 +34,8 @@ DAY_S = 86400.0
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 """Busy kinds of the ``comm`` resource (``graph.StepGraph._collective``)."""
 FLOP_FORMULA = (
-    "model FLOPs = tokens × (6·N_matmul + 12·L·d·T); recompute not counted (ModelShape.train_flops_per_token)"
+    "model FLOPs = tokens × (6·N_matmul + 12·L·d·T), 4·N_matmul for LoRA's frozen base; recompute not counted "
+    "(ModelShape.train_flops_per_token)"
 )
 
 
@@ -128,7 +129,8 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     ssd_blocks = [b for b in range(H) if pol[b] == "swap_ssd"]
     staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)
     swap_cpu += offloaded * T * shape.hidden * cb
-    store = sum(cb * b.numel + cfg.state_bytes_per_param * b.numel for b in own)
+    state = 0 if plan.frozen else cfg.state_bytes_per_param  # a frozen base (LoRA) stores no optimizer state
+    store = sum(cb * b.numel + state * b.numel for b in own)
     parked = sum(cb * own[b].numel for b in rules.parked_on_ssd(H + 1, g.p))
     return Memory(
         device=device,
@@ -145,7 +147,7 @@ def predict(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfil
     step_s, busy, comm_bytes = simulate(shape, plan, cfg, prof)
     busy = {k: v for k, v in busy.items() if k != "sync"}
     tokens = plan.grad_accum * cfg.micro_batch_size * cfg.seq_len * cfg.cluster.world
-    flops = float(tokens * shape.train_flops_per_token(cfg.seq_len))
+    flops = float(tokens * shape.train_flops_per_token(cfg.seq_len, plan.frozen))
     rb = round(busy.get("ssd_read", 0.0) * prof.ssd_read_Bps)
     wb = round(busy.get("ssd_write", 0.0) * prof.ssd_write_Bps)
     view = dict(busy)

@@ -125,6 +125,11 @@ class StepGraph:
         gradients into the preset buffer (``grad_add_rate``). The head adds its weight gradient in its
         GEMM (``adapters.HeadLinear``); the embedding's backward is sparse, a scatter of the tokens' rows."""
         blk, hw = self.m.blocks[b], self.hw
+        if self.p.frozen:  # LoRA: input gradients only (half the backward), nothing for a frozen embedding
+            if blk.kind == "embed":
+                return 0.0
+            f = blk.fwd_flops_per_token(self.m.hidden, self.c.seq_len) * self.mb_tokens
+            return self.K * f / hw.flops_per_s(self.mb_tokens, backward=True, head=blk.kind == "head")
         zero = self.c.compute_bytes * blk.numel / hw.device_mem_Bps
         if blk.kind == "embed":
             return zero + self.K * self.mb_tokens * self.m.hidden * self.c.compute_bytes / hw.device_mem_Bps
@@ -285,7 +290,11 @@ class StepGraph:
 
     def hand_off(self, b: int, bwd: int) -> None:
         """Gradient reduce-scatter (data parallel), norm (a read of the gradient on the device, then a
-        sync), device→host copy, then Adam now (overlap_backward) or parked."""
+        sync), device→host copy, then Adam now (overlap_backward) or parked. A frozen base
+        (``Plan.frozen``: LoRA) hands nothing off."""
+        if self.p.frozen:
+            self._t(bwd) if self.cpu else None
+            return
         bwd = self._collective(b, "reduce_scatter", bwd)
         self._t(bwd)
         self._t(self.sim.op("compute", self.own.blocks[b].numel / self.hw.grad_norm_rate, (self.thread,), "norm"))
@@ -338,6 +347,10 @@ class StepGraph:
         self.all_writes += writes + [ww]
 
     def finish(self) -> None:
+        if self.p.frozen:  # LoRA: the adapters' update is on the device, tiny; nothing is written
+            self.prev_writes, self.prev_all, self.prev_done = {}, [], {}
+            self.ends.append(self._t(self.compute))
+            return
         self._all_reduce()
         if not self.p.clips:
             self._t(*self.all_writes)

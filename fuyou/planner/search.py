@@ -84,6 +84,8 @@ class Request:
     """Compute dtype (``--precision`` after ``auto`` is resolved): bf16 (2 B/element) or fp32 (4)."""
     cluster: Cluster = Cluster()
     """Data-parallel ranks: ``tokens_per_step`` is the global batch, split evenly over them."""
+    frozen: bool = False
+    """LoRA on a frozen base (``Plan.frozen``): weights are only read; no gradients, state or writes."""
 
 
 class _Search:
@@ -132,6 +134,7 @@ class _Search:
             state_buffers=bufs,
             park_ram_blocks=self.park if sched == "overlap_next_forward" else None,
             state_chunk=chunk,
+            frozen=self.r.frozen,
         )
 
     def cfg(self, mb: int) -> StepConfig:
@@ -252,7 +255,8 @@ class _Search:
 
     # ------------------------------------------------------------------ errors
     def _check_static(self, sched: str) -> None:
-        m, spp, cb = self.own, self.spp, self.cb  # one rank's shards
+        m, cb = self.own, self.cb  # one rank's shards
+        spp = 0 if self.r.frozen else self.spp
         store = 2 * sum((cb + spp) * b.numel for b in m.blocks)
         if self.b.ssd_bytes and store > self.b.ssd_bytes:
             raise InfeasibleError(
@@ -262,7 +266,9 @@ class _Search:
                 f"directories or use --state-precision bf16"
             )
         need = host_buffers(
-            m, Plan(prefetch_depth=1, schedule=sched, park_ram_blocks=0, state_chunk=MIN_CHUNK), self.cfg(1)
+            m,
+            Plan(prefetch_depth=1, schedule=sched, park_ram_blocks=0, state_chunk=MIN_CHUNK, frozen=self.r.frozen),
+            self.cfg(1),
         )
         if need > self.b.cpu_memory:
             big = max(b.numel for b in m.blocks)
@@ -349,7 +355,7 @@ class _Search:
                 break
             spare -= self.cb * blk.numel
             w += 1
-        for blk in self.own.blocks if w == len(self.own.blocks) else ():
+        for blk in self.own.blocks if w == len(self.own.blocks) and not self.r.frozen else ():
             if self.spp * blk.numel > spare:
                 break
             spare -= self.spp * blk.numel

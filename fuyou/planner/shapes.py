@@ -170,15 +170,16 @@ class ModelShape:
         """Trainable elements (store layout)."""
         return sum(b.numel for b in self.blocks)
 
-    def train_flops_per_token(self, seq_len: int) -> int:
+    def train_flops_per_token(self, seq_len: int, frozen: bool = False) -> int:
         """Model FLOPs per token, what achieved TFLOPS and MFU are computed from (the run's report too):
         6 · N_matmul + 12 · L · d · T. N_matmul counts every weight used in a matrix multiply (linear
         layers and the LM head, tied or not; embedding lookups and norms excluded); the second term
         is attention's QKᵀ and AV, 2 · 2 · L · d · T per token forward, × 3 for forward + backward,
         without causal halving (PaLM's MFU accounting). Recomputation is not counted: model FLOPs,
-        not hardware FLOPs."""
+        not hardware FLOPs. A frozen base (LoRA, ``frozen``) computes no weight gradients: 4 · N_matmul
+        (the adapters' own FLOPs are not counted)."""
         n_matmul = sum(b.matmul_flops_per_token for b in self.blocks) // 2
-        return 6 * n_matmul + 12 * self.layers * self.hidden * seq_len
+        return (4 if frozen else 6) * n_matmul + 12 * self.layers * self.hidden * seq_len
 
     def sharded(self, world: int) -> ModelShape:
         """What one of ``world`` data-parallel ranks stores, streams and updates: every block's numel

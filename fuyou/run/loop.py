@@ -71,6 +71,7 @@ def plan_request(cfg: FinetuneConfig, config: Any, stripes: list[str] | None = N
         profile=cfg.profile,
         profile_out=os.path.join(cfg.output, "profile.json"),
         ranks=ranks,
+        frozen=cfg.lora_rank is not None,
     )
 
 
@@ -363,7 +364,9 @@ def _train(
     from fuyou.planner.shapes import shape_from_config
 
     total = data.total_steps
-    fpt = shape_from_config(config.to_dict()).train_flops_per_token(cfg.seq_len)  # model FLOPs: FLOP_FORMULA
+    fpt = shape_from_config(config.to_dict()).train_flops_per_token(
+        cfg.seq_len, cfg.lora_rank is not None
+    )  # FLOP_FORMULA
     c: dict[str, Any] = {
         "tokens": 0,
         "written": 0,

@@ -80,6 +80,8 @@ class PlanRequest:
     """Hardware profile JSON; None: ``$FUYOU_PROFILE``, this machine's ``hw.json``, else measured."""
     profile_out: str | None = None
     """Where a profile measured now is saved (None: not saved; it is cached per machine either way)."""
+    frozen: bool = False
+    """LoRA on a frozen base: the plan streams weights only (``Plan.frozen``)."""
     ranks: int = 1
     """Data-parallel ranks (``torchrun``): the plan is one rank's, for its shards of the state and its
     ``micro_batch_size × grad_accum`` sequences; the budgets are per rank."""
@@ -230,6 +232,7 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         activations=req.activations,
         precision=req.precision,
         cluster=Cluster(req.ranks),  # one node; the link speed shapes the prediction, not the plan's memory
+        frozen=req.frozen,
     )
     res = search(shape, prof, budgets, sreq)
     p = res.prediction

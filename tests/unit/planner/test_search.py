@@ -112,3 +112,20 @@ def test_a_block_too_big_for_the_device_at_any_length_says_so():
         search(load_shape("mixtral-8x22b"), HW, Budgets(cpu_memory=128 * GiB, gpu_memory=8 * GiB), REQ)
     msg = str(e.value)
     assert "block layer.0 (2.50 B params) needs 9.3 GiB" in msg and "--seq-len" not in msg, msg
+
+
+def test_a_frozen_base_plans_reads_only_and_fits_where_full_fine_tuning_does_not():
+    """LoRA (``Request.frozen``): no optimizer state on SSD or in host buffers, no SSD writes per
+    step, a faster step; a host budget too small for full fine-tuning's buffers still plans."""
+    bud = Budgets(cpu_memory=2 * GiB, gpu_memory=GiB)
+    full = search(small_llama(), HW, bud, Request(256, 2048, clip=True, ram_tiers=False))
+    lora = search(small_llama(), HW, bud, Request(256, 2048, clip=True, ram_tiers=False, frozen=True))
+    assert lora.plan.frozen and not full.plan.frozen and lora.plan.ram_state_blocks == 0
+    assert lora.prediction.ssd_write_bytes == 0 < full.prediction.ssd_write_bytes
+    assert lora.prediction.memory.ssd < full.prediction.memory.ssd / 5  # weights only: 2 B of 14 B per param
+    assert lora.prediction.step_s < full.prediction.step_s
+    need = host_buffers(small_llama(), full.plan, full.step)
+    tight = Budgets(cpu_memory=need // 4, gpu_memory=GiB)
+    with pytest.raises(InfeasibleError):
+        search(small_llama(), HW, tight, Request(256, 2048, clip=True, ram_tiers=False))
+    assert search(small_llama(), HW, tight, Request(256, 2048, clip=True, frozen=True, ram_tiers=False)).plan.frozen
