@@ -32,19 +32,15 @@ from bench.common import emit, hardware_info  # noqa: E402
 
 
 def model(args: argparse.Namespace):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random Llama of the arguments' shape (``bench_engine.llama_config``) and its config."""
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 8 // 3 // 32 * 32,
-        num_attention_heads=max(1, args.hidden // 64),
-        num_key_value_heads=max(1, args.hidden // 128),
-        num_hidden_layers=args.layers,
-        vocab_size=args.vocab,
-        max_position_embeddings=args.seq,
-        tie_word_embeddings=False,
+    from bench.bench_engine import llama_config
+
+    heads = max(1, args.hidden // 64)
+    cfg = llama_config(
+        args.hidden, args.layers, args.hidden * 8 // 3 // 32 * 32, heads, max(1, heads // 2), args.vocab, args.seq
     )
-    cfg.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     return cfg, LlamaForCausalLM(cfg)
 

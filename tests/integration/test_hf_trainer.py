@@ -44,23 +44,31 @@ def losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def test_same_losses_and_weights_as_plain_trainer(tmp_path):
-    _, model = tiny("llama_tied", layers=2)
-    ref_model = copy.deepcopy(model)
-    data = dataset()
+def plain_and_fuyou(tmp_path, ref_model, model, data, common=COMMON, **fuyou):
+    """transformers.Trainer on ``ref_model`` and FuyouTrainer on ``model`` (same data and settings;
+    ``fuyou``: FuyouTrainingArguments' own), both trained; returns (the plain trainer, the Fuyou one)."""
     ref = Trainer(
         model=ref_model,
-        args=TrainingArguments(output_dir=str(tmp_path / "ref"), optim="adamw_torch", **COMMON),
+        args=TrainingArguments(output_dir=str(tmp_path / "ref"), optim="adamw_torch", **common),
         train_dataset=data,
     )
     ref.train()
     ssd = tmp_path / "ssd"
     ssd.mkdir()
     args = FuyouTrainingArguments(
-        output_dir=str(tmp_path / "fy"), optim="adamw_torch", ssd_dirs=[str(ssd)], cpu_memory="64MiB", **COMMON
-    )
+        output_dir=str(tmp_path / "fy"), optim="adamw_torch", ssd_dirs=[str(ssd)], cpu_memory="64MiB",
+        **common, **fuyou,
+    )  # fmt: skip
     fy = FuyouTrainer(model=model, args=args, train_dataset=data)
     fy.train()
+    return ref, fy
+
+
+def test_same_losses_and_weights_as_plain_trainer(tmp_path):
+    _, model = tiny("llama_tied", layers=2)
+    ref_model = copy.deepcopy(model)
+    data = dataset()
+    ref, fy = plain_and_fuyou(tmp_path, ref_model, model, data)
     assert len(losses(fy)) == 6
     assert losses(fy) == pytest.approx(losses(ref), rel=1e-5)
     ref_sd = ref_model.state_dict()
@@ -223,20 +231,7 @@ def test_a_mixture_of_experts_trains_with_the_balance_loss_trainer_computes(tmp_
     ref_model = copy.deepcopy(model)
     data = dataset(n=16)
     common = COMMON | dict(gradient_accumulation_steps=1, per_device_train_batch_size=4, max_steps=4)
-    ref = Trainer(
-        model=ref_model,
-        args=TrainingArguments(output_dir=str(tmp_path / "ref"), optim="adamw_torch", **common),
-        train_dataset=data,
-    )
-    ref.train()
-    ssd = tmp_path / "ssd"
-    ssd.mkdir()
-    args = FuyouTrainingArguments(
-        output_dir=str(tmp_path / "fy"), optim="adamw_torch", ssd_dirs=[str(ssd)], cpu_memory="64MiB",
-        moe_balance="micro", **common,
-    )  # fmt: skip
-    fy = FuyouTrainer(model=model, args=args, train_dataset=data)
-    fy.train()
+    ref, fy = plain_and_fuyou(tmp_path, ref_model, model, data, common, moe_balance="micro")
     assert len(losses(fy)) == 4
     assert losses(fy) == pytest.approx(losses(ref), rel=1e-5)
     ref_sd = ref_model.state_dict()
@@ -263,20 +258,8 @@ def test_a_peft_model_trains_its_adapters_as_plain_trainer_does(tmp_path):
                 p.normal_(0, 0.02)
     ref_pm = copy.deepcopy(pm)
     data = dataset()
-    ref = Trainer(
-        model=ref_pm,
-        args=TrainingArguments(output_dir=str(tmp_path / "ref"), optim="adamw_torch", **COMMON),
-        train_dataset=data,
-    )
-    ref.train()
-    ssd = tmp_path / "ssd"
-    ssd.mkdir()
-    args = FuyouTrainingArguments(
-        output_dir=str(tmp_path / "fy"), optim="adamw_torch", ssd_dirs=[str(ssd)], cpu_memory="64MiB", **COMMON
-    )
-    fy = FuyouTrainer(model=pm, args=args, train_dataset=data)
+    ref, fy = plain_and_fuyou(tmp_path, ref_pm, pm, data)
     assert fy.engine.lora is not None
-    fy.train()
     assert losses(fy) == pytest.approx(losses(ref), rel=1e-5)
     want = {n: p for n, p in ref_pm.named_parameters() if p.requires_grad}
     got = dict(pm.named_parameters())
@@ -290,4 +273,4 @@ def test_a_peft_model_trains_its_adapters_as_plain_trainer_does(tmp_path):
         )
     dora = get_peft_model(copy.deepcopy(fresh), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     with pytest.raises(ConfigError, match="FuyouTrainer trains PEFT models with no use_dora"):
-        FuyouTrainer(model=dora, args=args, train_dataset=data)
+        FuyouTrainer(model=dora, args=fy.args, train_dataset=data)
