@@ -23,6 +23,11 @@ With data-parallel ranks (``StepContext.comm``) the loader hands each block over
 ranks' shards, ``hand_off`` reduce-scatters the block's gradient first (the Adam stage and the
 parking see this rank's shard), and the loss and squared norm read back are sums over ranks; a late
 non-finite finding of any rank's Adam stage rolls the step back on all.
+
+A mixture of experts' balance loss (``StepState.balance``: ``fuyou.engine.balance``) counts the
+routers' choices in forward, fixes its gradient seeds at the turnaround and adds them to each
+router's backward. With LoRA (``StepContext.lora``: ``fuyou.engine.lora``) the base is frozen: no
+block gets gradients, hands anything off or is updated; ``finish`` clips and steps the adapters.
 """
 
 from __future__ import annotations
@@ -164,6 +169,7 @@ class StepState:
     aux_sum: float | torch.Tensor = 0.0
     """The balance loss (this rank's share, read back with the loss)."""
     aux: float = math.nan
+    """The balance loss read back (``read_back``)."""
 
 
 class StepRunner:
