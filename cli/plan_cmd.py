@@ -143,6 +143,7 @@ def plan_cmd(
         precision=precision,
         cluster=cluster,
         frozen=lora_rank is not None,
+        lora_rank=lora_rank or 0,
     )
     res = search(shape, prof, bud, req)
     if json_out == "-":

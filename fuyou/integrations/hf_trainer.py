@@ -168,7 +168,7 @@ class FuyouTrainer(Trainer):
 
         super().__init__(model=model, args=args, **kwargs)
         lora, state, config = _peft_parts(model)
-        req, seq_from = plan_request(args, config, frozen=lora is not None)
+        req, seq_from = plan_request(args, config, lora.rank if lora is not None else 0)
         self._ranks = join(device_kind(req.device))  # torchrun: Trainer's process group, and Fuyou's shards
         if self._ranks.world > 1:  # Fuyou synchronizes the ranks itself: accelerate must not wrap the model in DDP
             prepare = self.accelerator.prepare_model
@@ -454,9 +454,10 @@ def _peft_parts(model: Any) -> tuple[LoraSettings | None, dict[str, torch.Tensor
     return settings, state, base.config
 
 
-def plan_request(args: FuyouTrainingArguments, config: Any, frozen: bool = False) -> tuple[PlanRequest, str]:
-    """The plan chooser's request for a Trainer run of a model with ``config``, and where its sequence
-    length came from (``seq_len``, else the model's maximum positions capped: see the module docstring)."""
+def plan_request(args: FuyouTrainingArguments, config: Any, lora_rank: int = 0) -> tuple[PlanRequest, str]:
+    """The plan chooser's request for a Trainer run of a model with ``config`` (LoRA adapters of
+    ``lora_rank`` on a frozen base when > 0), and where its sequence length came from (``seq_len``,
+    else the model's maximum positions capped: see the module docstring)."""
     if args.seq_len is not None:
         seq_len, seq_from = args.seq_len, "FuyouTrainingArguments.seq_len"
     else:
@@ -481,7 +482,8 @@ def plan_request(args: FuyouTrainingArguments, config: Any, frozen: bool = False
         profile=args.profile,
         profile_out=os.path.join(str(args.output_dir), FUYOU_PROFILE),
         ranks=max(1, args.world_size),
-        frozen=frozen,
+        frozen=lora_rank > 0,
+        lora_rank=lora_rank,
     )
     return req, seq_from
 

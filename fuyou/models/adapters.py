@@ -414,4 +414,6 @@ def make_adapter(config: Any, lora: LoraSettings | None = None) -> Adapter:
     """The adapter for ``config``'s architecture (with ``lora``: LoRA layers injected, the base frozen);
     raises ConfigError for unsupported ones."""
     arch = architecture_of(config)
+    if lora is not None and arch in MOE:  # peft wraps fused expert tensors and routers, which Fuyou does not merge yet
+        raise ConfigError(f"LoRA on a mixture of experts ({arch}) is not supported yet; train it in full")
     return GPT2Adapter(config, lora) if arch in GPT2 else LlamaLike(config, lora)

@@ -31,6 +31,8 @@ from fuyou.schedule import rules, sizing
 from fuyou.schedule.plan import Plan
 
 DAY_S = 86400.0
+ADAPTER_BYTES_PER_PARAM = 16
+"""A LoRA adapter parameter on the device: fp32 weight, gradient, and AdamW's m and v."""
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 """Busy kinds of the ``comm`` resource (``graph.StepGraph._collective``)."""
 FLOP_FORMULA = (
@@ -124,7 +126,8 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     head_ws = 2 * cb * head.numel + tied + (8 + 2 * cb) * logit_tokens * shape.vocab
     own = g.own.blocks
     shard_grad = cb * max(blk.numel for blk in own) if g.world > 1 else 0  # reduce-scatter's output
-    device = int(boundary + keep + max(layer_ws, head_ws) + shard_grad)
+    adapters = ADAPTER_BYTES_PER_PARAM * cfg.adapter_params  # LoRA: weights, gradients, m and v in fp32
+    device = int(boundary + keep + max(layer_ws, head_ws) + shard_grad + adapters)
     swap_cpu = sum(g.act_bytes(b) for b in range(H) if pol[b] == "swap_cpu")
     ssd_blocks = [b for b in range(H) if pol[b] == "swap_ssd"]
     staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)

@@ -63,6 +63,9 @@ class StepConfig:
     gradients, block inputs and activations on the device and in host buffers are this size."""
     cluster: Cluster = Cluster()
     """The data-parallel ranks; ``micro_batch_size`` and the plan's accumulation are per rank."""
+    adapter_params: int = 0
+    """LoRA: the adapters' parameters, resident on the device in fp32 with their gradients and AdamW
+    moments (16 B each: ``fuyou.engine.lora``)."""
 
 
 class StepGraph:

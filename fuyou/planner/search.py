@@ -86,6 +86,8 @@ class Request:
     """Data-parallel ranks: ``tokens_per_step`` is the global batch, split evenly over them."""
     frozen: bool = False
     """LoRA on a frozen base (``Plan.frozen``): weights are only read; no gradients, state or writes."""
+    lora_rank: int = 0
+    """With ``frozen``: the adapters' rank, for their device memory (``all-linear``: every linear layer)."""
 
 
 class _Search:
@@ -138,7 +140,7 @@ class _Search:
         )
 
     def cfg(self, mb: int) -> StepConfig:
-        return StepConfig(mb, self.r.seq_len, self.spp, self.cb, self.r.cluster)
+        return StepConfig(mb, self.r.seq_len, self.spp, self.cb, self.r.cluster, self.m.lora_params(self.r.lora_rank))
 
     def fits(self, plan: Plan, cfg: StepConfig) -> bool:
         mem = memory(self.m, plan, cfg, self.hw)

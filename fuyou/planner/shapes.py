@@ -144,6 +144,10 @@ class BlockShape:
     act_bytes_per_token_per_key: int = 0
     """More saved bytes per token for each position it attends to (bf16): eager attention's
     ``heads × T × T`` scores (soft-capped attention: ``fuyou.models.adapters.attention_kernel``)."""
+    linear_dims: int = 0
+    """Σ (in + out) over the block's linear layers (``nn.Linear``/``Conv1D``): a LoRA adapter of rank r
+    on every one has r × this many parameters (``peft``'s ``all-linear``; dense families: Fuyou
+    refuses LoRA on a mixture of experts)."""
 
     def fwd_flops_per_token(self, hidden: int, seq_len: int) -> int:
         """Forward FLOPs per token including attention scores for layers (4·d·T, no causal halving)."""
@@ -169,6 +173,10 @@ class ModelShape:
     def params(self) -> int:
         """Trainable elements (store layout)."""
         return sum(b.numel for b in self.blocks)
+
+    def lora_params(self, rank: int) -> int:
+        """Parameters of LoRA adapters of ``rank`` on every linear layer (``all-linear``)."""
+        return rank * sum(b.linear_dims for b in self.blocks)
 
     def train_flops_per_token(self, seq_len: int, frozen: bool = False) -> int:
         """Model FLOPs per token, what achieved TFLOPS and MFU are computed from (the run's report too):
@@ -241,10 +249,16 @@ def _llama(cfg: dict, name: str) -> ModelShape:
         attn, mlp = [(q + 2 * kv, h), (h, q)], [(2 * i, h), (h, i)]
     attn_mm = 2 * (2 * q * h + 2 * kv * h)
     dense = (_aligned(*attn, *mlp, *norms), attn_mm + 2 * 3 * i * h, 2 * (10 * h + 2 * kv + 4 * i))
+    attn_dims = sum(s[0] + s[1] for s in attn if len(s) == 2)
+    mlp_dims = sum(s[0] + s[1] for s in mlp if len(s) == 2)
     blocks = [BlockShape("embed", "embed", v * h, 0, 0)]
     for k in range(L):
-        numel, mm, act = _moe_layer(cfg, k, attn, attn_mm, h, kv) or dense
-        blocks.append(BlockShape(f"layer.{k}", "layer", numel, mm, act, act_bytes_per_token_per_key=per_key))
+        moe = _moe_layer(cfg, k, attn, attn_mm, h, kv)
+        numel, mm, act = moe or dense
+        dims = attn_dims + (0 if moe else mlp_dims)  # LoRA on a mixture of experts is refused (adapters)
+        blocks.append(
+            BlockShape(f"layer.{k}", "layer", numel, mm, act, act_bytes_per_token_per_key=per_key, linear_dims=dims)
+        )
     head = _aligned((h,)) if tied else _aligned((h,), (v, h))
     blocks.append(BlockShape("head", "head", head, 2 * v * h, 0, ("embed",) if tied else ()))
     return ModelShape(name, tuple(blocks), h, L, v)
@@ -282,7 +296,8 @@ def _gpt2(cfg: dict, name: str) -> ModelShape:
     mm = 2 * (4 * h * h + 2 * h * i)
     act = 2 * (13 * h + 2 * i) + 2 * h  # ≈ 34·h bytes at i = 4h (Korthikanti et al., no attention scores)
     blocks = [BlockShape("embed", "embed", _aligned((v, h), (npos, h)), 0, 0)]
-    blocks += [BlockShape(f"layer.{k}", "layer", layer, mm, act) for k in range(L)]
+    dims = 4 * h + 2 * h + (h + i) + (i + h)  # c_attn, attn c_proj, c_fc, mlp c_proj
+    blocks += [BlockShape(f"layer.{k}", "layer", layer, mm, act, linear_dims=dims) for k in range(L)]
     blocks.append(BlockShape("head", "head", _aligned((h,), (h,)), 2 * v * h, 0, ("embed",)))
     return ModelShape(name, tuple(blocks), h, L, v)
 

@@ -72,6 +72,7 @@ def plan_request(cfg: FinetuneConfig, config: Any, stripes: list[str] | None = N
         profile_out=os.path.join(cfg.output, "profile.json"),
         ranks=ranks,
         frozen=cfg.lora_rank is not None,
+        lora_rank=cfg.lora_rank or 0,
     )
 
 

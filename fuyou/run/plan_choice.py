@@ -82,6 +82,8 @@ class PlanRequest:
     """Where a profile measured now is saved (None: not saved; it is cached per machine either way)."""
     frozen: bool = False
     """LoRA on a frozen base: the plan streams weights only (``Plan.frozen``)."""
+    lora_rank: int = 0
+    """With ``frozen``: the adapters' rank (their device memory)."""
     ranks: int = 1
     """Data-parallel ranks (``torchrun``): the plan is one rank's, for its shards of the state and its
     ``micro_batch_size × grad_accum`` sequences; the budgets are per rank."""
@@ -233,6 +235,7 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         precision=req.precision,
         cluster=Cluster(req.ranks),  # one node; the link speed shapes the prediction, not the plan's memory
         frozen=req.frozen,
+        lora_rank=req.lora_rank,
     )
     res = search(shape, prof, budgets, sreq)
     p = res.prediction

@@ -252,3 +252,11 @@ def test_a_killed_lora_run_resumes_from_its_checkpoint_bit_identically(tmp_path)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     losses = [[json.loads(x)["loss"] for x in open(d / "metrics.jsonl")] for d in (tmp_path / "clean", killed)]
     assert losses[0] == losses[1] and len(losses[0]) == 8
+
+
+def test_lora_on_a_mixture_of_experts_is_refused_by_name():
+    from fuyou.errors import ConfigError
+    from fuyou.models.adapters import make_adapter
+
+    with pytest.raises(ConfigError, match="LoRA on a mixture of experts \\(MixtralForCausalLM\\) is not supported yet"):
+        make_adapter(tiny("mixtral")[0], LoraSettings(rank=2, alpha=4))

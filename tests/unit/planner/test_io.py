@@ -248,3 +248,29 @@ def test_soft_capped_attention_counts_the_scores_a_layer_keeps():
     planned = shape_from_config(cfg.to_dict()).blocks[1].act_bytes_per_token_per_key
     assert planned == 8 * cfg.num_attention_heads and abs(per_key - planned) <= 0.05 * planned
     assert shape_from_config(tiny("gemma3")[0].to_dict()).blocks[1].act_bytes_per_token_per_key == 0
+
+
+def test_the_planner_counts_the_adapters_peft_injects():
+    """``ModelShape.lora_params(r)`` equals the LoRA parameters ``peft`` adds with ``all-linear`` to
+    every dense family (LoRA on a mixture of experts is refused), and the planner puts 16 B of device
+    memory on each."""
+    from fuyou.models.adapters import make_adapter
+    from fuyou.models.lora import LoraSettings, is_lora
+    from fuyou.planner.cost import ADAPTER_BYTES_PER_PARAM
+    from fuyou.planner.graph import StepConfig
+    from tests.integration.tiny_models import tiny
+
+    for fam in [f for f in FAMILIES if "moe" not in f and f != "mixtral"]:
+        cfg, _ = tiny(fam, hidden=72)
+        ad = make_adapter(cfg, LoraSettings(rank=3, alpha=6))
+        real = sum(p.numel() for n, p in ad.model.named_parameters() if is_lora(n))
+        assert shape_from_config(cfg.to_dict()).lora_params(3) == real, fam
+    shape = shape_from_config(tiny("llama", hidden=72)[0].to_dict())
+    from fuyou.planner.cost import memory
+    from fuyou.schedule.plan import Plan
+    from tests.unit.planner.helpers import profile
+
+    hw = profile()
+    base = memory(shape, Plan(frozen=True), StepConfig(1, 16), hw).device
+    with_adapters = memory(shape, Plan(frozen=True), StepConfig(1, 16, adapter_params=1000), hw).device
+    assert with_adapters - base == 1000 * ADAPTER_BYTES_PER_PARAM
