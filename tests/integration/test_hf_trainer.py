@@ -223,6 +223,7 @@ def test_trainer_runs_the_plan_the_shared_chooser_picks(tmp_path, capsys):
     assert rules.plan_choice.info == {"source": "rules"} and rules.engine.plan.grad_accum == 2
 
 
+@pytest.mark.slow  # ~9 s: two trainers (the engine-level balance tests stay in the default tier)
 def test_a_mixture_of_experts_trains_with_the_balance_loss_trainer_computes(tmp_path):
     """A Mixtral config asking for the balance loss (``output_router_logits``): with one micro-batch
     per step, Trainer's loss (the HF model's own: cross-entropy + coef × aux) is Fuyou's."""

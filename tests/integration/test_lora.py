@@ -91,7 +91,8 @@ def test_lora_trains_as_peft(tmp_path, family, policy, K, clip):
 
 
 @pytest.mark.parametrize(
-    "family, targets", [("llama", ("q_proj", "v_proj", "down_proj")), ("gpt2", ("c_attn", "c_fc"))]
+    "family, targets",
+    [("llama", ("q_proj", "v_proj", "down_proj")), pytest.param("gpt2", ("c_attn", "c_fc"), marks=pytest.mark.slow)],
 )  # GPT-2's Conv1D weights are [in, out]: the merge transposes its update
 def test_adapter_and_merged_model_load_back_with_the_same_logits(tmp_path, family, targets):
     from peft import PeftModel

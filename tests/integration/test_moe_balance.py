@@ -104,6 +104,7 @@ def test_two_ranks_count_the_experts_of_the_whole_step(tmp_path, mode, cpu_async
     assert_equivalent(one, many[0])
 
 
+@pytest.mark.slow  # ~10 s: two CLI runs (the default tier keeps the engine-level balance tests)
 def test_fuyou_finetune_of_a_mixture_of_experts_reports_its_balance_loss(tmp_path):
     """The CLI with its defaults (planner, clipping, ``--moe-balance global``) trains a Mixtral
     directory and writes the balance loss per step; ``--moe-balance off`` trains without it."""
