@@ -13,6 +13,15 @@
 * ``recompute_cpu`` — ``recompute`` with the block input in host memory: copied off the device
   after forward and back one micro-batch ahead of its backward, on the copy streams (for long
   sequences the inputs of every block, kept for the whole step, are what fills the device).
+
+A mixture-of-experts layer split into expert groups (``Adapter.slices``) is a core block followed by
+``additive`` group blocks. The core leaves its ``Route`` (normalised hidden states, expert indices,
+routing weights) in the micro-batch context, detached into leaves; each group adds its experts'
+output to the stream, so its backward needs no input and passes ``dy`` on unchanged, while
+accumulating the leaves' gradients. The core's backward then seeds its own graph (kept or recomputed)
+with them: ``torch.autograd.backward([y, hn, w], [dy, hn.grad, w.grad])``. The route stays on the
+device from the core's forward to its backward, whatever the policy (one ``tokens × hidden`` tensor
+per split layer and micro-batch, as the planner counts it).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import torch
 
 from fuyou.device.base import Backend
 from fuyou.engine.balance import StepBalance, prob_sums
-from fuyou.models.adapters import Adapter, MicroBatchContext
+from fuyou.models.adapters import Adapter, MicroBatchContext, Route
 from fuyou.schedule.plan import RECOMPUTES
 from fuyou.transfer.activation_copies import ActivationCopies, HostCopy
 from fuyou.transfer.activation_files import ActivationSpace, SSDRecord
@@ -47,6 +56,9 @@ class Saved:
     router: torch.Tensor | None = None
     """A mixture of experts' router probability sums, in the graph (``fuyou.engine.balance``; graph
     policies only: recompute policies recompute them)."""
+    route: Route | None = None
+    """The core of a split mixture-of-experts layer: its ``Route`` as its graph computed it (graph
+    policies; recompute policies recompute it)."""
 
     def release(self) -> None:
         """Return swapped bytes to the host budget (after backward)."""
@@ -168,6 +180,63 @@ def forward(
 ) -> tuple[torch.Tensor, MicroBatchContext | None, Saved]:
     """Run block ``b`` forward (micro-batch ``k``) under ``policy``; return (output, context, what
     backward needs). With ``balance`` (a mixture of experts' balance loss) the routers are counted."""
+    if adapter.additive(b):
+        return _forward_additive(adapter, b, x, ctx, policy, backend, weights, space, k)
+    y, ctx2, saved = _forward(adapter, b, x, ctx, policy, backend, weights, space, k, balance)
+    layer = adapter.route_of(b)
+    if layer is not None:  # the groups after this core train against leaves of its route
+        assert ctx2 is not None  # made by the embedding block
+        graph = ctx2.routes[layer]
+        saved.route = graph if policy not in RECOMPUTES else None
+        ctx2.routes[layer] = Route(graph.hn.detach().requires_grad_(), graph.idx, graph.w.detach().requires_grad_())
+    return y, ctx2, saved
+
+
+def _forward_additive(
+    adapter: Adapter,
+    b: int,
+    x: torch.Tensor,
+    ctx: MicroBatchContext | None,
+    policy: str,
+    backend: Backend,
+    weights: list[torch.Tensor],
+    space: ActivationSpace,
+    k: int,
+) -> tuple[torch.Tensor, MicroBatchContext | None, Saved]:
+    """Forward of an ``additive`` block (an expert group): output = input + ``adapter.delta``. Only
+    the delta's graph is kept (graph policies), nothing for recompute policies: not the input."""
+    assert ctx is not None  # made by the embedding block
+    if policy in RECOMPUTES:
+        rng = backend.rng_state()
+        with torch.no_grad():
+            delta = adapter.delta(b, ctx)
+        return x + delta.view(x.shape).to(x.dtype), ctx, Saved(policy, None, None, ctx, rng)
+    with torch.enable_grad():
+        if policy in ("swap_cpu", "swap_ssd"):
+            record = SSDRecord(space, b, k) if policy == "swap_ssd" else None
+            storages = {w.untyped_storage().data_ptr() for w in weights}
+            hooks = _Swap(storages, space.pool, record, space.copies, f"activations of block {b}")
+            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+                delta = adapter.delta(b, ctx)
+            if record is not None:
+                record.flush()
+            return x + delta.detach().view(x.shape).to(x.dtype), ctx, Saved(policy, None, delta, ctx, swap=hooks)
+        delta = adapter.delta(b, ctx)
+    return x + delta.detach().view(x.shape).to(x.dtype), ctx, Saved(policy, None, delta, ctx)
+
+
+def _forward(
+    adapter: Adapter,
+    b: int,
+    x: torch.Tensor,
+    ctx: MicroBatchContext | None,
+    policy: str,
+    backend: Backend,
+    weights: list[torch.Tensor],
+    space: ActivationSpace,
+    k: int,
+    balance: StepBalance | None,
+) -> tuple[torch.Tensor, MicroBatchContext | None, Saved]:
     if policy in RECOMPUTES:
         rng = backend.rng_state()
         with torch.no_grad():
@@ -205,7 +274,11 @@ def backward(
     With ``balance``, the block's routers also get the balance loss's gradient (``StepBalance.seed``).
     Returns the gradient of the block input (None for token ids).
     """
-    x_in, y, router = saved.x, saved.y, saved.router
+    if adapter.additive(b):
+        return _backward_additive(adapter, b, saved, dy, backend)
+    layer = adapter.route_of(b)
+    leaves = saved.ctx.routes.pop(layer) if layer is not None and saved.ctx is not None else None
+    x_in, y, router, route = saved.x, saved.y, saved.router, saved.route
     if saved.policy in RECOMPUTES:
         x_in = _input(saved.input())
         state = backend.rng_state()
@@ -218,17 +291,43 @@ def backward(
                     y, _ = adapter.forward(b, x_in, saved.ctx)
                 router = prob_sums(routed) if routed else None
         backend.set_rng_state(state)
+        if layer is not None and saved.ctx is not None:
+            route = saved.ctx.routes.pop(layer)  # the recomputation's: in the graph
     assert y is not None and x_in is not None  # kept by forward, or recomputed just now
     if not y.requires_grad:  # a frozen block nothing trainable feeds (LoRA: the embedding)
         saved.release()
         return None
+    outs, grads = [y], [dy]
     if router is not None and balance is not None:
-        torch.autograd.backward([y, router], [dy, balance.seed(k)])
-    else:
-        torch.autograd.backward(y, dy)
-    saved.router = None
+        outs.append(router)
+        grads.append(balance.seed(k))
+    if route is not None and leaves is not None:  # what the expert groups sent back
+        for out, leaf in ((route.hn, leaves.hn), (route.w, leaves.w)):
+            if leaf.grad is not None:
+                outs.append(out)
+                grads.append(leaf.grad)
+    torch.autograd.backward(outs, grads)
+    saved.router = saved.route = None
     saved.release()
     return x_in.grad if x_in.requires_grad else None
+
+
+def _backward_additive(adapter: Adapter, b: int, saved: Saved, dy: torch.Tensor, backend: Backend) -> torch.Tensor:
+    """Backward of an ``additive`` block: the delta's graph (kept, or recomputed now) gets ``dy``; its
+    weights' and its route leaves' gradients accumulate; ``dy`` passes on as the input's gradient."""
+    delta = saved.y
+    if saved.policy in RECOMPUTES:
+        assert saved.ctx is not None  # made by the embedding block
+        state = backend.rng_state()
+        backend.set_rng_state(saved.rng)
+        with torch.enable_grad():
+            delta = adapter.delta(b, saved.ctx)
+        backend.set_rng_state(state)
+    assert delta is not None  # kept by forward, or recomputed just now
+    if delta.requires_grad:  # no token routed to the group: nothing to send back
+        torch.autograd.backward(delta, dy.reshape(delta.shape).to(delta.dtype))
+    saved.release()
+    return dy
 
 
 def prefetch(saved: list[Saved]) -> None:

@@ -28,6 +28,7 @@ from fuyou.engine.lora import LoraState
 from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
 from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
 from fuyou.models.adapters import MicroBatchContext, make_adapter
+from fuyou.models.blocks import expert_group_options, parse_slice, split_experts
 from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config
 from fuyou.models.lora import is_lora
 from fuyou.models.store_layout import ModelLayout, elem_size
@@ -74,10 +75,20 @@ class Engine:
             raise ConfigError(
                 f"the store in {store.dirs[0]} holds LoRA adapters; resume with the --lora-* settings it was trained with"
             )
-        self.adapter = make_adapter(config, cfg.lora)
         self.balance = balance_rule(config, cfg.moe_balance)
         """A mixture of experts' balance loss (None: a dense model, ``--moe-balance off`` or no coefficient)."""
         self.backend = get_backend(cfg.device, cfg.gpu_bytes)
+        self.timeline = Timeline()
+        self.comm = Collectives.join(self.backend, self.timeline)
+        """The data-parallel ranks' collectives (``torchrun``), or None for one process."""
+        rank, world = (self.comm.rank, self.comm.world) if self.comm is not None else (0, 1)
+        if store is not None:
+            groups = int(store.meta.get("expert_groups", 1))
+        else:
+            groups = cfg.plan.expert_groups or expert_groups_for(
+                config, DTYPES[cfg.precision], world, self.backend.memory().capacity, self.backend.name
+            )
+        self.adapter = make_adapter(config, cfg.lora, groups)
         self.adapter.prepare(self.backend.device)
         self.lora = (
             None
@@ -91,12 +102,8 @@ class Engine:
             )
         )
         """The trainable LoRA weights and their AdamW (None: full fine-tuning)."""
-        self.timeline = Timeline()
-        self.comm = Collectives.join(self.backend, self.timeline)
-        """The data-parallel ranks' collectives (``torchrun``), or None for one process."""
-        rank, world = (self.comm.rank, self.comm.world) if self.comm is not None else (0, 1)
         blocks = tuple(self.adapter.blocks)
-        plan = rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0)
+        plan = dataclasses.replace(rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0), expert_groups=groups)
         if cfg.lora is not None:  # the base only streams in: no state, no gradient or weight traffic out
             plan = dataclasses.replace(plan, frozen=True, ram_state_blocks=0)
         rules.check_ram_tier(plan, len(blocks))
@@ -224,7 +231,7 @@ class Engine:
         reader = CheckpointReader(model_dir, getattr(config, "model_type", None))
 
         def block_tensors(keys: list[str]) -> dict[str, torch.Tensor]:
-            out = {k: reader.get(k).clone() for k in keys}
+            out = {k: reader.get(k).clone() for k in keys}  # an expert group's slice keys: its rows only
             reader.close()  # one block at a time: never keep the checkpoint mapped
             return out
 
@@ -256,7 +263,7 @@ class Engine:
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], cfg: EngineConfig) -> Engine:
         """Build from an in-memory state dict (tests, the Trainer plugin); copies go block by block."""
         lora = {k: v for k, v in state_dict.items() if is_lora(k)}
-        return cls(config, cfg, lambda keys: {k: state_dict[k] for k in keys}, lora_init=lora)
+        return cls(config, cfg, lambda keys: {k: _entry(state_dict, k) for k in keys}, lora_init=lora)
 
     def _import(self, tensors: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
         """Write every block's weights and zeroed state to the store (and the RAM tier's copies), one
@@ -302,6 +309,7 @@ class Engine:
             }
             | ({"rank": lay.rank, "world": lay.world} if lay.world > 1 else {})
             | ({"frozen": True} if lay.frozen else {})
+            | ({"expert_groups": self.plan.expert_groups} if self.plan.expert_groups > 1 else {})
         )
 
     def _save_model_files(self) -> None:
@@ -423,6 +431,9 @@ class Engine:
                 self.adapter.bind(b, self.layout.unflatten(b, w.view(self.layout.compute_dtype)))
                 x, ctx = self.adapter.forward(b, x, ctx)
                 self.adapter.unbind(b)
+                done = self.adapter.last_of_layer(b)
+                if done is not None:  # the layer's last expert group has run: its route is spent
+                    ctx.routes.pop(done)
                 del w
             tensors = self.layout.unflatten(H, self.loader.next(H).view(self.layout.compute_dtype))
             for o in borrowed:
@@ -529,6 +540,29 @@ def admit(
             f"the device budget is {format_size(device_bytes)}; raise --gpu-memory (or use a GPU with more memory)"
         )
     return sizing.fit_host(fp, dataclasses.replace(plan, state_chunk=layout.state_chunk), host_bytes, fixed_chunk)
+
+
+def expert_groups_for(config: Any, compute_dtype: torch.dtype, world: int, capacity: int, device: str) -> int:
+    """The fewest expert groups (``fuyou.models.blocks.expert_group_options``) that bring a mixture of
+    experts' largest block within ``capacity`` device bytes (``sizing.device_floor``: its weights and
+    gradients, gathered from ``world`` ranks' shards); 1 for a dense model, the most there are when
+    none does (``admit`` then names the largest block)."""
+    experts = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+    if experts < 2:
+        return 1
+    whole = tuple(make_adapter(config).blocks)
+    options = expert_group_options(experts)
+    for g in options:
+        blocks = split_experts(whole, g, experts, config.num_experts_per_tok)
+        if sizing.device_floor(ModelLayout(blocks, compute_dtype, world=world).footprint(), device) <= capacity:
+            return g
+    return options[-1]
+
+
+def _entry(state_dict: dict[str, torch.Tensor], key: str) -> torch.Tensor:
+    """``state_dict[key]``, or for an expert group's ``slice_key`` its rows of the fused tensor."""
+    rows = parse_slice(key)
+    return state_dict[key] if rows is None else state_dict[rows[0]][rows[1] : rows[2]]
 
 
 def _seeds(position_ids: list[torch.Tensor] | None, n: int, dev: torch.device) -> list:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fuyou.errors import ConfigError, ManifestError
+from fuyou.models.blocks import parse_slice
 from fuyou.models.hf_io import load_config, save_streamed
 from fuyou.models.store_layout import ModelLayout
 from fuyou.storage.extents import dtype_from_name
@@ -45,25 +46,56 @@ def iter_master(
     layout: ModelLayout,
     gather: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF key, fp32 master tensor) for every parameter, one block at a time (latest writes).
+    """(HF key, fp32 master tensor) for every parameter, one block at a time (latest writes; a split
+    layer's expert groups joined: ``merge_expert_groups``).
 
     A sharded layout (``layout.world`` > 1) needs ``gather``: every rank's shard of a block's master
     in rank order on one rank (``Collectives.gather_to_root``), None on the others, which then yield
     nothing but must run the generator to its end, in step with that rank."""
     if layout.world > 1 and gather is None:
         raise ValueError("a sharded layout's masters need a gather across ranks")
-    for b in range(len(layout.blocks)):
-        master = read_master(store, layout, b)
-        whole = gather(master) if gather is not None and layout.world > 1 else master
-        if whole is not None:
-            yield from layout.unflatten(b, whole).items()
+
+    def blocks() -> Iterator[tuple[str, torch.Tensor]]:
+        for b in range(len(layout.blocks)):
+            master = read_master(store, layout, b)
+            whole = gather(master) if gather is not None and layout.world > 1 else master
+            if whole is not None:
+                yield from layout.unflatten(b, whole).items()
+
+    return merge_expert_groups(blocks())
 
 
 def _iter_ranks(stores: list[TensorStore], layouts: list[ModelLayout]) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF key, fp32 master) of a run whose ranks' stores are all here: each block's shards put together."""
-    for b in range(len(layouts[0].blocks)):
-        whole = torch.cat([read_master(st, lay, b) for st, lay in zip(stores, layouts)])
-        yield from layouts[0].unflatten(b, whole).items()
+
+    def blocks() -> Iterator[tuple[str, torch.Tensor]]:
+        for b in range(len(layouts[0].blocks)):
+            whole = torch.cat([read_master(st, lay, b) for st, lay in zip(stores, layouts)])
+            yield from layouts[0].unflatten(b, whole).items()
+
+    return merge_expert_groups(blocks())
+
+
+def merge_expert_groups(pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key, tensor)`` pairs with every expert group's slices (``fuyou.models.blocks.slice_key``) put
+    back together along dim 0 under the fused tensor's own key; a layer's groups come one after the
+    other, so at most one layer's experts are held."""
+    pending: dict[str, list[torch.Tensor]] = {}
+    for key, t in pairs:
+        rows = parse_slice(key)
+        if rows is None:
+            yield from _joined(pending)
+            yield key, t
+        else:
+            pending.setdefault(rows[0], []).append(t)
+    yield from _joined(pending)
+
+
+def _joined(pending: dict[str, list[torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The fused tensors of ``pending``'s slices (in group order), emptying it."""
+    for key, parts in list(pending.items()):
+        yield key, torch.cat(parts)
+        del pending[key]
 
 
 def export_layout(
@@ -157,7 +189,7 @@ def _store_layout(store: TensorStore, first: str, ranked: bool) -> tuple[ModelLa
     refuse_stale(meta, first)
     config = load_config(files)
     layout = ModelLayout(
-        tuple(make_adapter(config).blocks),
+        tuple(make_adapter(config, expert_groups=int(meta.get("expert_groups", 1))).blocks),
         dtype_from_name(meta["compute_dtype"]),
         dtype_from_name(meta["state_dtype"]),
         meta["state_chunk"],

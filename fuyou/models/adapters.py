@@ -8,11 +8,13 @@ gated MLP — Phi-3 with fused qkv and gate-up projections, Gemma with scaled em
 soft-capped attention and logits, Gemma 3's rotary table per attention kind; tied or untied
 embeddings; sliding-window layers), the
 mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (a decoder layer with its router and every
-expert is one block; their routers' logits are tapped for the balance loss: ``routes``) and GPT-2.
+expert is one block, or, with ``expert_groups`` > 1, a core block followed by expert-group blocks:
+``LlamaLike``; their routers' logits are tapped for the balance loss: ``routes``) and GPT-2.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 
 from fuyou.errors import ConfigError
-from fuyou.models.blocks import BlockSpec, ParamSpec
+from fuyou.models.blocks import EXPERTS_PART, BlockSpec, ParamSpec, group_ranges, slice_key, split_experts
 from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
@@ -45,7 +47,42 @@ class MicroBatchContext:
     """The attention mask (GPT-2), or one per attention kind (``layer_types``: Llama-like families)."""
     position_embeddings: Any = None
     """The rotary (cos, sin), or one pair per attention kind (Gemma 3)."""
-    extra: dict = field(default_factory=dict)
+    routes: dict[int, Route] = field(default_factory=dict)
+    """Decoder layer → its routed tokens, from the core block of a layer split into expert groups to
+    the groups that follow it (``LlamaLike``); dropped after the core's backward."""
+
+
+@dataclass
+class Route:
+    """What a split mixture-of-experts layer's core hands its expert groups, for one micro-batch:
+    the normalised hidden states ``hn`` (``[tokens, hidden]``), each token's ``top_k`` expert
+    indices ``idx`` and routing weights ``w`` (``[tokens, top_k]``). In training ``hn`` and ``w``
+    are leaves the groups' backward accumulates gradients into; the core's backward carries them on
+    (``fuyou.engine.activations``)."""
+
+    hn: torch.Tensor
+    idx: torch.Tensor
+    w: torch.Tensor
+
+
+class RouteCapture(nn.Module):
+    """Stands in for a split layer's experts module inside its core block: keeps the experts' inputs
+    (``take``) and returns zeros, so the layer's output is its residual stream plus any shared
+    expert, and the expert groups add the routed experts' output after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        self.seen = (hidden, top_k_index, top_k_weights)
+        return torch.zeros_like(hidden)
+
+    def take(self) -> Route:
+        """The inputs of the last call, as a ``Route``."""
+        assert self.seen is not None  # the core block's layer has just run
+        route, self.seen = Route(*self.seen), None
+        return route
 
 
 def architecture_of(config: Any) -> str:
@@ -83,9 +120,11 @@ def architecture_of(config: Any) -> str:
 class Adapter:
     """Base adapter: meta-device skeleton, block list, parameter binding. Subclasses run blocks."""
 
-    def __init__(self, config: Any, lora: LoraSettings | None = None) -> None:
+    def __init__(self, config: Any, lora: LoraSettings | None = None, expert_groups: int = 1) -> None:
         """The skeleton of ``config``'s model; with ``lora``, ``peft``'s LoRA layers injected and the
-        base frozen (``frozen``): its parameters bind without gradients."""
+        base frozen (``frozen``): its parameters bind without gradients. ``expert_groups`` > 1 splits
+        every mixture-of-experts layer into a core block and that many expert-group blocks
+        (``fuyou.models.blocks.split_experts``)."""
         from transformers import AutoModelForCausalLM
 
         self.config = config
@@ -103,6 +142,11 @@ class Adapter:
             if isinstance(mod, nn.Embedding):  # backward scatters the tokens' rows into the preset gradient
                 mod.sparse = True  # instead of a dense vocab × hidden zero tensor added whole
         self.blocks = [self._spec(name, mods) for name, mods in self.modules]
+        self.slices: dict[int, tuple[int, int]] = {}
+        """Expert-group block → the experts [lo, hi) of its layer it owns."""
+        self.expert_groups = expert_groups
+        if expert_groups > 1:
+            self._split_experts(expert_groups)
         self._routed: list[torch.Tensor] | None = None
         self._tap_routers()
         self._meta = [
@@ -148,6 +192,27 @@ class Adapter:
     # -- description -------------------------------------------------------------------------
     def _block_modules(self) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
         raise NotImplementedError
+
+    def _split_experts(self, groups: int) -> None:
+        raise ConfigError(f"{type(self.model).__name__} has no experts to split into {groups} groups")
+
+    def additive(self, block: int) -> bool:
+        """Whether ``block`` adds to its input a term that does not depend on it (an expert group:
+        ``delta``), so backward needs neither the input nor its forward graph to pass ``dy`` on."""
+        return block in self.slices
+
+    def delta(self, block: int, ctx: MicroBatchContext) -> torch.Tensor:
+        """What an ``additive`` block adds to its input (flattened to ``[tokens, hidden]``)."""
+        raise NotImplementedError
+
+    def route_of(self, block: int) -> int | None:
+        """The decoder layer whose ``Route`` ``block`` makes (the core of a split layer), else None."""
+        return None
+
+    def last_of_layer(self, block: int) -> int | None:
+        """The decoder layer whose last expert group is ``block`` (after it the layer's ``Route`` is
+        no longer needed in forward), else None."""
+        return None
 
     def _spec(self, name: str, mods: list[tuple[str, nn.Module]]) -> BlockSpec:
         params: list[ParamSpec] = []
@@ -198,6 +263,8 @@ class Adapter:
                 if is_lora(pname):
                     continue
                 key = base_key(f"{prefix}.{pname}")
+                if block in self.slices:
+                    key = slice_key(key, *self.slices[block])
                 if self.tied and key == self.lm_head_key:
                     key = self.embed_key
                 owner, attr = _owner(mod, pname)
@@ -337,7 +404,74 @@ class LlamaLike(Adapter):
         blocks = [("embed", [("model.embed_tokens", m.embed_tokens)])]
         blocks += [(f"layer.{i}", [(f"model.layers.{i}", layer)]) for i, layer in enumerate(m.layers)]
         blocks.append(("head", [("model.norm", m.norm), ("lm_head", self.model.lm_head)]))
+        self.layer_of = [-1] + list(range(len(m.layers))) + [-1]
+        """Block → its decoder layer (−1: embed, head)."""
         return blocks
+
+    def _split_experts(self, groups: int) -> None:
+        """Cut every mixture-of-experts layer into its core block (the layer, its experts module
+        replaced by a ``RouteCapture``) and ``groups`` blocks of experts, each running an instance of
+        the family's own experts module sized to its group."""
+        experts = int(getattr(self.config, "num_local_experts", None) or getattr(self.config, "num_experts", None) or 0)
+        if not experts or not 1 <= groups <= experts:
+            raise ConfigError(
+                f"cannot split the {experts} experts of this {self.config.model_type} model into {groups} groups"
+            )
+        self.blocks = list(split_experts(tuple(self.blocks), groups, experts, self.config.num_experts_per_tok))
+        layers, ranges = self.model.model.layers, group_ranges(experts, groups)
+        modules, layer_of = [], []
+        for spec in self.blocks:
+            if EXPERTS_PART not in spec.name:
+                b = [name for name, _ in self.modules].index(spec.name)
+                modules.append(self.modules[b])
+                layer_of.append(self.layer_of[b])
+                continue
+            name, g = spec.name.split(EXPERTS_PART)
+            i = int(name.removeprefix("layer."))
+            mlp = layers[i].mlp
+            if not isinstance(mlp.experts, RouteCapture):
+                self._experts_cls = type(mlp.experts)
+                mlp.experts = RouteCapture()
+            lo, hi = ranges[int(g)]
+            self.slices[len(modules)] = (lo, hi)
+            modules.append((spec.name, [(f"model.layers.{i}.mlp.experts", self._experts_module(hi - lo))]))
+            layer_of.append(i)
+        self.modules, self.layer_of = modules, layer_of
+
+    def _experts_module(self, n: int) -> nn.Module:
+        """The family's experts module for ``n`` experts, on the meta device."""
+        sub = copy.copy(self.config)
+        for attr in ("num_local_experts", "num_experts"):
+            if getattr(sub, attr, None):
+                setattr(sub, attr, n)
+        with torch.device("meta"):
+            mod = self._experts_cls(sub).train()
+        # the kernels (``transformers.integrations.moe``: eager, batched, grouped) skip a token routed
+        # to index n (another group's expert) when told, as they are for expert parallelism
+        mod._is_expert_parallel = True
+        return mod
+
+    def route_of(self, block: int) -> int | None:
+        i = self.layer_of[block]
+        return i if i >= 0 and block not in self.slices and isinstance(self._mlp(i), RouteCapture) else None
+
+    def last_of_layer(self, block: int) -> int | None:
+        if block not in self.slices or (block + 1 in self.slices and self.layer_of[block + 1] == self.layer_of[block]):
+            return None
+        return self.layer_of[block]
+
+    def _mlp(self, i: int) -> Any:
+        return getattr(self.model.model.layers[i].mlp, "experts", None)
+
+    def delta(self, block: int, ctx: MicroBatchContext) -> torch.Tensor:
+        """An expert group's share of its layer's routed experts: the family's experts module over the
+        ``Route`` the layer's core left in ``ctx``, tokens routed to other groups' experts mapped to
+        the module's skip index (its expert count)."""
+        lo, hi = self.slices[block]
+        route = ctx.routes[self.layer_of[block]]
+        local = route.idx - lo
+        local = torch.where((local >= 0) & (local < hi - lo), local, hi - lo)
+        return self.modules[block][1][0][1](route.hn, local, route.w)
 
     def prepare(self, device: torch.device) -> None:
         """Rebuild the computed buffers, meta in the skeleton, on ``device``: the rotary embedding and
@@ -372,11 +506,17 @@ class LlamaLike(Adapter):
             return embeds, ctx
         if block == len(self.blocks) - 1:
             return self.lm_head(m.norm(x)), ctx
-        layer = m.layers[block - 1]
         assert ctx is not None  # block 0 made it
-        kind = self.layer_types[block - 1]
+        if block in self.slices:
+            return x + self.delta(block, ctx).view(x.shape).to(x.dtype), ctx
+        i = self.layer_of[block]
+        kind = self.layer_types[i]
         rope = ctx.position_embeddings[kind] if self.per_kind else ctx.position_embeddings
-        return layer(x, attention_mask=ctx.mask[kind], position_embeddings=rope, position_ids=ctx.position_ids), ctx
+        y = m.layers[i](x, attention_mask=ctx.mask[kind], position_embeddings=rope, position_ids=ctx.position_ids)
+        capture = self._mlp(i)
+        if isinstance(capture, RouteCapture):
+            ctx.routes[i] = capture.take()
+        return y, ctx
 
 
 class GPT2Adapter(Adapter):
@@ -410,10 +550,11 @@ class GPT2Adapter(Adapter):
         return t.h[block - 1](x, None, ctx.mask, None, position_ids=ctx.position_ids), ctx
 
 
-def make_adapter(config: Any, lora: LoraSettings | None = None) -> Adapter:
-    """The adapter for ``config``'s architecture (with ``lora``: LoRA layers injected, the base frozen);
-    raises ConfigError for unsupported ones."""
+def make_adapter(config: Any, lora: LoraSettings | None = None, expert_groups: int = 1) -> Adapter:
+    """The adapter for ``config``'s architecture (with ``lora``: LoRA layers injected, the base frozen;
+    ``expert_groups`` > 1: a mixture of experts' layers split into that many expert groups); raises
+    ConfigError for unsupported ones, or groups that do not divide the experts into non-empty sets."""
     arch = architecture_of(config)
     if lora is not None and arch in MOE:  # peft wraps fused expert tensors and routers, which Fuyou does not merge yet
         raise ConfigError(f"LoRA on a mixture of experts ({arch}) is not supported yet; train it in full")
-    return GPT2Adapter(config, lora) if arch in GPT2 else LlamaLike(config, lora)
+    return GPT2Adapter(config, lora, expert_groups) if arch in GPT2 else LlamaLike(config, lora, expert_groups)

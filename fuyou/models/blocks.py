@@ -46,3 +46,65 @@ class BlockSpec:
     def extent(self, prefix: str, dtype: torch.dtype) -> ExtentSpec:
         """The store extent ``prefix + name`` holding this block's parameters in ``dtype``."""
         return ExtentSpec(prefix + self.name, tuple(TensorSpec(p.key, p.shape, dtype) for p in self.params))
+
+
+EXPERTS_PART = ".experts."
+"""Infix of an expert-group block's name: ``layer.3.experts.1`` is group 1 of decoder layer 3."""
+
+
+def slice_key(key: str, lo: int, hi: int) -> str:
+    """The store key of experts ``lo…hi−1`` (rows of dim 0) of the fused expert tensor ``key``."""
+    return f"{key}[{lo}:{hi}]"
+
+
+def parse_slice(key: str) -> tuple[str, int, int] | None:
+    """``(HF key, lo, hi)`` of a ``slice_key``, or None for a whole tensor's key."""
+    if not key.endswith("]") or "[" not in key:
+        return None
+    base, rows = key[:-1].rsplit("[", 1)
+    lo, hi = rows.split(":")
+    return base, int(lo), int(hi)
+
+
+def group_ranges(experts: int, groups: int) -> list[tuple[int, int]]:
+    """Experts [lo, hi) of each of ``groups`` contiguous, near-equal groups (sizes differ by ≤ 1)."""
+    return [(g * experts // groups, (g + 1) * experts // groups) for g in range(groups)]
+
+
+def expert_group_options(experts: int) -> list[int]:
+    """The group counts tried, smallest first, when a layer's experts must be split: 1, the powers of
+    two below ``experts``, then one group per expert."""
+    out, g = [1], 2
+    while g < experts:
+        out.append(g)
+        g *= 2
+    return out + ([experts] if experts > 1 else [])
+
+
+def split_experts(blocks: tuple[BlockSpec, ...], groups: int, experts: int, top_k: int) -> tuple[BlockSpec, ...]:
+    """``blocks`` with every mixture-of-experts layer cut into a core block (attention, router, shared
+    expert, norms; same name) followed by ``groups`` expert-group blocks ``<layer>.experts.<g>``, each
+    owning experts [lo, hi) of the layer's fused expert tensors (``[experts, …]``, keys ``slice_key``).
+    Forward FLOPs move with the experts: a group's are its share of the routed ones (``top_k``
+    experts per token, spread over all ``experts``). ``groups`` == 1: ``blocks`` unchanged.
+
+    Raises ValueError if ``groups`` is not in 1…``experts``.
+    """
+    if groups == 1:
+        return blocks
+    if not 1 <= groups <= experts:
+        raise ValueError(f"cannot split {experts} experts into {groups} groups")
+    out: list[BlockSpec] = []
+    for blk in blocks:
+        fused = [p for p in blk.params if len(p.shape) == 3 and p.shape[0] == experts and ".experts." in p.key]
+        if not fused:
+            out.append(blk)
+            continue
+        routed = 2 * top_k * sum(p.numel for p in fused) // experts
+        core = tuple(p for p in blk.params if p not in fused)
+        out.append(BlockSpec(blk.name, core, blk.borrows, blk.flops_per_token - routed))
+        for g, (lo, hi) in enumerate(group_ranges(experts, groups)):
+            params = tuple(ParamSpec(slice_key(p.key, lo, hi), (hi - lo, *p.shape[1:])) for p in fused)
+            flops = 2 * top_k * sum(p.numel for p in params) // experts
+            out.append(BlockSpec(f"{blk.name}{EXPERTS_PART}{g}", params, (), flops))
+    return tuple(out)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fuyou.errors import FuyouError, os_limit_error
+from fuyou.models.blocks import parse_slice
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -106,11 +107,22 @@ class CheckpointReader:
 
     def get(self, key: str) -> torch.Tensor:
         """The tensor ``key`` (rebuilt from the family's on-disk layout where it is stored so: see the
-        class docstring); raises ModelFileError if absent or unreadable, SystemLimitError if an OS
-        limit (open files, memory) stops the read."""
+        class docstring), or for a ``slice_key`` (an expert group's) its rows only, reading no other
+        expert's; raises ModelFileError if absent or unreadable, SystemLimitError if an OS limit
+        (open files, memory) stops the read."""
+        rows = parse_slice(key)
+        if rows is not None:
+            return self._rows(*rows)
         if key not in self.where:
             return self._converted(key)
         return self._read(key)
+
+    def _rows(self, key: str, lo: int, hi: int) -> torch.Tensor:
+        """Rows [lo, hi) of dim 0 of the tensor ``key``."""
+        if key in self.where or self._on_disk(key) in self.where:
+            name = key if key in self.where else self._on_disk(key)
+            return self._read(name, (lo, hi))
+        return self._converted(key, (lo, hi))
 
     def _on_disk(self, key: str) -> str:
         """``key`` under the family's on-disk module names (the renamings undone)."""
@@ -118,23 +130,28 @@ class CheckpointReader:
             key = key.replace(model, disk)
         return key
 
-    def _converted(self, key: str) -> torch.Tensor:
-        """A parameter the checkpoint stores in the family's own layout: renamed, or merged experts."""
+    def _converted(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """A parameter the checkpoint stores in the family's own layout: renamed, or merged experts
+        (``rows``: experts [lo, hi) only)."""
         if self._on_disk(key) in self.where:
             return self._read(self._on_disk(key))
         for sources, target in self._merges:
             if key.endswith(target):
                 base = self._on_disk(key[: len(key) - len(target)])
-                per_expert: list[torch.Tensor] = []
-                while all(base + s.replace("*", str(len(per_expert))) in self.where for s in sources):
-                    e = len(per_expert)
-                    per_expert.append(torch.cat([self._read(base + s.replace("*", str(e))) for s in sources]))
-                if per_expert:
-                    return torch.stack(per_expert)
+                count = 0
+                while all(base + s.replace("*", str(count)) in self.where for s in sources):
+                    count += 1
+                lo, hi = rows or (0, count)
+                if count and hi <= count:
+                    return torch.stack(
+                        [torch.cat([self._read(base + s.replace("*", str(e))) for s in sources]) for e in range(lo, hi)]
+                    )
         raise ModelFileError(f"{self.model_dir} has no tensor {key!r}; is this the right model?")
 
-    def _read(self, key: str) -> torch.Tensor:
+    def _read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         try:
+            if rows is not None:
+                return self._handle(self.where[key]).get_slice(key)[rows[0] : rows[1]]
             return self._handle(self.where[key]).get_tensor(key)
         except ModelFileError:
             raise

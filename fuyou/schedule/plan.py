@@ -56,6 +56,11 @@ class Plan:
     frozen: bool = False
     """No block trains (LoRA on a frozen base: ``fuyou.engine.lora``): weights are only read; no
     gradient leaves the device, and there is no optimizer state, Adam or write."""
+    expert_groups: int = 0
+    """Expert-group blocks each mixture-of-experts layer is split into after its core block (1: a
+    layer is one block; ``fuyou.models.blocks.split_experts``), so a layer whose experts do not fit
+    the device streams in parts. 0: the fewest whose largest block fits the device budget
+    (``fuyou.engine.engine.expert_groups_for``). A resumed store keeps its own."""
     state_chunk: int = 1 << 23
     """Elements per optimizer-state chunk, a multiple of 32 (8 Mi: 96 MiB of fp32 master + m + v):
     host memory for state is ``state_buffers`` × one chunk, whatever the largest block. A resumed
@@ -78,6 +83,8 @@ class Plan:
                 problems.append(f"{name} must be ≥ 0, got {getattr(self, name)}")
         if self.frozen and self.ram_state_blocks:
             problems.append("a frozen base has no optimizer state to keep in RAM (ram_state_blocks must be 0)")
+        if self.expert_groups < 0:
+            problems.append(f"expert_groups must be ≥ 0 (0: as needed), got {self.expert_groups}")
         if self.park_ram_blocks is not None and self.park_ram_blocks < 0:
             problems.append(f"park_ram_blocks must be ≥ 0 or None, got {self.park_ram_blocks}")
         bad = [p for p in self.activation_policy if p not in POLICIES]

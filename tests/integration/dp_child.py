@@ -3,7 +3,7 @@
     python -m tests.integration.dp_child SPEC.json OUT.pt      (RANK/WORLD_SIZE/MASTER_* from the launcher)
 
 SPEC: device (default cpu), family, steps, batch (the global batch), seq, K (micro-batches per rank), clip, policy,
-precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, moe_balance, mismatch (then
+precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, moe_balance, expert_groups, mismatch (then
 rank 1's store goes back one committed step and both ranks try ``Engine.resume``: each writes the
 error it got). Writes on rank 0 (or the only process) the per-step losses, grad norms and final
 master weights; every rank writes its SSD bytes.
@@ -18,6 +18,7 @@ import sys
 import torch
 
 from fuyou.engine import Engine, EngineConfig, Plan
+from fuyou.models.adapters import make_adapter
 from tests.integration.tiny_models import batches, tiny
 
 
@@ -27,7 +28,8 @@ def main(spec_path: str, out: str) -> None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     cfg, model = tiny(spec.get("family", "llama"), layers=spec.get("layers", 2))
-    nblocks = cfg.num_hidden_layers + 2
+    groups = spec.get("expert_groups", 1)
+    nblocks = len(make_adapter(cfg, expert_groups=groups).blocks)
     K = spec["K"] * (spec["world"] // world)  # the one-process reference runs every rank's micro-batches
     plan = Plan(
         grad_accum=K,
@@ -36,6 +38,7 @@ def main(spec_path: str, out: str) -> None:
         ram_weight_blocks=spec.get("ram_weights", 0),
         ram_state_blocks=spec.get("ram_state", 0),
         schedule=spec.get("schedule", "auto"),
+        expert_groups=groups,
     )
     ec = EngineConfig(
         ssd_dirs=(spec["ssd"],),

@@ -1,0 +1,150 @@
+"""A mixture-of-experts layer split into expert groups (``Plan.expert_groups``): a core block
+(attention, router, shared expert) followed by blocks that each own a slice of the fused expert
+tensors. It trains what the unsplit model trains (fp32, against plain PyTorch + AdamW with the
+global balance loss and clipping), under every activation policy; it imports a per-expert
+checkpoint one group's experts at a time, exports the fused tensors transformers loads, resumes,
+fits a device budget one whole layer does not, and two ranks train what one process trains.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fuyou.engine import Engine, EngineConfig, Plan
+from fuyou.errors import DeviceMemoryError
+from fuyou.models.adapters import make_adapter
+from fuyou.models.hf_io import CheckpointReader
+from tests.integration.test_engine_fidelity import LR, STEPS, WD, assert_same
+from tests.integration.tiny_models import batches, reference_steps, tiny
+
+CLIP = 0.5
+
+
+def config(tmp_path, cfg, groups: int, policy: str = "keep", **kw) -> EngineConfig:
+    tmp_path.mkdir(exist_ok=True)
+    n = len(make_adapter(cfg, expert_groups=groups).blocks) if groups else cfg.num_hidden_layers + 2
+    pol = ("keep",) + (policy,) * (n - 2) + ("keep",) if groups else ()
+    plan = Plan(grad_accum=2, expert_groups=groups, activation_policy=pol)
+    return EngineConfig(
+        ssd_dirs=(str(tmp_path),), precision="fp32", lr=LR, weight_decay=WD, cpu_memory="256MiB",
+        max_grad_norm=CLIP, plan=plan, **kw,
+    )  # fmt: skip
+
+
+def train(cfg, model, ec: EngineConfig, data) -> tuple[list[float], dict, Engine]:
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with Engine.from_state_dict(cfg, sd, ec) as eng:
+        results = [eng.train_step(ids, labels) for ids, labels in data]
+        weights = dict(eng.master_weights())
+    assert all(r.applied for r in results)
+    return [r.loss for r in results], weights, eng
+
+
+def expect_reference(model, data, losses, weights) -> None:
+    ill: dict = {}
+    ref = reference_steps(model, data, 2, LR, WD, clip=CLIP, balance="global", ill=ill)
+    assert_same(model, ref, losses, weights, ill=ill)
+
+
+@pytest.mark.parametrize(
+    "family, groups, policy",
+    [
+        ("mixtral", 2, "keep"),
+        ("qwen2_moe", 3, "recompute"),  # uneven groups (1, 1, 2 experts), a shared expert in the core
+        ("qwen3_moe", 4, "swap_cpu"),  # one expert per group
+        pytest.param("mixtral", 3, "swap_ssd", marks=pytest.mark.slow),
+        pytest.param("qwen2_moe", 2, "recompute_cpu", marks=pytest.mark.slow),
+        pytest.param("qwen3_moe", 2, "keep", marks=pytest.mark.slow),
+    ],
+)
+def test_split_layers_train_as_plain_pytorch(tmp_path, family, groups, policy):
+    cfg, model = tiny(family)
+    data = batches(STEPS)
+    losses, weights, eng = train(cfg, model, config(tmp_path, cfg, groups, policy), data)
+    names = [b.name for b in eng.layout.blocks]
+    assert names[1:3] == ["layer.0", "layer.0.experts.0"] and len(names) == 2 + 2 * (1 + groups)
+    assert all("[" not in k for k in weights)  # the groups' slices come back as the fused tensors
+    expect_reference(model, data, losses, weights)
+
+
+def test_a_dropped_route_gradient_is_caught(tmp_path, monkeypatch):
+    """The core's backward must carry the groups' gradients of the normalised hidden states and the
+    routing weights on: without them the router and attention train wrong, and the test sees it."""
+    from fuyou.engine import activations
+
+    cfg, model = tiny("mixtral")
+    data = batches(2)
+    real = activations.backward
+
+    def forgetful(adapter, b, saved, dy, *a, **kw):
+        if adapter.route_of(b) is not None and saved.ctx is not None:
+            for leaf in (saved.ctx.routes[adapter.route_of(b)].hn, saved.ctx.routes[adapter.route_of(b)].w):
+                leaf.grad = None
+        return real(adapter, b, saved, dy, *a, **kw)
+
+    monkeypatch.setattr(activations, "backward", forgetful)
+    losses, weights, _ = train(cfg, model, config(tmp_path, cfg, 2, "recompute"), data)
+    with pytest.raises(AssertionError):
+        expect_reference(model, data, losses, weights)
+
+
+def test_checkpoint_import_export_and_resume(tmp_path):
+    """A per-expert checkpoint (Mixtral's on-disk layout) is imported one group's experts at a time;
+    the store records its groups, so a resumed run and ``export`` see the same layout; the export
+    holds the fused tensors transformers loads, and a run resumed midway ends where an uninterrupted
+    one does."""
+    cfg, model = tiny("mixtral")
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    reader = CheckpointReader(str(src), cfg.model_type)
+    part = reader.get("model.layers.1.mlp.experts.down_proj[1:3]")
+    assert torch.equal(part, model.state_dict()["model.layers.1.mlp.experts.down_proj"][1:3])
+    data = batches(4)
+    ec = config(tmp_path / "a", cfg, 2)
+    with Engine.from_pretrained(str(src), ec) as eng:
+        for ids, labels in data:
+            eng.train_step(ids, labels)
+        whole = dict(eng.master_weights())
+        eng.export(str(tmp_path / "out"), dtype="fp32")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert all(torch.equal(loaded[k], w) for k, w in whole.items())
+
+    ec2 = config(tmp_path / "b", cfg, 2)
+    with Engine.from_pretrained(str(src), ec2) as eng:
+        for ids, labels in data[:2]:
+            eng.train_step(ids, labels)
+    fresh = EngineConfig(**{**ec2.__dict__, "plan": Plan(grad_accum=2)})  # groups come from the store
+    with Engine.resume(fresh) as eng:
+        assert eng.plan.expert_groups == 2 and eng.step == 2
+        for ids, labels in data[2:]:
+            eng.train_step(ids, labels)
+        resumed = dict(eng.master_weights())
+    assert all(torch.equal(resumed[k], w) for k, w in whole.items())
+
+
+def test_a_device_budget_below_one_layer_splits_it(tmp_path):
+    """With ``expert_groups`` left to the engine (0), a device budget below one whole layer's weights
+    and gradients splits the layers into the fewest groups that fit, and the run trains as plain
+    PyTorch; one group per layer is refused by name."""
+    cfg, model = tiny("qwen3_moe")
+    layer = make_adapter(cfg).blocks[1].numel * 4 * 2  # fp32 weights + gradients of one whole layer
+    budget = layer * 3 // 4
+    data = batches(3)
+    ec = config(tmp_path / "auto", cfg, 0, gpu_memory=budget)
+    losses, weights, eng = train(cfg, model, ec, data)
+    assert eng.plan.expert_groups == 2
+    expect_reference(model, data, losses, weights)
+    with pytest.raises(DeviceMemoryError, match="largest block"):
+        Engine.from_state_dict(cfg, model.state_dict(), config(tmp_path / "one", cfg, 1, gpu_memory=budget))
+
+
+@pytest.mark.slow  # ~15 s: two launches of local ranks
+def test_two_ranks_train_split_layers_as_one_process(tmp_path):
+    from tests.integration.test_data_parallel import assert_equivalent, launch
+
+    spec = dict(steps=2, batch=4, K=1, world=2, clip=1.0, family="qwen2_moe", expert_groups=3, policy="recompute")
+    (one,) = launch(spec, 1, tmp_path / "one")
+    many = launch(spec, 2, tmp_path / "many", {"FUYOU_CPU_ASYNC": "arena"})
+    assert_equivalent(one, many[0])
