@@ -191,6 +191,10 @@ def print_result(res: object, params: int) -> None:
             f"{p.schedule}, prefetch depth {p.prefetch_depth}, state buffers {p.state_buffers}, "
             f"state chunk {p.state_chunk} elements",
         )
+        if p.expert_groups > 1:
+            t.add_row(
+                "experts", f"each mixture-of-experts layer streams as a core block + {p.expert_groups} expert groups"
+            )
         t.add_row("activations", _policies(p.activation_policy))
         if p.ram_weight_blocks or p.ram_state_blocks:
             t.add_row(

@@ -19,9 +19,11 @@ A mixture-of-experts layer split into expert groups (``Adapter.slices``) is a co
 routing weights) in the micro-batch context, detached into leaves; each group adds its experts'
 output to the stream, so its backward needs no input and passes ``dy`` on unchanged, while
 accumulating the leaves' gradients. The core's backward then seeds its own graph (kept or recomputed)
-with them: ``torch.autograd.backward([y, hn, w], [dy, hn.grad, w.grad])``. The route stays on the
-device from the core's forward to its backward, whatever the policy (one ``tokens × hidden`` tensor
-per split layer and micro-batch, as the planner counts it).
+with them: ``torch.autograd.backward([y, hn, w], [dy, hn.grad, w.grad])``. The route's ``hn`` (one
+``tokens × hidden`` tensor per split layer and micro-batch) stays on the device from the core's
+forward to its backward, unless the layer's last group is ``recompute_cpu``: then it waits in host
+memory like a block input, from that group's forward until its backward (the first of the layer's),
+which makes it a leaf again.
 """
 
 from __future__ import annotations
@@ -59,6 +61,9 @@ class Saved:
     route: Route | None = None
     """The core of a split mixture-of-experts layer: its ``Route`` as its graph computed it (graph
     policies; recompute policies recompute it)."""
+    parked_route: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    """The last expert group of a layer under ``recompute_cpu``: (layer, expert indices, routing
+    weights) of the route whose ``hn`` is ``offloaded``."""
 
     def release(self) -> None:
         """Return swapped bytes to the host budget (after backward)."""
@@ -210,7 +215,13 @@ def _forward_additive(
         rng = backend.rng_state()
         with torch.no_grad():
             delta = adapter.delta(b, ctx)
-        return x + delta.view(x.shape).to(x.dtype), ctx, Saved(policy, None, None, ctx, rng)
+        saved = Saved(policy, None, None, ctx, rng)
+        layer = adapter.last_of_layer(b)
+        if policy == "recompute_cpu" and layer is not None:  # the route waits in host memory
+            route = ctx.routes.pop(layer)
+            saved.offloaded = _Offloaded(route.hn.detach(), space, f"route of layer {layer}")
+            saved.parked_route = (layer, route.idx, route.w)
+        return x + delta.view(x.shape).to(x.dtype), ctx, saved
     with torch.enable_grad():
         if policy in ("swap_cpu", "swap_ssd"):
             record = SSDRecord(space, b, k) if policy == "swap_ssd" else None
@@ -318,6 +329,10 @@ def _backward_additive(adapter: Adapter, b: int, saved: Saved, dy: torch.Tensor,
     delta = saved.y
     if saved.policy in RECOMPUTES:
         assert saved.ctx is not None  # made by the embedding block
+        if saved.parked_route is not None:  # the route back from host memory, a leaf for the groups
+            layer, idx, w = saved.parked_route
+            saved.ctx.routes[layer] = Route(_input(saved.input()), idx, w)
+            saved.parked_route = None
         state = backend.rng_state()
         backend.set_rng_state(saved.rng)
         with torch.enable_grad():

@@ -28,12 +28,13 @@ from fuyou.engine.lora import LoraState
 from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
 from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
 from fuyou.models.adapters import MicroBatchContext, make_adapter
-from fuyou.models.blocks import expert_group_options, parse_slice, split_experts
+from fuyou.models.blocks import parse_slice, split_experts
 from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config
 from fuyou.models.lora import is_lora
 from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.optim import AdamWHyper
 from fuyou.schedule import rules, sizing
+from fuyou.schedule.experts import expert_group_options, spread_policies
 from fuyou.schedule.plan import Plan
 from fuyou.storage.dirs import rank_dirs
 from fuyou.storage.store import TensorStore
@@ -103,7 +104,11 @@ class Engine:
         )
         """The trainable LoRA weights and their AdamW (None: full fine-tuning)."""
         blocks = tuple(self.adapter.blocks)
-        plan = dataclasses.replace(rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0), expert_groups=groups)
+        plan = dataclasses.replace(
+            rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0),
+            expert_groups=groups,
+            activation_policy=spread_policies(cfg.plan.activation_policy, [b.name for b in blocks]),
+        )
         if cfg.lora is not None:  # the base only streams in: no state, no gradient or weight traffic out
             plan = dataclasses.replace(plan, frozen=True, ram_state_blocks=0)
         rules.check_ram_tier(plan, len(blocks))

@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from fuyou.errors import ConfigError
-from fuyou.models.blocks import EXPERTS_PART, BlockSpec, ParamSpec, group_ranges, slice_key, split_experts
+from fuyou.models.blocks import EXPERTS_PART, BlockSpec, ParamSpec, slice_key, split_experts
 from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
+from fuyou.schedule.experts import group_ranges
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -413,7 +414,9 @@ class LlamaLike(Adapter):
         replaced by a ``RouteCapture``) and ``groups`` blocks of experts, each running an instance of
         the family's own experts module sized to its group."""
         experts = int(getattr(self.config, "num_local_experts", None) or getattr(self.config, "num_experts", None) or 0)
-        if not experts or not 1 <= groups <= experts:
+        if not experts:
+            raise ConfigError(f"this {self.config.model_type} model has no experts to split into {groups} groups")
+        if not 1 <= groups <= experts:
             raise ConfigError(
                 f"cannot split the {experts} experts of this {self.config.model_type} model into {groups} groups"
             )

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fuyou.schedule.experts import EXPERTS_PART, group_ranges
 from fuyou.storage.extents import ExtentSpec, TensorSpec
 
 
@@ -48,10 +49,6 @@ class BlockSpec:
         return ExtentSpec(prefix + self.name, tuple(TensorSpec(p.key, p.shape, dtype) for p in self.params))
 
 
-EXPERTS_PART = ".experts."
-"""Infix of an expert-group block's name: ``layer.3.experts.1`` is group 1 of decoder layer 3."""
-
-
 def slice_key(key: str, lo: int, hi: int) -> str:
     """The store key of experts ``lo…hi−1`` (rows of dim 0) of the fused expert tensor ``key``."""
     return f"{key}[{lo}:{hi}]"
@@ -64,21 +61,6 @@ def parse_slice(key: str) -> tuple[str, int, int] | None:
     base, rows = key[:-1].rsplit("[", 1)
     lo, hi = rows.split(":")
     return base, int(lo), int(hi)
-
-
-def group_ranges(experts: int, groups: int) -> list[tuple[int, int]]:
-    """Experts [lo, hi) of each of ``groups`` contiguous, near-equal groups (sizes differ by ≤ 1)."""
-    return [(g * experts // groups, (g + 1) * experts // groups) for g in range(groups)]
-
-
-def expert_group_options(experts: int) -> list[int]:
-    """The group counts tried, smallest first, when a layer's experts must be split: 1, the powers of
-    two below ``experts``, then one group per expert."""
-    out, g = [1], 2
-    while g < experts:
-        out.append(g)
-        g *= 2
-    return out + ([experts] if experts > 1 else [])
 
 
 def split_experts(blocks: tuple[BlockSpec, ...], groups: int, experts: int, top_k: int) -> tuple[BlockSpec, ...]:
@@ -105,6 +87,6 @@ def split_experts(blocks: tuple[BlockSpec, ...], groups: int, experts: int, top_
         out.append(BlockSpec(blk.name, core, blk.borrows, blk.flops_per_token - routed))
         for g, (lo, hi) in enumerate(group_ranges(experts, groups)):
             params = tuple(ParamSpec(slice_key(p.key, lo, hi), (hi - lo, *p.shape[1:])) for p in fused)
-            flops = 2 * top_k * sum(p.numel for p in params) // experts
+            flops = routed * hi // experts - routed * lo // experts  # the groups' sum is the layer's
             out.append(BlockSpec(f"{blk.name}{EXPERTS_PART}{g}", params, (), flops))
     return tuple(out)

@@ -5,7 +5,9 @@ Step time comes from simulating the step's operations with their dependencies (`
 from a sum or a max. Memory per tier:
 
 * device — block inputs kept for backward (one ``tokens×hidden`` tensor per block and step,
-  whatever the policy, except ``recompute_cpu`` blocks', which wait in host RAM), ``keep`` activations, and the larger of a layer's working set (weights +
+  whatever the policy, except ``recompute_cpu`` blocks', which wait in host RAM, and expert groups',
+  which need none, but a split mixture-of-experts layer keeps its route, held by its last group),
+  ``keep`` activations, and the larger of a layer's working set (weights +
   gradients + two micro-batches' activations) and the head's (its weights, the tied embedding,
   gradients and ~12 bytes per logit: bf16 logits, fp32 upcast, fp32 and bf16 gradients);
 * host — the engine's buffer pool and RAM tier, counted by the rules the engine reserves them with
@@ -116,8 +118,9 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     T = K * mbt
     pol = [g._policy(b) for b in range(H)]
     cb = cfg.compute_bytes
-    offloaded = sum(p == "recompute_cpu" for p in pol)
-    boundary = (H - offloaded) * T * shape.hidden * cb
+    kept = [blk.keeps_input or b in g.route_holders for b, blk in enumerate(shape.blocks[:H])]
+    offloaded = sum(p == "recompute_cpu" and k for p, k in zip(pol, kept))
+    boundary = (sum(kept) - offloaded) * T * shape.hidden * cb
     keep = sum(g.act_bytes(b) for b in range(1, H) if pol[b] == "keep")
     layer_ws = max(2 * cb * blk.numel + 2 * g.act_bytes(b) / K for b, blk in enumerate(shape.blocks[:H]))
     head = shape.blocks[H]

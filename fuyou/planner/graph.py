@@ -84,6 +84,7 @@ class StepGraph:
         self.sim = Sim(merge)
         H = len(shape.blocks) - 1
         self.H = H
+        self.route_holders = set(shape.route_holders())
         tied = [i for i, b in enumerate(shape.blocks) for o in shape.blocks[H].borrows if b.name == o]
         self.order = rules.load_order(H + 1, tied)
         self.parked = set(rules.parked(H + 1, plan))
@@ -136,7 +137,7 @@ class StepGraph:
         zero = self.c.compute_bytes * blk.numel / hw.device_mem_Bps
         if blk.kind == "embed":
             return zero + self.K * self.mb_tokens * self.m.hidden * self.c.compute_bytes / hw.device_mem_Bps
-        add = blk.numel / hw.grad_add_rate if blk.kind == "layer" else 0.0
+        add = blk.numel / hw.grad_add_rate if blk.kind in ("layer", "experts") else 0.0
         f = 2 * blk.fwd_flops_per_token(self.m.hidden, self.c.seq_len) * self.mb_tokens
         return zero + self.K * (add + f / hw.flops_per_s(self.mb_tokens, backward=True, head=blk.kind == "head"))
 
@@ -145,7 +146,7 @@ class StepGraph:
         profile's compute dtype) or the shape formula (bf16), scaled to this run's compute dtype."""
         blk = self.m.blocks[b]
         measured = self.hw.layer_act_bytes_per_token and self.hw.model_signature == self.m.signature
-        if blk.kind == "layer" and measured:
+        if blk.kind == "layer" and measured and self.m.expert_groups == 1:  # measured: a whole layer
             per = self.hw.layer_act_bytes_per_token * self.c.compute_bytes / self.hw.compute_bytes
         else:
             per = (
@@ -219,9 +220,11 @@ class StepGraph:
         self.backward()
         self.finish()
 
-    def boundary_bytes(self, pol: str) -> int:
-        """Bytes of a block's input the step copies off the device and back (``recompute_cpu``)."""
-        return (pol == "recompute_cpu") * self.K * self.mb_tokens * self.m.hidden * self.c.compute_bytes
+    def boundary_bytes(self, b: int, pol: str) -> int:
+        """Bytes of block ``b``'s input the step copies off the device and back (``recompute_cpu``; an
+        expert group keeps no input, a layer's last its route: ``ModelShape.route_holders``)."""
+        offloaded = pol == "recompute_cpu" and (self.m.blocks[b].keeps_input or b in self.route_holders)
+        return offloaded * self.K * self.mb_tokens * self.m.hidden * self.c.compute_bytes
 
     def forward(self) -> None:
         swap_out = self.hw.swap_Bps[0]
@@ -230,7 +233,7 @@ class StepGraph:
             pol = self._policy(b)
             a = self.act_bytes(b)
             swapped = pol in ("swap_cpu", "swap_ssd")
-            boundary = self.boundary_bytes(pol)
+            boundary = self.boundary_bytes(b, pol)
             if self.hw.device == "cuda":  # copy stream, overlapped with the next block's compute
                 f = self._compute(self._fwd_s(b), cp)
                 out = self.sim.op("d2h", (a * swapped + boundary) / self.hw.d2h_Bps, (f,))
@@ -261,7 +264,7 @@ class StepGraph:
             cp = self._next(first + i)
             pol = self._policy(b)
             swapped = pol in ("swap_cpu", "swap_ssd")
-            boundary = self.boundary_bytes(pol)
+            boundary = self.boundary_bytes(b, pol)
             dur = self._bwd_s(b) + (self._fwd_s(b) if pol in RECOMPUTES else 0.0)
             if self.hw.device == "cuda":  # back in on the copy stream, issued a block ahead
                 back = self.sim.op(

@@ -4,7 +4,8 @@ Stages (every candidate is scored by ``cost.predict``; the best seen wins):
 
 1. micro-batch size — every divisor of the step's sequences (``tokens_per_step / seq_len``) whose
    device working set fits; accumulation K = sequences ÷ micro-batch.
-2. activations — layers ordered by benefit per byte (recompute FLOPs ÷ saved bytes, highest first;
+2. activations — layers (a split layer with its expert groups) ordered by benefit per byte
+   (recompute FLOPs ÷ saved bytes, highest first;
    ties: later layers first, their activations are needed first in backward); the first n of them
    are saved — kept on the device while it has room, then swapped to host RAM while the host budget
    has room, then to SSD — the rest recomputed. n is scanned over a fixed grid 0…L (the same grid
@@ -36,6 +37,7 @@ from fuyou.planner.profile import HardwareProfile
 from fuyou.planner.result import Budgets, PlannerResult
 from fuyou.planner.shapes import ModelShape
 from fuyou.schedule import sizing
+from fuyou.schedule.experts import expert_group_options
 from fuyou.schedule.plan import MIN_CHUNK, RECOMPUTES, Plan
 from fuyou.units import format_size as fs
 
@@ -61,6 +63,11 @@ def _chunk_for(numel: int, chunks: int) -> int:
 
 class InfeasibleError(ConfigError):
     """No plan fits the budgets; the message names the binding constraint, numbers and a fix."""
+
+
+class BlockTooLargeError(InfeasibleError):
+    """The largest block alone does not fit a budget (its weights and gradients on the device, or its
+    smallest set of host buffers): smaller blocks (more expert groups) may."""
 
 
 @dataclass(frozen=True)
@@ -112,10 +119,15 @@ class _Search:
         self.park: int | None = None
         """``Plan.park_ram_blocks`` of every candidate with the clipping schedule (None: all in RAM)."""
         self.evals = 0
-        layers = [b for b in range(1, self.H)]
+        layers = [b for b in range(1, self.H) if shape.blocks[b].kind != "experts"]
+        self.members = {b: [b] for b in layers}
+        """Layer → its blocks: itself and, split into expert groups, the groups, which share its policy."""
+        for b in range(1, self.H):
+            if shape.blocks[b].kind == "experts":
+                self.members[max(a for a in layers if a < b)].append(b)
         ob = {
-            b: shape.blocks[b].fwd_flops_per_token(shape.hidden, req.seq_len)
-            / max(shape.blocks[b].act_bytes_per_token, 1)
+            b: sum(shape.blocks[m].fwd_flops_per_token(shape.hidden, req.seq_len) for m in self.members[b])
+            / max(sum(shape.blocks[m].act_bytes_per_token for m in self.members[b]), 1)
             for b in layers
         }
         self.order = sorted(layers, key=lambda b: (-ob[b], -b))
@@ -137,6 +149,7 @@ class _Search:
             park_ram_blocks=self.park if sched == "overlap_next_forward" else None,
             state_chunk=chunk,
             frozen=self.r.frozen,
+            expert_groups=self.m.expert_groups,
         )
 
     def cfg(self, mb: int) -> StepConfig:
@@ -158,11 +171,13 @@ class _Search:
             return None
         for b in self.order[:n]:
             for kind in ("keep", "swap_cpu", "swap_ssd"):
-                pol[b] = kind
+                for m in self.members[b]:
+                    pol[m] = kind
                 if self.fits(self.plan(mb, tuple(pol), depth, bufs, sched, chunk), cfg):
                     break
             else:
-                pol[b] = self.rc
+                for m in self.members[b]:
+                    pol[m] = self.rc
         return tuple(pol)
 
     def score(self, plan: Plan, cfg: StepConfig) -> Prediction:
@@ -275,7 +290,7 @@ class _Search:
         if need > self.b.cpu_memory:
             big = max(b.numel for b in m.blocks)
             park = "; clipping's parked gradients already on SSD" if sched == "overlap_next_forward" else ""
-            raise InfeasibleError(
+            raise BlockTooLargeError(
                 f"host memory: the smallest buffer set needs {fs(need)} (2 weight + 2 gradient + 2 new-weight buffers "
                 f"of the largest block, {fs(cb * big)} each, + 2 state chunks of 1 Mi params{park}); --cpu-memory is "
                 f"{fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(need)}"
@@ -294,25 +309,28 @@ class _Search:
         pol = ("keep",) + (self.rc,) * (self.H - 1) + ("keep",)
         plan, cfg = self.plan(mb, pol, depth, bufs, sched, chunk), self.cfg(mb)
         mem = memory(self.m, plan, cfg, self.hw)
-        per_tok = self.H * self.m.hidden * self.cb
+        holders = set(self.m.route_holders())
+        kept = sum(blk.keeps_input or b in holders for b, blk in enumerate(self.m.blocks[: self.H]))
+        per_tok = kept * self.m.hidden * self.cb
         inputs = per_tok * self.seqs * self.r.seq_len
         boundary = 0 if self.rc == "recompute_cpu" else inputs
         work = mem.device - boundary
         rank = " per rank" if self.r.cluster.world > 1 else ""
         msg = (
-            f"device memory: block inputs kept for backward need {fs(boundary)} ({self.H} blocks × "
+            f"device memory: block inputs kept for backward need {fs(boundary)} ({kept} blocks × "
             f"{self.seqs * self.r.seq_len} tokens{rank} × {self.m.hidden} × {self.cb} B) plus a working set of {fs(work)} at "
             f"micro-batch {mb}; --gpu-memory is {fs(self.b.gpu_memory)}. {self._fewer_tokens(self.b.gpu_memory - work, per_tok)}"
             f", or raise --gpu-memory to ≥ {fs(mem.device)}"
         )
         big = max(self.m.blocks, key=lambda b: b.numel)
         if work > self.b.gpu_memory and 2 * big.numel * self.cb >= self.b.gpu_memory:
-            raise InfeasibleError(
-                f"device memory: block {big.name} ({big.numel / 1e9:.2f} B params) needs "
+            split = (
+                f" (its experts in {self.m.expert_groups} groups)" if self.m.expert_groups > 1 else " (a decoder layer)"
+            )
+            raise BlockTooLargeError(
+                f"device memory: block {big.name}{split} ({big.numel / 1e9:.2f} B params) needs "
                 f"{fs(2 * big.numel * self.cb)} on the device for its weights and gradients alone, whatever the "
-                f"sequence length; --gpu-memory is {fs(self.b.gpu_memory)}. A decoder layer is "
-                f"one block (a mixture of experts' is not split into expert groups yet): raise --gpu-memory to "
-                f"≥ {fs(work)}"
+                f"sequence length; --gpu-memory is {fs(self.b.gpu_memory)}. Raise --gpu-memory to ≥ {fs(work)}"
             )
         if work > self.b.gpu_memory:
             raise InfeasibleError(
@@ -385,7 +403,10 @@ def _device_bound(res: PlannerResult) -> bool:
 
 
 def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Request = Request()) -> PlannerResult:
-    """The fastest predicted plan for ``shape`` on ``prof`` within ``budgets``.
+    """The fastest predicted plan for ``shape`` on ``prof`` within ``budgets``. A mixture of experts
+    whose layers do not fit whole (``BlockTooLargeError``, or a device working set too large) is
+    planned with its layers split into the fewest expert groups
+    (``fuyou.models.blocks.expert_group_options``) that fit: ``Plan.expert_groups``.
 
     Raises InfeasibleError naming the binding budget (device memory, host memory or SSD space) with
     the numbers and what to change; ConfigError for inconsistent fixed choices.
@@ -394,6 +415,21 @@ def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Requ
         raise ConfigError(f"--seq-len and --tokens-per-step must be ≥ 1, got {req.seq_len} and {req.tokens_per_step}")
     if req.state_precision not in ("fp32", "bf16"):
         raise ConfigError(f"--state-precision must be fp32 or bf16, got {req.state_precision!r}")
+    options = [g for g in expert_group_options(shape.experts) if g >= shape.expert_groups] if shape.experts else [1]
+    last: InfeasibleError | None = None
+    for g in options:
+        try:
+            return _search_split(shape.split(g) if shape.experts else shape, prof, budgets, req)
+        except InfeasibleError as e:
+            last = e
+            if not (isinstance(e, BlockTooLargeError) or str(e).startswith("device memory")):
+                raise
+    assert last is not None  # one option at least was tried
+    raise last
+
+
+def _search_split(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Request) -> PlannerResult:
+    """``search`` for ``shape`` as it is split."""
     try:
         main = _Search(shape, prof, budgets, req, offload=False).run()
     except InfeasibleError as device_bound:

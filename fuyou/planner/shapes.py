@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuyou.errors import ConfigError
+from fuyou.schedule.experts import group_ranges
 from fuyou.schedule.shards import shard_len
 from fuyou.schedule.sizing import Footprint
 
@@ -133,7 +134,7 @@ class BlockShape:
 
     name: str
     kind: str
-    """``embed`` | ``layer`` | ``head``."""
+    """``embed`` | ``layer`` | ``experts`` (an expert group of a split mixture-of-experts layer) | ``head``."""
     numel: int
     """Elements of the block's flat vectors (as ``ModelLayout.numel``)."""
     matmul_flops_per_token: int
@@ -148,6 +149,9 @@ class BlockShape:
     """Σ (in + out) over the block's linear layers (``nn.Linear``/``Conv1D``): a LoRA adapter of rank r
     on every one has r × this many parameters (``peft``'s ``all-linear``; dense families: Fuyou
     refuses LoRA on a mixture of experts)."""
+    keeps_input: bool = True
+    """Whether backward needs the block's input (kept, or offloaded by ``recompute_cpu``): not an
+    expert group's, which adds to its input (``fuyou.engine.activations``)."""
 
     def fwd_flops_per_token(self, hidden: int, seq_len: int) -> int:
         """Forward FLOPs per token including attention scores for layers (4·d·T, no causal halving)."""
@@ -163,6 +167,30 @@ class ModelShape:
     hidden: int
     layers: int
     vocab: int
+    experts: int = 0
+    """Experts per mixture-of-experts layer (0: a dense model)."""
+    expert_groups: int = 1
+    """Expert-group blocks each mixture-of-experts layer is split into (``Plan.expert_groups``)."""
+    source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """The config the shape was made from (``split``)."""
+
+    def route_holders(self) -> list[int]:
+        """The last expert group of each split layer: each layer keeps one ``tokens × hidden`` route
+        from its core's forward to its backward, on the device, or in host memory when this
+        block's policy is ``recompute_cpu`` (``fuyou.engine.activations``)."""
+        return [
+            b
+            for b, blk in enumerate(self.blocks)
+            if blk.kind == "experts" and (b + 1 == len(self.blocks) or self.blocks[b + 1].kind != "experts")
+        ]
+
+    def split(self, groups: int) -> ModelShape:
+        """This model with its mixture-of-experts layers split into ``groups`` expert groups."""
+        if groups == self.expert_groups:
+            return self
+        if not self.experts:
+            raise ConfigError(f"{self.name} has no experts to split into {groups} groups")
+        return _llama(self.source, self.name, groups)
 
     @property
     def signature(self) -> str:
@@ -225,7 +253,7 @@ def _prod(s: tuple[int, ...]) -> int:
     return out
 
 
-def _llama(cfg: dict, name: str) -> ModelShape:
+def _llama(cfg: dict, name: str, groups: int = 1) -> ModelShape:
     h, L, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     i = cfg.get("intermediate_size", 4 * h)
     nh = cfg.get("num_attention_heads", max(1, h // 128))
@@ -251,41 +279,58 @@ def _llama(cfg: dict, name: str) -> ModelShape:
     dense = (_aligned(*attn, *mlp, *norms), attn_mm + 2 * 3 * i * h, 2 * (10 * h + 2 * kv + 4 * i))
     attn_dims = sum(s[0] + s[1] for s in attn if len(s) == 2)
     mlp_dims = sum(s[0] + s[1] for s in mlp if len(s) == 2)
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if not 1 <= groups <= max(1, experts):
+        raise ConfigError(f"cannot split {experts} experts into {groups} groups")
     blocks = [BlockShape("embed", "embed", v * h, 0, 0)]
     for k in range(L):
-        moe = _moe_layer(cfg, k, attn, attn_mm, h, kv)
-        numel, mm, act = moe or dense
+        moe = _moe_layer(cfg, k, attn, attn_mm, h, kv, groups)
+        numel, mm, act = moe[0] if moe else dense
         dims = attn_dims + (0 if moe else mlp_dims)  # LoRA on a mixture of experts is refused (adapters)
         blocks.append(
             BlockShape(f"layer.{k}", "layer", numel, mm, act, act_bytes_per_token_per_key=per_key, linear_dims=dims)
         )
+        for g, (numel, mm, act) in enumerate(moe[1:] if moe else []):
+            blocks.append(BlockShape(f"layer.{k}.experts.{g}", "experts", numel, mm, act, keeps_input=False))
     head = _aligned((h,)) if tied else _aligned((h,), (v, h))
     blocks.append(BlockShape("head", "head", head, 2 * v * h, 0, ("embed",) if tied else ()))
-    return ModelShape(name, tuple(blocks), h, L, v)
+    return ModelShape(name, tuple(blocks), h, L, v, experts, groups, cfg)
 
 
 def _moe_layer(
-    cfg: dict, k: int, attn: Sequence[tuple[int, ...]], attn_mm: int, h: int, kv: int
-) -> tuple[int, int, int] | None:
+    cfg: dict, k: int, attn: Sequence[tuple[int, ...]], attn_mm: int, h: int, kv: int, groups: int = 1
+) -> list[tuple[int, int, int]] | None:
     """(elements, matmul FLOPs per token, activation bytes per token) of decoder layer ``k`` of a
     mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE: router, fused experts [E, 2I, h] and [E, h, I],
     Qwen2-MoE's gated shared expert), or None for a dense layer. Expert FLOPs are the routed ones:
-    ``num_experts_per_tok`` experts per token."""
+    ``num_experts_per_tok`` experts per token. With ``groups`` > 1 the layer's core (everything but
+    the routed experts) comes first, then each expert group (``fuyou.models.blocks.split_experts``)
+    with its share of the routed FLOPs and activations; else one entry, the whole layer."""
     experts = cfg.get("num_local_experts") or cfg.get("num_experts")
     step = cfg.get("decoder_sparse_step", 1) or 1
     if not experts or k in (cfg.get("mlp_only_layers") or []) or (k + 1) % step:
         return None
     i = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
     top = cfg.get("num_experts_per_tok", 2)
-    mlp: list[tuple[int, ...]] = [(experts, h), (experts, 2 * i, h), (experts, h, i)]
-    mm = attn_mm + 2 * experts * h + 2 * top * 3 * i * h
-    act = 2 * (10 * h + 2 * kv + 4 * top * i)
+    core: list[tuple[int, ...]] = [(experts, h)]
+    routed: list[tuple[int, ...]] = [(experts, 2 * i, h), (experts, h, i)]
+    mm, routed_mm = attn_mm + 2 * experts * h, 2 * top * 3 * i * h
+    act, routed_act = 2 * (10 * h + 2 * kv), 2 * 4 * top * i
     shared = cfg.get("shared_expert_intermediate_size") or 0
     if shared:
-        mlp += [(shared, h), (shared, h), (h, shared), (1, h)]
+        core += [(shared, h), (shared, h), (h, shared), (1, h)]
         mm += 2 * (3 * shared * h + h)
         act += 2 * 4 * shared
-    return _aligned(*attn, *mlp, (h,), (h,)), mm, act
+    if groups == 1:
+        return [(_aligned(*attn, *core[:1], *routed, *core[1:], (h,), (h,)), mm + routed_mm, act + routed_act)]
+    out = [(_aligned(*attn, *core, (h,), (h,)), mm, act)]
+    for lo, hi in group_ranges(experts, groups):
+        n = hi - lo
+        routed_here = top * n / experts  # this group's routed tokens per token, on average
+        out.append(
+            (_aligned((n, 2 * i, h), (n, h, i)), int(routed_mm * n // experts), int(2 * (h + 4 * i) * routed_here))
+        )
+    return out
 
 
 def _gpt2(cfg: dict, name: str) -> ModelShape:
@@ -308,11 +353,13 @@ LLAMA_TYPES = (
 """``model_type``s of the Llama-like families (dense and mixture-of-experts) the planner shapes."""
 
 
-def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
+def shape_from_config(cfg: dict[str, Any], name: str = "model", expert_groups: int = 1) -> ModelShape:
     """The ModelShape of a Hugging Face config dict (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1/2/3,
-    Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-2).
+    Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-2), its mixture-of-experts layers split into
+    ``expert_groups`` expert groups.
 
-    Raises ConfigError for another architecture or a config missing its dimensions.
+    Raises ConfigError for another architecture, a config missing its dimensions, or groups that do
+    not split its experts.
     """
     mt = cfg.get("model_type", "")
     archs = cfg.get("architectures") or []
@@ -322,7 +369,7 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model") -> ModelShape:
         if mt in LLAMA_TYPES or any(
             a.startswith(("Llama", "Mistral", "Mixtral", "Qwen", "Phi3", "Gemma")) for a in archs
         ):
-            return _llama(cfg, name)
+            return _llama(cfg, name, expert_groups)
     except KeyError as e:
         raise ConfigError(
             f"model config {name!r} lacks {e.args[0]!r}; pass a complete Hugging Face config.json"

@@ -261,9 +261,10 @@ def describe(plan: Plan) -> str:
         if plan.ram_weight_blocks or plan.ram_state_blocks
         else ""
     )
+    experts = f", each layer's experts in {plan.expert_groups} blocks" if plan.expert_groups > 1 else ""
     return (
         f"{plan.grad_accum} micro-batches, prefetch depth {plan.prefetch_depth}, layer activations {acts}, "
-        f"schedule {plan.schedule}, state chunk {plan.state_chunk} × {plan.state_buffers} buffers{ram}"
+        f"schedule {plan.schedule}, state chunk {plan.state_chunk} × {plan.state_buffers} buffers{ram}{experts}"
     )
 
 

@@ -148,3 +148,41 @@ def test_two_ranks_train_split_layers_as_one_process(tmp_path):
     (one,) = launch(spec, 1, tmp_path / "one")
     many = launch(spec, 2, tmp_path / "many", {"FUYOU_CPU_ASYNC": "arena"})
     assert_equivalent(one, many[0])
+
+
+@pytest.mark.slow  # ~15 s: a CLI run with a quick profile, then an export
+def test_fuyou_finetune_splits_layers_a_device_budget_cannot_hold(tmp_path):
+    """The CLI with its defaults (planner, clipping) under a --gpu-memory below one decoder layer's
+    weights and gradients: the planner splits the layers into expert groups, the run trains, and
+    ``fuyou export`` writes the fused expert tensors transformers loads."""
+    import json
+
+    from click.testing import CliRunner
+    from transformers import AutoTokenizer
+
+    from cli.main import main
+    from tests.integration.tiny_models import cli_inputs
+
+    dense, data = cli_inputs(tmp_path)
+    tok = AutoTokenizer.from_pretrained(dense)
+    cfg, _ = tiny("mixtral")
+    cfg.vocab_size, cfg.num_local_experts, cfg.intermediate_size = len(tok), 8, 512
+    torch.manual_seed(0)
+    model = type(tiny("mixtral")[1])(cfg)
+    src = tmp_path / "mixtral"
+    model.save_pretrained(src)
+    tok.save_pretrained(src)
+    layer = make_adapter(cfg).blocks[1].numel * 4 * 2  # fp32 (this CPU's auto precision) weights + gradients
+    out = tmp_path / "out"
+    args = [str(src), "--data", data, "--output", str(out), "--steps", "2", "--seq-len", "32", "--no-progress"]
+    r = CliRunner().invoke(main, ["finetune", *args, "--gpu-memory", "5MiB", "--precision", "fp32"])
+    assert r.exit_code == 0, r.output
+    assert layer > 5 << 20
+    run = json.loads((out / "run.json").read_text())
+    assert run["plan"]["executed"]["expert_groups"] == 2
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(x["applied"] for x in lines)
+    r = CliRunner().invoke(main, ["export", str(out), str(tmp_path / "exp"), "--dtype", "fp32"])
+    assert r.exit_code == 0, r.output
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "exp").state_dict()
+    assert loaded["model.layers.1.mlp.experts.gate_up_proj"].shape == (8, 1024, 64)

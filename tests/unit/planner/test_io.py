@@ -60,6 +60,16 @@ def test_shapes_match_the_adapter():
         s = shape_from_config(cfg.to_dict())
         assert [b.numel for b in s.blocks] == [lay.numel(b) for b in range(len(ad.blocks))]
         assert [b.matmul_flops_per_token for b in s.blocks] == [b.flops_per_token for b in ad.blocks]
+        if fam in ("mixtral", "qwen2_moe", "qwen3_moe"):  # split into expert groups, even and uneven
+            for g in (2, 3, 4):
+                ad, split = make_adapter(cfg, expert_groups=g), s.split(g)
+                lay = ModelLayout(tuple(ad.blocks))
+                assert [b.name for b in split.blocks] == [b.name for b in ad.blocks]
+                assert [b.numel for b in split.blocks] == [lay.numel(b) for b in range(len(ad.blocks))]
+                assert [b.matmul_flops_per_token for b in split.blocks] == [b.flops_per_token for b in ad.blocks]
+                assert sum(b.matmul_flops_per_token for b in split.blocks) == sum(
+                    b.matmul_flops_per_token for b in s.blocks
+                )
 
 
 def test_the_planner_sizes_host_memory_from_the_engines_footprint():

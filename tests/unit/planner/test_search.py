@@ -103,15 +103,47 @@ def test_clipping_under_a_small_host_budget_parks_gradients_on_ssd():
     assert tight.prediction.ssd_read_bytes > roomy.prediction.ssd_read_bytes
 
 
-def test_a_block_too_big_for_the_device_at_any_length_says_so():
-    """Mixtral-8x22B's decoder layer (2.5 B params with its experts) needs 9.3 GiB for bf16 weights and
-    gradients: at 8 GiB the error names the block and does not suggest a shorter sequence."""
+def test_a_layer_too_big_for_the_device_is_split_into_expert_groups():
+    """A Mixtral-8x22B-wide decoder layer (2.5 B params with its experts) needs 9.3 GiB for bf16
+    weights and gradients: at 8 GiB its experts stream in the fewest groups that fit (2), the plan
+    fits, and a group shares its layer's policy. Where not even one expert per block fits, the error
+    names the block and its groups, and does not suggest a shorter sequence."""
+    from fuyou.planner.shapes import NAMED, load_shape, shape_from_config
+
+    shape = shape_from_config(NAMED["mixtral-8x22b"] | {"num_hidden_layers": 4}, "mixtral-8x22b, 4 layers")
+    res = search(shape, HW, Budgets(cpu_memory=128 * GiB, gpu_memory=8 * GiB), REQ)
+    assert res.plan.expert_groups == 2 and res.prediction.memory.device <= 8 * GiB
+    pol = res.plan.activation_policy
+    assert len(pol) == len(shape.split(2).blocks) == 2 + 4 * 3
+    assert all(pol[b] == pol[b + 1] == pol[b + 2] for b in range(1, 13, 3))
+    with pytest.raises(InfeasibleError) as e:
+        search(load_shape("mixtral-8x22b"), HW, Budgets(cpu_memory=128 * GiB, gpu_memory=GiB), REQ)
+    msg = str(e.value)
+    assert "block layer.0.experts.0 (its experts in 8 groups) (0.30 B params)" in msg and "--seq-len" not in msg, msg
+
+
+def test_split_layers_keep_their_routes_where_the_policy_says():
+    """A split layer's route (one tokens × hidden tensor) stays on the device unless the layer's last
+    expert group is ``recompute_cpu``; then it waits in host memory and its copies cost time."""
+    from fuyou.planner.cost import memory, predict
     from fuyou.planner.shapes import load_shape
 
-    with pytest.raises(InfeasibleError) as e:
-        search(load_shape("mixtral-8x22b"), HW, Budgets(cpu_memory=128 * GiB, gpu_memory=8 * GiB), REQ)
-    msg = str(e.value)
-    assert "block layer.0 (2.50 B params) needs 9.3 GiB" in msg and "--seq-len" not in msg, msg
+    shape = load_shape("mixtral-8x7b").split(2)
+    n, cfg = len(shape.blocks), StepConfig(1, 256, 12, 2)
+    tokens_bytes = 256 * shape.hidden * 2
+    base = ["keep"] + ["recompute"] * (n - 2) + ["keep"]
+    holder = shape.route_holders()[0]
+    assert shape.blocks[holder].name == "layer.0.experts.1" and len(shape.route_holders()) == 32
+    off = list(base)
+    off[holder] = "recompute_cpu"
+    on_device, on_host = (memory(shape, Plan(activation_policy=tuple(p)), cfg, HW) for p in (base, off))
+    assert on_device.device - on_host.device == tokens_bytes
+    assert on_host.host_activations - on_device.host_activations == tokens_bytes
+    group = list(base)
+    group[holder - 1] = "recompute_cpu"  # the first group holds nothing: no copy, no memory moved
+    assert memory(shape, Plan(activation_policy=tuple(group)), cfg, HW) == on_device
+    t = [predict(shape, Plan(activation_policy=tuple(p)), cfg, HW).busy_s.get("d2h", 0.0) for p in (base, off)]
+    assert t[1] > t[0]
 
 
 def test_a_frozen_base_plans_reads_only_and_fits_where_full_fine_tuning_does_not():
