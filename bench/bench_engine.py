@@ -170,14 +170,17 @@ def fuyou_engine(
     state_chunk: int | None = None,
     cpu_memory: str = "16GiB",
     micro_batches: int = 1,
+    expert_groups: int = 1,
 ) -> Engine:
-    """An engine with ``policy`` for every decoder layer (``keep`` for embed and head)."""
+    """An engine with ``policy`` for every decoder layer (``keep`` for embed and head; a mixture of
+    experts' layers split into ``expert_groups``, which take their layer's policy)."""
     nblocks = cfg.num_hidden_layers + 2
     plan = Plan(
         grad_accum=micro_batches,
         prefetch_depth=depth,
         state_buffers=state_buffers,
         activation_policy=("keep",) + (policy,) * (nblocks - 2) + ("keep",),
+        expert_groups=expert_groups,
         **({"state_chunk": state_chunk} if state_chunk else {}),
     )
     ec = EngineConfig(
@@ -204,6 +207,8 @@ def plan_desc(eng: Engine, policy: str, layers: int, threads: int | None) -> dic
         "state_chunk_elems": eng.layout.state_chunk,
         "host_reserved_bytes": eng.pool.reserved,
         "adam_threads": threads or "default (all cores)",
+        "expert_groups": p.expert_groups,
+        "blocks": len(eng.layout.blocks),
     }
 
 
@@ -453,8 +458,9 @@ def run_p2(a: argparse.Namespace, work: str, hw: dict) -> None:
             store = tempfile.mkdtemp(prefix="store-", dir=work)
             t_build = time.perf_counter()
             eng = fuyou_engine(
-                cfg, sd, store, a.precision, policy, a.depth, threads or None, a.state_buffers, a.state_chunk
-            )
+                cfg, sd, store, a.precision, policy, a.depth, threads or None, a.state_buffers, a.state_chunk,
+                expert_groups=a.expert_groups,
+            )  # fmt: skip
             t_build = time.perf_counter() - t_build
             plan = plan_desc(eng, policy, a.layers, threads)
             ref_t, fy_t, ref_loss, fy_loss, p1, ref_ld, fy_ld, ref_cpu, fy_cpu = ([] for _ in range(9))
@@ -537,8 +543,9 @@ def run_p1(a: argparse.Namespace, work: str, hw: dict) -> None:
         for threads in [int(x) for x in a.adam_threads.split(",")]:
             store = tempfile.mkdtemp(prefix="store-", dir=work)
             eng = fuyou_engine(
-                cfg, sd, store, a.precision, policy, a.depth, threads or None, a.state_buffers, a.state_chunk
-            )
+                cfg, sd, store, a.precision, policy, a.depth, threads or None, a.state_buffers, a.state_chunk,
+                expert_groups=a.expert_groups,
+            )  # fmt: skip
             plan = plan_desc(eng, policy, a.layers, threads)
             per, losses = [], []
             load = ForeignLoad()
@@ -635,6 +642,12 @@ def main() -> None:
     ap.add_argument("--precision", choices=("fp32", "bf16"), default=None, help="default: fp32 for p2, bf16 otherwise")
     ap.add_argument("--experts", type=int, default=0, help="p2: a Mixtral with this many experts per layer (0: Llama)")
     ap.add_argument("--top-k", type=int, default=2, help="p2 with --experts: experts per token")
+    ap.add_argument(
+        "--expert-groups",
+        type=int,
+        default=1,
+        help="p2 with --experts: split each layer's experts into this many blocks",
+    )
     ap.add_argument(
         "--policies", default=None, help="comma list of layer activation policies (keep,swap_cpu,recompute)"
     )

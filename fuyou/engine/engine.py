@@ -121,6 +121,8 @@ class Engine:
             plan = dataclasses.replace(plan, state_chunk=layout.state_chunk)
             self.progress.step = int(store.meta.get("step", 0))
             _same_step_on_every_rank(self.comm, self.progress.step, store.dirs[0])
+        if self.lora is not None:  # staged through one host buffer of the pool
+            layout = dataclasses.replace(layout, adapter_bytes=self.lora.extent().nbytes)
         self.plan: Plan = admit(
             layout, plan, cfg.cpu_bytes, self.backend.memory().capacity, store is not None, self.backend.name
         )
@@ -149,7 +151,7 @@ class Engine:
             if store is not None:
                 self.tier.load()
                 if self.lora is not None:
-                    self.lora.load_from(self.store, self.progress.step)
+                    self.lora.load_from(self.store, self.progress.step, self.pool)
         except BaseException:
             if store is None:
                 self.store.close()
@@ -277,7 +279,7 @@ class Engine:
         for b, blk in enumerate(self.layout.blocks):
             self._import_block(b, tensors([p.key for p in blk.params]))
         if self.lora is not None:
-            self.lora.save_to(self.store)
+            self.lora.save_to(self.store, self.pool)
         self.tier.commit(self.commit_meta())
 
     def _import_block(self, b: int, src: dict[str, torch.Tensor]) -> None:
@@ -461,7 +463,7 @@ class Engine:
         """
         self.runner.settle()
         if self.lora is not None:  # a frozen base: the adapters are all that changed
-            self.lora.save_to(self.store)
+            self.lora.save_to(self.store, self.pool)
             self.tier.commit(self.commit_meta())
             return
         self.tier.persist(self.commit_meta())

@@ -28,7 +28,9 @@ from torch import nn
 
 from fuyou.errors import ConfigError
 from fuyou.models.lora import ADAPTER, LoraSettings, is_lora
+from fuyou.schedule import sizing
 from fuyou.storage.extents import ExtentSpec, TensorSpec
+from fuyou.transfer.host_pool import HostBufferPool
 
 
 class LoraState:
@@ -105,40 +107,51 @@ class LoraState:
             specs += [TensorSpec(f"{part}/{n}", tuple(p.shape), torch.float32) for part in ("w", "m", "v")]
         return ExtentSpec(self.EXTENT, tuple(specs))
 
-    def save_to(self, store: Any) -> None:
-        """Write the adapters and their moments into the store's ``lora`` extent (not yet committed)."""
+    def save_to(self, store: Any, pool: HostBufferPool) -> None:
+        """Write the adapters and their moments into the store's ``lora`` extent (not yet committed),
+        through the pool's adapter buffer (``sizing.ADAPTERS``: inside the host budget)."""
         spec = self.extent()
-        buf = torch.zeros(spec.nbytes, dtype=torch.uint8)
-        views = spec.views(buf)
-        for n, p in self.params.items():
-            st = self.optimizer.state.get(p, {})
-            views[f"w/{n}"].copy_(p.detach())
-            for part, key in (("m", "exp_avg"), ("v", "exp_avg_sq")):
-                if key in st:
-                    views[f"{part}/{n}"].copy_(st[key])
-        store.write(self.EXTENT, buf).result()
+        held = pool.acquire(sizing.ADAPTERS)
+        try:
+            buf = held.data[: spec.nbytes]
+            buf.zero_()
+            views = spec.views(buf)
+            for n, p in self.params.items():
+                st = self.optimizer.state.get(p, {})
+                views[f"w/{n}"].copy_(p.detach())
+                for part, key in (("m", "exp_avg"), ("v", "exp_avg_sq")):
+                    if key in st:
+                        views[f"{part}/{n}"].copy_(st[key])
+            store.write(self.EXTENT, buf).result()
+        finally:
+            pool.release(held)
 
-    def load_from(self, store: Any, step: int) -> None:
+    def load_from(self, store: Any, step: int, pool: HostBufferPool) -> None:
         """Restore the adapters and their moments from the store's ``lora`` extent after ``step``
-        updates. Raises ConfigError when the store holds other adapters (or none)."""
+        updates, through the pool's adapter buffer. Raises ConfigError when the store holds other
+        adapters (or none)."""
         names = {e.name: e for e in store.extents}
         if names.get(self.EXTENT) != self.extent():
             what = "no LoRA adapters" if self.EXTENT not in names else "LoRA adapters of another rank or targets"
             raise ConfigError(
                 f"the store in {store.dirs[0]} holds {what}; resume with the --lora-* settings it was trained with"
             )
-        buf = torch.empty(self.extent().nbytes, dtype=torch.uint8)
-        store.read(self.EXTENT, buf).result()
-        views = self.extent().views(buf)
-        with torch.no_grad():
-            for n, p in self.params.items():
-                p.copy_(views[f"w/{n}"])
-                if step:
-                    self.optimizer.state[p] = {
-                        "step": torch.tensor(float(step)),
-                        "exp_avg": views[f"m/{n}"].to(p.device).clone(),
-                        "exp_avg_sq": views[f"v/{n}"].to(p.device).clone(),
-                    }
+        held = pool.acquire(sizing.ADAPTERS)
+        try:
+            buf = held.data[: self.extent().nbytes]
+            store.read(self.EXTENT, buf).result()
+            views = self.extent().views(buf)
+            with torch.no_grad():
+                for n, p in self.params.items():
+                    p.copy_(views[f"w/{n}"])
+                    if step:
+                        self.optimizer.state[p] = {
+                            "step": torch.tensor(float(step)),
+                            "exp_avg": views[f"m/{n}"].to(p.device, copy=True),
+                            "exp_avg_sq": views[f"v/{n}"].to(p.device, copy=True),
+                        }
+        finally:
+            pool.release(held)
 
     @torch.no_grad()
     def merged(self, key: str, weight: torch.Tensor) -> torch.Tensor:

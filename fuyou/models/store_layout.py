@@ -47,6 +47,8 @@ class ModelLayout:
     """Data-parallel ranks the blocks are sharded over (1: no sharding)."""
     frozen: bool = False
     """A frozen base (LoRA): compute weights only, no optimizer-state extents."""
+    adapter_bytes: int = 0
+    """Bytes of the LoRA adapters' extent (``fuyou.engine.lora``), which host sizing stages (0: none)."""
 
     def __post_init__(self) -> None:
         if self.state_chunk <= 0 or self.state_chunk % 32:
@@ -109,6 +111,7 @@ class ModelLayout:
             4 + 2 * elem_size(self.state_dtype),
             tuple(self.index(o) for o in head.borrows),
             self.world,
+            self.adapter_bytes,
         )
 
     def extents(self) -> list[ExtentSpec]:

@@ -24,6 +24,7 @@ are the whole step's, all ranks together.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 
 from fuyou.planner.graph import StepConfig, StepGraph, simulate
@@ -35,6 +36,8 @@ from fuyou.schedule.plan import Plan
 DAY_S = 86400.0
 ADAPTER_BYTES_PER_PARAM = 16
 """A LoRA adapter parameter on the device: fp32 weight, gradient, and AdamW's m and v."""
+ADAPTER_STAGED_BYTES_PER_PARAM = 12
+"""A LoRA adapter parameter in its host staging buffer (checkpoints, resume): fp32 weight, m and v."""
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 """Busy kinds of the ``comm`` resource (``graph.StepGraph._collective``)."""
 FLOP_FORMULA = (
@@ -96,8 +99,10 @@ class Prediction:
 
 
 def footprint(shape: ModelShape, cfg: StepConfig) -> sizing.Footprint:
-    """One rank's host-memory footprint at ``cfg``'s element sizes (its shards of every block)."""
-    return shape.sharded(cfg.cluster.world).footprint(cfg.compute_bytes, cfg.state_bytes_per_param)
+    """One rank's host-memory footprint at ``cfg``'s element sizes (its shards of every block), with
+    LoRA the adapters' staging buffer (fp32 weight, m and v: ``ADAPTER_STAGED_BYTES_PER_PARAM``)."""
+    fp = shape.sharded(cfg.cluster.world).footprint(cfg.compute_bytes, cfg.state_bytes_per_param)
+    return dataclasses.replace(fp, adapter_bytes=ADAPTER_STAGED_BYTES_PER_PARAM * cfg.adapter_params)
 
 
 def host_buffers(shape: ModelShape, plan: Plan, cfg: StepConfig) -> int:

@@ -21,6 +21,9 @@ from fuyou.schedule.rules import parked_in_ram
 from fuyou.units import HOST_ALIGN, align_up
 
 WEIGHTS, GRADS, STATE, NEW_WEIGHTS = "weights", "grads", "state", "new-weights"
+ADAPTERS = "lora adapters"
+"""The one buffer LoRA adapters and their moments go through to and from the store (checkpoints,
+resume), 12 B per adapter parameter (fp32 weight, m and v)."""
 """Host buffer classes of the streaming path (names as the pool reports them)."""
 RAM_WEIGHTS, RAM_STATE = "ram-tier weights", "ram-tier optimizer state"
 HOST_ONLY = frozenset({STATE, NEW_WEIGHTS, RAM_WEIGHTS, RAM_STATE})
@@ -63,6 +66,8 @@ class Footprint:
     world: int = 1
     """Data-parallel ranks: the host holds one rank's shard (``weight_bytes``, ``numels``), the
     device the gathered block (``device_bytes``)."""
+    adapter_bytes: int = 0
+    """Bytes of the LoRA adapters' store extent (0: none), staged through one host buffer."""
 
     @property
     def nblocks(self) -> int:
@@ -109,8 +114,9 @@ def buffer_classes(fp: Footprint, plan: Plan) -> list[BufferClass]:
     """The host buffers ``plan`` streams through, in reservation order (the RAM tier apart). A frozen
     base (``Plan.frozen``) streams weights only."""
     w = max(fp.weight_bytes)
+    adapters = [BufferClass(ADAPTERS, fp.adapter_bytes, 1)] if fp.adapter_bytes else []
     if plan.frozen:
-        return [BufferClass(WEIGHTS, w, plan.prefetch_depth + 1)]
+        return [BufferClass(WEIGHTS, w, plan.prefetch_depth + 1)] + adapters
     g = max(fp.grad_bytes(b) for b in range(fp.nblocks))
     state = fp.state_extent_bytes(min(plan.state_chunk, max(fp.numels)))
     out = [
@@ -119,7 +125,7 @@ def buffer_classes(fp: Footprint, plan: Plan) -> list[BufferClass]:
         BufferClass(STATE, state, plan.state_buffers),
         BufferClass(NEW_WEIGHTS, w, 2),
     ]
-    return out + [BufferClass(park_class(b), fp.grad_bytes(b), 1) for b in parked_in_ram(fp.nblocks, plan)]
+    return out + adapters + [BufferClass(park_class(b), fp.grad_bytes(b), 1) for b in parked_in_ram(fp.nblocks, plan)]
 
 
 def ram_tier_extents(fp: Footprint, plan: Plan) -> tuple[list[int], list[int]]:

@@ -1,5 +1,8 @@
 """Child for the RSS test: train a model from a safetensors directory under a host budget and print
-resident-memory figures (JSON): baseline after imports, peak (VmHWM) over import + training."""
+resident-memory figures (JSON): baseline after imports, peak (VmHWM) over import + training.
+
+    python -m tests.integration.rss_child MODEL_DIR SSD BUDGET_BYTES POLICY STEPS [LORA_RANK]
+"""
 
 import json
 import sys
@@ -11,6 +14,7 @@ import transformers  # noqa: F401
 from fuyou.device import get_backend
 from fuyou.device.precision import choose_precision
 from fuyou.engine import Engine, EngineConfig, Plan
+from fuyou.models.lora import LoraSettings
 
 
 def status(field: str) -> int:
@@ -24,16 +28,19 @@ def status(field: str) -> int:
 
 def main() -> None:
     model_dir, ssd, budget, policy, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+    rank = int(sys.argv[6]) if len(sys.argv) > 6 else 0
+    lora = LoraSettings(rank=rank, alpha=2 * rank, targets=("q_proj", "v_proj")) if rank else None
     base = status("VmRSS")
     with open(model_dir + "/config.json") as f:
         nblocks = json.load(f)["num_hidden_layers"] + 2
     plan = Plan(prefetch_depth=1, activation_policy=("keep",) + (policy,) * (nblocks - 2) + ("keep",))
     precision = choose_precision("auto", get_backend("cpu")).precision  # as `fuyou finetune` runs on this CPU
-    ec = EngineConfig(ssd_dirs=(ssd,), cpu_memory=budget, plan=plan, precision=precision)
+    ec = EngineConfig(ssd_dirs=(ssd,), cpu_memory=budget, plan=plan, precision=precision, lora=lora)
     with Engine.from_pretrained(model_dir, ec) as eng:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, eng.adapter.config.vocab_size, (1, 64), generator=g)
         losses = [eng.train_step(ids)["loss"] for _ in range(steps)]
+        eng.flush()  # a checkpoint's write: LoRA adapters staged through the pool
         pool_peak = eng.pool.peak
     print(
         json.dumps(

@@ -85,7 +85,8 @@ def test_lora_trains_as_peft(tmp_path, family, policy, K, clip):
         from fuyou.schedule import sizing
 
         assert eng.plan.frozen and not any(e.name.startswith("s/") for e in eng.store.extents)  # no optimizer state
-        assert [c.name for c in sizing.buffer_classes(eng.layout.footprint(), eng.plan)] == [sizing.WEIGHTS]
+        classes = [c.name for c in sizing.buffer_classes(eng.layout.footprint(), eng.plan)]
+        assert classes == [sizing.WEIGHTS, sizing.ADAPTERS]  # weights in; the adapters' checkpoint staging
     finally:
         eng.close()
 
