@@ -128,6 +128,12 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 )
 @click.option("--merge", is_flag=True, default=None, help="LoRA: also write OUTPUT/model with the adapters merged in.")
 @click.option(
+    "--freeze",
+    multiple=True,
+    help="Parameter-name glob that does not train (repeatable), e.g. 'model.embed_tokens.*' or "
+    "'model.layers.[0-7].*'; a block frozen whole has no optimizer state and is never written.",
+)
+@click.option(
     "--moe-balance",
     type=click.Choice(["global", "micro", "off"]),
     help="A mixture of experts' balance loss (weight: the config's router_aux_loss_coef): global (default) counts "

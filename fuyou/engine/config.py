@@ -48,6 +48,10 @@ class EngineConfig:
     """numba threads for the CPU Adam (default: all cores)."""
     lora: LoraSettings | None = None
     """Train ``peft`` LoRA adapters on a frozen base (``fuyou.engine.lora``); None: full fine-tuning."""
+    freeze: tuple[str, ...] = ()
+    """Parameter-name globs (``fnmatch`` on Hugging Face keys, e.g. ``model.embed_tokens.*``,
+    ``model.layers.[0-7].*``) that do not train (``--freeze``): no gradient leaves the device for them;
+    a block frozen whole has no optimizer state and is never written."""
     moe_balance: str = "global"
     """A mixture of experts' balance loss, weighted by the config's ``router_aux_loss_coef``:
     ``global`` (expert frequencies over the whole step, every rank's), ``micro`` (per micro-batch, the
@@ -62,6 +66,10 @@ class EngineConfig:
         for name, allowed in (("precision", PRECISIONS), ("state_precision", PRECISIONS)):
             if getattr(self, name) not in allowed:
                 problems.append(f"--{name.replace('_', '-')} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.freeze and self.lora is not None:
+            problems.append("--freeze and --lora-rank cannot be combined: LoRA freezes the whole base already")
+        if any(not isinstance(p, str) or not p for p in self.freeze):
+            problems.append(f"--freeze patterns must be non-empty strings, got {list(self.freeze)}")
         if self.moe_balance not in BALANCE_MODES:
             problems.append(f"--moe-balance must be one of {', '.join(BALANCE_MODES)}, got {self.moe_balance!r}")
         if not (math.isfinite(self.lr) and self.lr >= 0):

@@ -91,6 +91,7 @@ class Engine:
             )
         self.adapter = make_adapter(config, cfg.lora, groups)
         self.adapter.prepare(self.backend.device)
+        self.adapter.frozen_keys = frozen_keys(self.adapter.blocks, cfg.freeze)
         self.lora = (
             None
             if cfg.lora is None
@@ -123,6 +124,15 @@ class Engine:
             _same_step_on_every_rank(self.comm, self.progress.step, store.dirs[0])
         if self.lora is not None:  # staged through one host buffer of the pool
             layout = dataclasses.replace(layout, adapter_bytes=self.lora.extent().nbytes)
+        frozen = frozenset(
+            b for b, blk in enumerate(blocks) if all(p.key in self.adapter.frozen_keys for p in blk.params)
+        )
+        if store is not None and sorted(store.meta.get("freeze", [])) != sorted(cfg.freeze):
+            raise ConfigError(
+                f"the store in {store.dirs[0]} was trained with --freeze {store.meta.get('freeze', [])}; resume "
+                "with the same patterns (its frozen blocks have no optimizer state)"
+            )
+        layout = dataclasses.replace(layout, frozen_blocks=frozen)
         self.plan: Plan = admit(
             layout, plan, cfg.cpu_bytes, self.backend.memory().capacity, store is not None, self.backend.name
         )
@@ -177,7 +187,7 @@ class Engine:
             self.timeline,
             self.backend.new_stream(),
             cfg.adam_threads,
-            cfg.no_decay,
+            cfg.no_decay | self.adapter.frozen_keys,  # a frozen parameter's zero gradient then leaves it as it is
         )
         self.loader.new_weights = self.stage.new_weights
         self.loader.comm = self.comm
@@ -292,7 +302,7 @@ class Engine:
             self.tier.write_through(lay.w(b).name, w).result()
         finally:
             self.pool.release(buf)
-        for c, (lo, hi) in enumerate([] if lay.frozen else lay.chunks(b)):
+        for c, (lo, hi) in enumerate(lay.chunks(b) if lay.trains(b) else []):
             ext = lay.s(b, c)
             buf = self.pool.acquire(sizing.STATE)
             try:
@@ -317,6 +327,7 @@ class Engine:
             | ({"rank": lay.rank, "world": lay.world} if lay.world > 1 else {})
             | ({"frozen": True} if lay.frozen else {})
             | ({"expert_groups": self.plan.expert_groups} if self.plan.expert_groups > 1 else {})
+            | ({"freeze": list(self.cfg.freeze)} if self.cfg.freeze else {})
         )
 
     def _save_model_files(self) -> None:
@@ -564,6 +575,25 @@ def expert_groups_for(config: Any, compute_dtype: torch.dtype, world: int, capac
         if sizing.device_floor(ModelLayout(blocks, compute_dtype, world=world).footprint(), device) <= capacity:
             return g
     return options[-1]
+
+
+def frozen_keys(blocks: list, patterns: tuple[str, ...]) -> frozenset[str]:
+    """The store keys of the parameters ``patterns`` (``fnmatch`` globs on Hugging Face keys; an expert
+    group's slice matches as its fused tensor) freeze. Raises ConfigError naming a pattern that matches
+    nothing, or when nothing would be left to train."""
+    import fnmatch
+
+    keys = [p.key for blk in blocks for p in blk.params]
+    names = {k: (parse_slice(k) or (k,))[0] for k in keys}
+    out = frozenset(k for k in keys if any(fnmatch.fnmatchcase(names[k], pat) for pat in patterns))
+    unused = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n in names.values())]
+    if unused:
+        raise ConfigError(
+            f"--freeze {unused[0]!r} matches no parameter of this model (names look like {keys[1]!r}); fix the pattern"
+        )
+    if patterns and len(out) == len(keys):
+        raise ConfigError("--freeze matches every parameter: nothing would train; freeze fewer, or use --lora-rank")
+    return out
 
 
 def _entry(state_dict: dict[str, torch.Tensor], key: str) -> torch.Tensor:

@@ -28,8 +28,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 def read_master(store: TensorStore | RamTier, layout: ModelLayout, b: int) -> torch.Tensor:
     """Block ``b``'s fp32 master vector as ``store`` holds it (this rank's shard when sharded); a
-    frozen base's (no optimizer state) is its compute weights, which never change."""
-    if layout.frozen:
+    frozen block's (no optimizer state: a LoRA base, ``--freeze``) is its compute weights, which
+    never change."""
+    if not layout.trains(b):
         w = torch.empty(layout.w(b).nbytes, dtype=torch.uint8)
         store.read(layout.w(b).name, w).result()
         return w.view(layout.compute_dtype)[: layout.numel(b)].float()

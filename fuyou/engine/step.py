@@ -180,6 +180,16 @@ class StepRunner:
         self.pending: dict[int, Future] = {}
         """overlap_next_forward: block → the future of its update submitted after the last backward."""
 
+    def trains(self, b: int) -> bool:
+        """Whether block ``b`` gets gradients, hands them off and is updated: not with LoRA (its base is
+        frozen), nor a block frozen whole (``--freeze``) unless the head uses a block that trains."""
+        lay = self.c.layout
+        return self.c.lora is None and any(lay.trains(o) for o in [b] + [lay.index(n) for n in lay.blocks[b].borrows])
+
+    def last_gradient(self) -> int:
+        """The block whose gradient completes the step (backward's last that trains; -1: none)."""
+        return min((b for b in range(len(self.c.layout.blocks)) if self.trains(b)), default=-1)
+
     def borrowed(self) -> list[int]:
         """The blocks the head borrows (a tied embedding)."""
         lay = self.c.layout
@@ -218,7 +228,7 @@ class StepRunner:
     def _attach_grads(self, st: StepState, b: int) -> None:
         """Point every parameter's ``.grad`` at its owner block's flat device gradient buffer."""
         c = self.c
-        owners = [b] + [c.layout.index(o) for o in c.layout.blocks[b].borrows]
+        owners = [o for o in [b] + [c.layout.index(o) for o in c.layout.blocks[b].borrows] if c.layout.trains(o)]
         for o in owners:
             if o not in st.grads:
                 st.grads[o] = c.backend.device_empty(
@@ -228,7 +238,8 @@ class StepRunner:
         for o in owners:
             views.update(c.layout.unflatten(o, st.grads[o]))
         for key, p in st.params[b].items():
-            p.grad = views[key]
+            if p.requires_grad:  # a frozen parameter's slice stays zero
+                p.grad = views[key]
 
     def _load(self, st: StepState, b: int, refill: bool = False) -> torch.Tensor:
         c = self.c
@@ -291,14 +302,14 @@ class StepRunner:
         st.weights[H] = self._load(st, H)
         borrowed = {o: self._load(st, o) for o in self.borrowed()}
         st.params[H] = self._bind(st, H, borrowed)
-        if c.lora is None:
+        if self.trains(H):
             self._attach_grads(st, H)
         with c.timeline.device_span("compute", "head fwd+bwd", c.backend, c.compute_stream):
             st.xs = [self._head(st, k, x) for k, x in enumerate(st.xs)]
         self._drop_params(st, H)
         del borrowed
         st.weights.pop(H)
-        if c.lora is None:
+        if self.trains(H) and c.layout.trains(H):
             self.hand_off(st, H)
 
     def _head(self, st: StepState, k: int, x: torch.Tensor) -> torch.Tensor:
@@ -336,7 +347,7 @@ class StepRunner:
             st.weights[b] = self._load(st, b, refill=policy not in RECOMPUTES)
             if policy in RECOMPUTES:
                 st.params[b] = self._bind(st, b)
-            if c.lora is None:
+            if self.trains(b):
                 self._attach_grads(st, b)
             saved, ahead = st.saved.pop(b), st.saved.get(b - 1, [None])[0]
             with c.timeline.device_span("compute", f"bwd {c.layout.blocks[b].name}", c.backend, c.compute_stream):
@@ -347,7 +358,7 @@ class StepRunner:
                 st.xs = xs
             self._drop_params(st, b)
             st.weights.pop(b)
-            if c.lora is None:
+            if self.trains(b):
                 self.hand_off(st, b)
 
     # ---------------------------------------------------------------- optimizer hand-off
@@ -383,7 +394,7 @@ class StepRunner:
         if c.plan.clips or b in rules.held_back(c.plan):
             st.parked[b] = c.parking.park(b, grad, after)
             return
-        if b == 0:
+        if b == self.last_gradient():
             self.read_back(st)
             if not self.finite(st):
                 return
@@ -423,7 +434,7 @@ class StepRunner:
             return False
         norm = math.sqrt(st.norm_sq)
         scale = min(1.0, c.max_grad_norm / (norm + 1e-6)) if c.max_grad_norm else 1.0
-        for b in range(len(c.layout.blocks)):
+        for b in sorted(st.parked):
             self.pending[b] = self._update(b, *c.parking.source(st.parked.pop(b)), scale, hold=True)
         c.progress.step += 1
         return True

@@ -197,6 +197,8 @@ class FuyouTrainer(Trainer):
             plan=self.plan_choice.plan,
             moe_balance=args.moe_balance,
             lora=lora,
+            # parameters the model does not train (requires_grad False) are frozen (``--freeze``)
+            freeze=() if lora is not None else tuple(n for n, p in model.named_parameters() if not p.requires_grad),
         )
         self.engine = Engine.from_state_dict(config, state, cfg)
         if args.bf16:

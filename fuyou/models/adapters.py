@@ -136,6 +136,8 @@ class Adapter:
                 inject(self.model, lora)
         self.frozen = lora is not None
         """Whether the streamed base is frozen (LoRA): no gradients for any block's parameters."""
+        self.frozen_keys: frozenset[str] = frozenset()
+        """Parameters (store keys) bound without gradients (``--freeze``)."""
         self.model.train()
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.modules = self._block_modules()
@@ -269,7 +271,7 @@ class Adapter:
                 if self.tied and key == self.lm_head_key:
                     key = self.embed_key
                 owner, attr = _owner(mod, pname)
-                param = nn.Parameter(tensors[key], requires_grad=not self.frozen)
+                param = nn.Parameter(tensors[key], requires_grad=not (self.frozen or key in self.frozen_keys))
                 owner._parameters[attr] = param
                 out[key] = param
         return out

@@ -49,6 +49,12 @@ class ModelLayout:
     """A frozen base (LoRA): compute weights only, no optimizer-state extents."""
     adapter_bytes: int = 0
     """Bytes of the LoRA adapters' extent (``fuyou.engine.lora``), which host sizing stages (0: none)."""
+    frozen_blocks: frozenset[int] = frozenset()
+    """Blocks whose every parameter is frozen (``--freeze``): compute weights only, like ``frozen``."""
+
+    def trains(self, b: int) -> bool:
+        """Whether block ``b`` has optimizer state and is updated (not ``frozen``, not in ``frozen_blocks``)."""
+        return not self.frozen and b not in self.frozen_blocks
 
     def __post_init__(self) -> None:
         if self.state_chunk <= 0 or self.state_chunk % 32:
@@ -112,6 +118,7 @@ class ModelLayout:
             tuple(self.index(o) for o in head.borrows),
             self.world,
             self.adapter_bytes,
+            tuple(sorted(self.frozen_blocks)),
         )
 
     def extents(self) -> list[ExtentSpec]:
@@ -119,7 +126,7 @@ class ModelLayout:
         out = []
         for b in range(len(self.blocks)):
             out.append(self.w(b))
-            if not self.frozen:
+            if self.trains(b):
                 out += [self.s(b, c) for c in range(len(self.chunks(b)))]
         return out
 

@@ -62,6 +62,8 @@ class FinetuneConfig:
     """Comma-separated module names the adapters wrap; ``all-linear``: every linear layer but the head."""
     merge: bool = False
     """LoRA: also write OUTPUT/model, the base with the adapters merged in."""
+    freeze: tuple[str, ...] = ()
+    """Parameter-name globs that do not train (``--freeze``, repeatable; ``EngineConfig.freeze``)."""
     moe_balance: str = "global"
     """A mixture of experts' balance loss: ``global`` (expert use counted over the whole step),
     ``micro`` (per micro-batch) or ``off`` (``fuyou.engine.balance``); dense models ignore it."""
@@ -190,6 +192,8 @@ def load_yaml(path: str) -> dict:
     for key in ("ssd", "betas"):
         if key in out and isinstance(out[key], (list, str)):
             out[key] = tuple(out[key]) if isinstance(out[key], list) else tuple(out[key].split(","))
+    if "freeze" in out:  # one glob, or a list of them
+        out["freeze"] = (out["freeze"],) if isinstance(out["freeze"], str) else tuple(out["freeze"] or ())
     if "betas" in out:
         out["betas"] = tuple(float(b) for b in out["betas"])
     return out

@@ -94,6 +94,7 @@ def _engine_config(cfg: FinetuneConfig, req: PlanRequest, chosen: ChosenPlan, wo
         plan=chosen.plan,
         moe_balance=cfg.moe_balance,
         lora=cfg.lora,
+        freeze=tuple(cfg.freeze),
     )
 
 

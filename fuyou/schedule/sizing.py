@@ -68,6 +68,8 @@ class Footprint:
     device the gathered block (``device_bytes``)."""
     adapter_bytes: int = 0
     """Bytes of the LoRA adapters' store extent (0: none), staged through one host buffer."""
+    frozen: tuple[int, ...] = ()
+    """Blocks that never train (``--freeze``): no gradient leaves the device, no state, no update."""
 
     @property
     def nblocks(self) -> int:
@@ -125,7 +127,8 @@ def buffer_classes(fp: Footprint, plan: Plan) -> list[BufferClass]:
         BufferClass(STATE, state, plan.state_buffers),
         BufferClass(NEW_WEIGHTS, w, 2),
     ]
-    return out + adapters + [BufferClass(park_class(b), fp.grad_bytes(b), 1) for b in parked_in_ram(fp.nblocks, plan)]
+    parked = [b for b in parked_in_ram(fp.nblocks, plan) if b not in fp.frozen]
+    return out + adapters + [BufferClass(park_class(b), fp.grad_bytes(b), 1) for b in parked]
 
 
 def ram_tier_extents(fp: Footprint, plan: Plan) -> tuple[list[int], list[int]]:
@@ -135,6 +138,7 @@ def ram_tier_extents(fp: Footprint, plan: Plan) -> tuple[list[int], list[int]]:
     ss = [
         fp.state_extent_bytes(hi - lo)
         for b in range(plan.ram_state_blocks)
+        if b not in fp.frozen
         for lo, hi in state_chunks(fp.numels[b], plan.state_chunk)
     ]
     return ws, ss

@@ -48,7 +48,7 @@ def ram_extents(
     """(weight extents, state extents) held in RAM for the first ``weight_blocks``/``state_blocks`` blocks
     (at most the block count: ``fuyou.schedule.rules.check_ram_tier``)."""
     ws = [layout.w(b) for b in range(weight_blocks)]
-    ss = [layout.s(b, c) for b in range(state_blocks) for c in range(len(layout.chunks(b)))]
+    ss = [layout.s(b, c) for b in range(state_blocks) if layout.trains(b) for c in range(len(layout.chunks(b)))]
     return ws, ss
 
 

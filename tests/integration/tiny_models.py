@@ -176,6 +176,8 @@ def reference_steps(
                 auxes.append(aux.item())
         if ill is not None:
             for name, p in model.named_parameters():
+                if p.grad is None:  # frozen (requires_grad False)
+                    continue
                 g = p.grad.abs()
                 small = (g < ILL_CONDITIONED * g.max()) & (g > 0)  # exact zeros stay exact (unrouted experts)
                 ill[name] = ill[name] | small if name in ill else small

@@ -1,0 +1,140 @@
+"""``--freeze``: parameters named by globs do not train. A block frozen whole has no optimizer state
+and is never written; a frozen parameter in a block that trains gets no gradient and no weight
+decay, so it stays exactly as it was. Either way the run equals plain PyTorch + AdamW with those
+parameters' ``requires_grad=False`` (fp32, losses and weights within 1e-5)."""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+
+import pytest
+import torch
+
+from fuyou.engine import Engine, EngineConfig, Plan
+from fuyou.errors import ConfigError
+from tests.integration.test_engine_fidelity import LR, STEPS, WD, assert_same
+from tests.integration.tiny_models import batches, reference_steps, tiny
+
+LOWER = ("model.embed_tokens.*", "model.layers.0.*", "*.self_attn.q_proj.weight")
+
+
+def frozen_reference(model, patterns, data, clip, balance=None):
+    for name, p in model.named_parameters():
+        if any(fnmatch.fnmatchcase(name, pat) for pat in patterns):
+            p.requires_grad_(False)
+    ill: dict | None = {} if balance else None
+    return reference_steps(model, data, 2, LR, WD, clip=clip, balance=balance, ill=ill), ill
+
+
+@pytest.mark.parametrize(
+    "family, patterns, policy, clip",
+    [
+        ("llama", LOWER, "recompute", 0.5),  # embedding and layer 0 whole, q_proj of layer 1 alone
+        ("qwen2", LOWER, "keep", 0.0),  # overlap_backward: block 0 frozen, the last gradient is another's
+        ("llama_tied", ("model.embed_tokens.*",), "swap_cpu", 0.5),  # the head's tied weight frozen with it
+        ("gpt2", ("transformer.h.1.*", "transformer.ln_f.*"), "recompute_cpu", 0.0),  # the head's own part frozen
+        pytest.param("mixtral", ("*.experts.*", "model.embed_tokens.*"), "recompute", 0.5, marks=pytest.mark.slow),
+    ],
+)
+def test_frozen_parameters_train_as_requires_grad_false(tmp_path, family, patterns, policy, clip):
+    cfg, model = tiny(family)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    plan = Plan(grad_accum=2, activation_policy=("keep",) + (policy,) * cfg.num_hidden_layers + ("keep",))
+    ec = EngineConfig(
+        ssd_dirs=(str(tmp_path),), precision="fp32", lr=LR, weight_decay=WD, cpu_memory="256MiB",
+        max_grad_norm=clip, plan=plan, freeze=patterns,
+    )  # fmt: skip
+    data = batches(STEPS)
+    with Engine.from_state_dict(cfg, sd, ec) as eng:
+        results = [eng.train_step(ids, labels) for ids, labels in data]
+        weights = dict(eng.master_weights())
+        frozen_blocks = {eng.layout.blocks[b].name for b in eng.layout.frozen_blocks}
+        state = {e.name.split("/")[1] for e in eng.store.extents if e.name.startswith("s/")}
+    assert all(r.applied for r in results)
+    assert frozen_blocks and not frozen_blocks & state  # a block frozen whole has no optimizer state
+    ref, ill = frozen_reference(model, patterns, data, clip, "global" if family == "mixtral" else None)
+    assert_same(model, ref, [r.loss for r in results], weights, ill=ill)
+    frozen = [k for k in weights if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
+    assert frozen and all(torch.equal(weights[k], sd[k]) for k in frozen)  # exactly as they were
+
+
+def test_frozen_blocks_are_read_not_written(tmp_path):
+    """Freezing the lower half of a model removes its state and its writes from every step."""
+    cfg, model = tiny("llama", layers=4)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    written = {}
+    for name, freeze in (("full", ()), ("half", ("model.embed_tokens.*", "model.layers.[01].*"))):
+        (tmp_path / name).mkdir()
+        ec = EngineConfig(ssd_dirs=(str(tmp_path / name),), precision="fp32", cpu_memory="256MiB", freeze=freeze)
+        with Engine.from_state_dict(cfg, sd, ec) as eng:
+            written[name] = [eng.train_step(ids, labels).ssd_write_bytes for ids, labels in batches(3)][1:]
+            names = {e.name for e in eng.store.extents}
+        if freeze:
+            assert not any(n.startswith(("s/embed", "s/layer.0/", "s/layer.1/")) for n in names)
+    assert all(0 < h < f for h, f in zip(written["half"], written["full"])), written
+
+
+def test_bad_freezes_are_refused_by_name(tmp_path):
+    cfg, model = tiny("llama")
+    sd = model.state_dict()
+
+    def engine(**kw):
+        return Engine.from_state_dict(cfg, sd, EngineConfig(ssd_dirs=(str(tmp_path),), cpu_memory="256MiB", **kw))
+
+    with pytest.raises(ConfigError, match=r"--freeze 'model.layer.0.\*' matches no parameter"):
+        engine(freeze=("model.layer.0.*",))
+    with pytest.raises(ConfigError, match="nothing would train"):
+        engine(freeze=("*",))
+    with engine(freeze=("model.layers.0.*",)) as eng:
+        eng.train_step(*batches(1)[0])
+    with pytest.raises(ConfigError, match="same patterns"):
+        Engine.resume(EngineConfig(ssd_dirs=(str(tmp_path),), cpu_memory="256MiB"))
+    with Engine.resume(EngineConfig(ssd_dirs=(str(tmp_path),), cpu_memory="256MiB", freeze=("model.layers.0.*",))):
+        pass
+
+
+def test_the_trainer_freezes_what_the_model_does_not_train(tmp_path):
+    """FuyouTrainer on a model whose embedding has ``requires_grad=False`` equals transformers.Trainer."""
+    from tests.integration.test_hf_trainer import dataset, losses, plain_and_fuyou
+
+    _, model = tiny("llama", layers=2)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    ref_model = copy.deepcopy(model)
+    before = model.model.embed_tokens.weight.detach().clone()
+    ref, fy = plain_and_fuyou(tmp_path, ref_model, model, dataset())
+    assert losses(fy) == pytest.approx(losses(ref), rel=1e-5)
+    assert sorted(fy.engine.layout.frozen_blocks) == [0]
+    ref_sd = ref_model.state_dict()
+    for k, v in fy.model.state_dict().items():
+        assert (v - ref_sd[k]).abs().max().item() <= 1e-5 * ref_sd[k].abs().max().item() + 1e-12, k
+    assert torch.equal(fy.model.model.embed_tokens.weight, before)
+
+
+def test_fuyou_finetune_freezes_by_glob(tmp_path):
+    """The CLI with its defaults (planner, clipping): ``--freeze`` twice trains the rest and leaves the
+    frozen weights as they were in the exported model; a pattern that matches nothing fails in one line."""
+    import json
+
+    from click.testing import CliRunner
+    from transformers import AutoModelForCausalLM
+
+    from cli.main import main
+    from tests.integration.tiny_models import cli_inputs
+
+    model, data = cli_inputs(tmp_path)
+    out = tmp_path / "out"
+    args = [model, "--data", data, "--output", str(out), "--steps", "2", "--seq-len", "32", "--no-progress"]
+    r = CliRunner().invoke(main, ["finetune", *args, "--freeze", "model.embed_tokens.*", "--freeze", "*.mlp.*"])
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and all(x["applied"] for x in lines)
+    before = AutoModelForCausalLM.from_pretrained(model).state_dict()
+    after = AutoModelForCausalLM.from_pretrained(out / "model").state_dict()
+    tied = {"lm_head.weight"}  # this model's head is its embedding
+    frozen = {k for k in after if k.startswith("model.embed_tokens.") or ".mlp." in k} | tied
+    assert all(torch.equal(after[k], before[k].to(after[k].dtype)) for k in frozen)
+    assert any(not torch.equal(after[k], before[k].to(after[k].dtype)) for k in set(after) - frozen)
+    bad = [*args[:3], "--output", str(tmp_path / "bad"), *args[5:]]
+    r = CliRunner().invoke(main, ["finetune", *bad, "--freeze", "nope.*"])
+    assert r.exit_code != 0 and "--freeze 'nope.*' matches no parameter" in r.output
