@@ -9,10 +9,12 @@ tokens routed (``num_experts_per_tok`` experts per token); DeepSeek-V3-style sha
 attention) are left out: the engine cannot run them.
 
     python bench/bench_frontier_plans.py        # JSON lines on stdout, the Markdown table on stderr
+    python bench/bench_frontier_plans.py --gpu-memory 8GiB --shapes mixtral-8x22b,qwen3-235b-a22b
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -33,15 +35,20 @@ SEQ, TOKENS = 2048, 65536
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gpu-memory", default="22GiB")
+    ap.add_argument("--cpu-memory", default="700GiB")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    a = ap.parse_args()
     prof = load_profile(PROFILE)
-    bud = Budgets(cpu_memory=parse_size("700GiB"), gpu_memory=parse_size("22GiB"))
+    bud = Budgets(cpu_memory=parse_size(a.cpu_memory), gpu_memory=parse_size(a.gpu_memory))
     req = Request(seq_len=SEQ, tokens_per_step=TOKENS, clip=True)
     rows = []
-    for name in SHAPES:
+    for name in a.shapes.split(","):
         shape = load_shape(name)
         params = sum(b.numel for b in shape.blocks)
         active = sum(b.matmul_flops_per_token for b in shape.blocks) // 2
-        rec = {"bench": "frontier_plan", "shape": name, "params": params, "active_params": active}
+        rec = {"bench": "frontier_plan", "shape": name, "params": params, "active_params": active, "gpu": a.gpu_memory}
         try:
             res = search(shape, prof, bud, req)
         except InfeasibleError as e:
@@ -64,7 +71,7 @@ def main() -> None:
             )
         emit(rec)
     print(
-        f"profile {os.path.relpath(PROFILE, ROOT)}, --cpu-memory 700GiB --gpu-memory 22GiB, seq {SEQ}, "
+        f"profile {os.path.relpath(PROFILE, ROOT)}, --cpu-memory {a.cpu_memory} --gpu-memory {a.gpu_memory}, seq {SEQ}, "
         f"{TOKENS} tokens per step, clipping on\n\n"
         "| shape | parameters | step s | TFLOPS | bottleneck | SSD TB read+written per step | plan, or the binding constraint |\n"
         "| --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows),
