@@ -106,11 +106,10 @@ def test_clipping_under_a_small_host_budget_parks_gradients_on_ssd():
 def test_a_layer_too_big_for_the_device_is_split_into_expert_groups():
     """A Mixtral-8x22B-wide decoder layer (2.5 B params with its experts) needs 9.3 GiB for bf16
     weights and gradients: at 8 GiB its experts stream in groups (2 fit; more where predicted
-    faster), the plan fits, and a group shares its layer's policy. Where not even one expert per block fits, the error
-    names the block and its groups, and does not suggest a shorter sequence."""
-    from fuyou.planner.shapes import NAMED, load_shape, shape_from_config
-
+    faster), the plan fits, and a group shares its layer's policy. Where not even one expert per
+    block fits, the error names the block and its groups, and does not suggest a shorter sequence."""
     from fuyou.planner.search import _search_split
+    from fuyou.planner.shapes import NAMED, load_shape, shape_from_config
 
     shape = shape_from_config(NAMED["mixtral-8x22b"] | {"num_hidden_layers": 4}, "mixtral-8x22b, 4 layers")
     bud = Budgets(cpu_memory=128 * GiB, gpu_memory=8 * GiB)
