@@ -28,8 +28,9 @@ which makes it a leaf again.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -40,6 +41,8 @@ from fuyou.schedule.plan import RECOMPUTES
 from fuyou.transfer.activation_copies import ActivationCopies, HostCopy
 from fuyou.transfer.activation_files import ActivationSpace, SSDRecord
 from fuyou.transfer.host_pool import HostBufferPool
+
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -222,18 +225,27 @@ def _forward_additive(
             saved.offloaded = _Offloaded(route.hn.detach(), space, f"route of layer {layer}")
             saved.parked_route = (layer, route.idx, route.w)
         return x + delta.view(x.shape).to(x.dtype), ctx, saved
+    delta, hooks = _graph(policy, b, k, weights, space, lambda: adapter.delta(b, ctx))
+    return x + delta.detach().view(x.shape).to(x.dtype), ctx, Saved(policy, None, delta, ctx, swap=hooks)
+
+
+def _graph(
+    policy: str, b: int, k: int, weights: list[torch.Tensor], space: ActivationSpace, run: Callable[[], _T]
+) -> tuple[_T, _Swap | None]:
+    """``run()`` with autograd on, the tensors its graph saves moved off the device per ``policy``
+    (``swap_cpu``, ``swap_ssd``: the hooks that did it; else kept, None). ``weights``: the block's
+    weight buffers, whose views stay."""
     with torch.enable_grad():
-        if policy in ("swap_cpu", "swap_ssd"):
-            record = SSDRecord(space, b, k) if policy == "swap_ssd" else None
-            storages = {w.untyped_storage().data_ptr() for w in weights}
-            hooks = _Swap(storages, space.pool, record, space.copies, f"activations of block {b}")
-            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                delta = adapter.delta(b, ctx)
-            if record is not None:
-                record.flush()
-            return x + delta.detach().view(x.shape).to(x.dtype), ctx, Saved(policy, None, delta, ctx, swap=hooks)
-        delta = adapter.delta(b, ctx)
-    return x + delta.detach().view(x.shape).to(x.dtype), ctx, Saved(policy, None, delta, ctx)
+        if policy not in ("swap_cpu", "swap_ssd"):
+            return run(), None
+        record = SSDRecord(space, b, k) if policy == "swap_ssd" else None
+        storages = {w.untyped_storage().data_ptr() for w in weights}
+        hooks = _Swap(storages, space.pool, record, space.copies, f"activations of block {b}")
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            out = run()
+        if record is not None:
+            record.flush()
+        return out, hooks
 
 
 def _forward(
@@ -257,18 +269,8 @@ def _forward(
             return y, ctx2, Saved(policy, None, None, ctx, rng, offloaded=offloaded)
         return y, ctx2, Saved(policy, x.detach(), None, ctx, rng)
     x_in = _input(x)
-    with torch.enable_grad():
-        if policy in ("swap_cpu", "swap_ssd"):
-            record = SSDRecord(space, b, k) if policy == "swap_ssd" else None
-            storages = {w.untyped_storage().data_ptr() for w in weights}
-            hooks = _Swap(storages, space.pool, record, space.copies, f"activations of block {b}")
-            with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-                y, ctx2, router = _run(adapter, b, x_in, ctx, balance, k)
-            if record is not None:
-                record.flush()
-            return y.detach(), ctx2, Saved(policy, x_in, y, ctx, swap=hooks, router=router)
-        y, ctx2, router = _run(adapter, b, x_in, ctx, balance, k)
-    return y.detach(), ctx2, Saved(policy, x_in, y, ctx, router=router)
+    (y, ctx2, router), hooks = _graph(policy, b, k, weights, space, lambda: _run(adapter, b, x_in, ctx, balance, k))
+    return y.detach(), ctx2, Saved(policy, x_in, y, ctx, swap=hooks, router=router)
 
 
 def backward(
