@@ -23,7 +23,7 @@ from fuyou.device import get_backend
 from fuyou.engine.adam_stage import AdamStage
 from fuyou.engine.balance import StepBalance, balance_rule
 from fuyou.engine.config import EngineConfig
-from fuyou.engine.export import HF_FILES, export_layout, iter_master
+from fuyou.engine.export import HF_FILES, export_layout, frozen_blocks, frozen_keys, iter_master
 from fuyou.engine.lora import LoraState
 from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
 from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
@@ -91,7 +91,7 @@ class Engine:
             )
         self.adapter = make_adapter(config, cfg.lora, groups)
         self.adapter.prepare(self.backend.device)
-        self.adapter.frozen_keys = frozen_keys(self.adapter.blocks, cfg.freeze)
+        self.adapter.frozen_keys = frozen_keys(tuple(self.adapter.blocks), cfg.freeze)
         self.lora = (
             None
             if cfg.lora is None
@@ -124,9 +124,7 @@ class Engine:
             _same_step_on_every_rank(self.comm, self.progress.step, store.dirs[0])
         if self.lora is not None:  # staged through one host buffer of the pool
             layout = dataclasses.replace(layout, adapter_bytes=self.lora.extent().nbytes)
-        frozen = frozenset(
-            b for b, blk in enumerate(blocks) if all(p.key in self.adapter.frozen_keys for p in blk.params)
-        )
+        frozen = frozen_blocks(blocks, cfg.freeze)
         if store is not None and sorted(store.meta.get("freeze", [])) != sorted(cfg.freeze):
             raise ConfigError(
                 f"the store in {store.dirs[0]} was trained with --freeze {store.meta.get('freeze', [])}; resume "
@@ -561,7 +559,7 @@ def admit(
 
 
 def expert_groups_for(config: Any, compute_dtype: torch.dtype, world: int, capacity: int, device: str) -> int:
-    """The fewest expert groups (``fuyou.models.blocks.expert_group_options``) that bring a mixture of
+    """The fewest expert groups (``fuyou.schedule.experts.expert_group_options``) that bring a mixture of
     experts' largest block within ``capacity`` device bytes (``sizing.device_floor``: its weights and
     gradients, gathered from ``world`` ranks' shards); 1 for a dense model, the most there are when
     none does (``admit`` then names the largest block)."""
@@ -575,25 +573,6 @@ def expert_groups_for(config: Any, compute_dtype: torch.dtype, world: int, capac
         if sizing.device_floor(ModelLayout(blocks, compute_dtype, world=world).footprint(), device) <= capacity:
             return g
     return options[-1]
-
-
-def frozen_keys(blocks: list, patterns: tuple[str, ...]) -> frozenset[str]:
-    """The store keys of the parameters ``patterns`` (``fnmatch`` globs on Hugging Face keys; an expert
-    group's slice matches as its fused tensor) freeze. Raises ConfigError naming a pattern that matches
-    nothing, or when nothing would be left to train."""
-    import fnmatch
-
-    keys = [p.key for blk in blocks for p in blk.params]
-    names = {k: (parse_slice(k) or (k,))[0] for k in keys}
-    out = frozenset(k for k in keys if any(fnmatch.fnmatchcase(names[k], pat) for pat in patterns))
-    unused = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n in names.values())]
-    if unused:
-        raise ConfigError(
-            f"--freeze {unused[0]!r} matches no parameter of this model (names look like {keys[1]!r}); fix the pattern"
-        )
-    if patterns and len(out) == len(keys):
-        raise ConfigError("--freeze matches every parameter: nothing would train; freeze fewer, or use --lora-rank")
-    return out
 
 
 def _entry(state_dict: dict[str, torch.Tensor], key: str) -> torch.Tensor:

@@ -135,6 +135,10 @@ def test_fuyou_finetune_freezes_by_glob(tmp_path):
     frozen = {k for k in after if k.startswith("model.embed_tokens.") or ".mlp." in k} | tied
     assert all(torch.equal(after[k], before[k].to(after[k].dtype)) for k in frozen)
     assert any(not torch.equal(after[k], before[k].to(after[k].dtype)) for k in set(after) - frozen)
+    r = CliRunner().invoke(main, ["export", str(out), str(tmp_path / "exp"), "--dtype", "fp32"])
+    assert r.exit_code == 0, r.output  # reads a frozen block's weights as its master: it has no state
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exp").state_dict()
+    assert all(torch.equal(exported[k], before[k].float()) for k in frozen)
     bad = [*args[:3], "--output", str(tmp_path / "bad"), *args[5:]]
     r = CliRunner().invoke(main, ["finetune", *bad, "--freeze", "nope.*"])
     assert r.exit_code != 0 and "--freeze 'nope.*' matches no parameter" in r.output
