@@ -168,7 +168,10 @@ class FuyouTrainer(Trainer):
 
         super().__init__(model=model, args=args, **kwargs)
         lora, state, config = _peft_parts(model)
+        # parameters the model does not train (requires_grad False) are frozen (``--freeze``)
+        freeze = () if lora is not None else tuple(n for n, p in model.named_parameters() if not p.requires_grad)
         req, seq_from = plan_request(args, config, lora.rank if lora is not None else 0)
+        req = dataclasses.replace(req, freeze=freeze)
         self._ranks = join(device_kind(req.device))  # torchrun: Trainer's process group, and Fuyou's shards
         if self._ranks.world > 1:  # Fuyou synchronizes the ranks itself: accelerate must not wrap the model in DDP
             prepare = self.accelerator.prepare_model
@@ -197,8 +200,7 @@ class FuyouTrainer(Trainer):
             plan=self.plan_choice.plan,
             moe_balance=args.moe_balance,
             lora=lora,
-            # parameters the model does not train (requires_grad False) are frozen (``--freeze``)
-            freeze=() if lora is not None else tuple(n for n, p in model.named_parameters() if not p.requires_grad),
+            freeze=freeze,
         )
         self.engine = Engine.from_state_dict(config, state, cfg)
         if args.bf16:

@@ -141,8 +141,8 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)
     swap_cpu += offloaded * T * shape.hidden * cb
     state = 0 if plan.frozen else cfg.state_bytes_per_param  # a frozen base (LoRA) stores no optimizer state
-    store = sum(cb * b.numel + state * b.numel for b in own)
-    parked = sum(cb * own[b].numel for b in rules.parked_on_ssd(H + 1, g.p))
+    store = sum(cb * b.numel + (0 if b.frozen else state) * b.numel for b in own)  # nor a block frozen whole
+    parked = sum(cb * own[b].numel for b in rules.parked_on_ssd(H + 1, g.p) if not own[b].frozen)
     return Memory(
         device=device,
         host_buffers=host_buffers(shape, plan, cfg),

@@ -85,6 +85,8 @@ class StepGraph:
         H = len(shape.blocks) - 1
         self.H = H
         self.route_holders = set(shape.route_holders())
+        self.last_gradient = min((b for b, blk in enumerate(shape.blocks) if not blk.frozen), default=-1)
+        """The block whose gradient completes backward (the lowest that trains)."""
         tied = [i for i, b in enumerate(shape.blocks) for o in shape.blocks[H].borrows if b.name == o]
         self.order = rules.load_order(H + 1, tied)
         self.parked = set(rules.parked(H + 1, plan))
@@ -129,7 +131,7 @@ class StepGraph:
         gradients into the preset buffer (``grad_add_rate``). The head adds its weight gradient in its
         GEMM (``adapters.HeadLinear``); the embedding's backward is sparse, a scatter of the tokens' rows."""
         blk, hw = self.m.blocks[b], self.hw
-        if self.p.frozen:  # LoRA: input gradients only (half the backward), nothing for a frozen embedding
+        if self.p.frozen or blk.frozen:  # LoRA, --freeze: input gradients only, nothing for a frozen embedding
             if blk.kind == "embed":
                 return 0.0
             f = blk.fwd_flops_per_token(self.m.hidden, self.c.seq_len) * self.mb_tokens
@@ -297,8 +299,8 @@ class StepGraph:
     def hand_off(self, b: int, bwd: int) -> None:
         """Gradient reduce-scatter (data parallel), norm (a read of the gradient on the device, then a
         sync), device→host copy, then Adam now (overlap_backward) or parked. A frozen base
-        (``Plan.frozen``: LoRA) hands nothing off."""
-        if self.p.frozen:
+        (``Plan.frozen``: LoRA) or a block frozen whole (``--freeze``) hands nothing off."""
+        if self.p.frozen or self.m.blocks[b].frozen:
             self._t(bwd) if self.cpu else None
             return
         bwd = self._collective(b, "reduce_scatter", bwd)
@@ -317,7 +319,7 @@ class StepGraph:
         d = self.sim.op("d2h", self._w_bytes(b) / self.hw.d2h_Bps, (self.thread, bwd))
         if self.cpu:
             self._t(d)
-        if b == 0:
+        if b == self.last_gradient:
             for o in sorted(self.parked_grads, reverse=True):
                 self.update(o, self.parked_grads.pop(o))
         self.update(b, d)
@@ -366,7 +368,7 @@ class StepGraph:
             if self.prev_all:  # settle: the previous step's updates must be written and committed
                 self._t(*self.prev_all)
                 self.thread = self.sim.op("thread", self.hw.commit_s, (self.thread,))
-            for b in range(self.H + 1):
+            for b in sorted(self.parked_grads):
                 self.update(b, self.parked_grads[b])
             self.prev_writes, self.prev_all = dict(self.writes), list(self.all_writes)
             self.prev_done = dict(self.done)

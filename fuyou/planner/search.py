@@ -274,7 +274,7 @@ class _Search:
     def _check_static(self, sched: str) -> None:
         m, cb = self.own, self.cb  # one rank's shards
         spp = 0 if self.r.frozen else self.spp
-        store = 2 * sum((cb + spp) * b.numel for b in m.blocks)
+        store = 2 * sum((cb + (0 if b.frozen else spp)) * b.numel for b in m.blocks)
         if self.b.ssd_bytes and store > self.b.ssd_bytes:
             raise InfeasibleError(
                 f"SSD space: the store needs {fs(store)} (two versions of {cb + spp} B/param × "

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuyou.errors import ConfigError
-from fuyou.schedule.experts import group_ranges
+from fuyou.schedule.experts import EXPERTS_PART, group_ranges
 from fuyou.schedule.shards import shard_len
 from fuyou.schedule.sizing import Footprint
 
@@ -152,6 +152,8 @@ class BlockShape:
     keeps_input: bool = True
     """Whether backward needs the block's input (kept, or offloaded by ``recompute_cpu``): not an
     expert group's, which adds to its input (``fuyou.engine.activations``)."""
+    frozen: bool = False
+    """Frozen whole (``--freeze``): no optimizer state, no gradient leaves the device, never written."""
 
     def fwd_flops_per_token(self, hidden: int, seq_len: int) -> int:
         """Forward FLOPs per token including attention scores for layers (4·d·T, no causal halving)."""
@@ -173,6 +175,18 @@ class ModelShape:
     """Expert-group blocks each mixture-of-experts layer is split into (``Plan.expert_groups``)."""
     source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """The config the shape was made from (``split``)."""
+    frozen_names: frozenset[str] = frozenset()
+    """Blocks frozen whole (``freeze``), by their names in the unsplit model."""
+
+    def freeze(self, names: frozenset[str]) -> ModelShape:
+        """This model with the blocks ``names`` (unsplit names: a split layer's groups follow it)
+        frozen whole."""
+
+        def frozen(name: str) -> bool:
+            return name in names or (EXPERTS_PART in name and name.split(EXPERTS_PART)[0] in names)
+
+        blocks = tuple(dataclasses.replace(b, frozen=frozen(b.name)) for b in self.blocks)
+        return dataclasses.replace(self, blocks=blocks, frozen_names=frozenset(names))
 
     def route_holders(self) -> list[int]:
         """The last expert group of each split layer: each layer keeps one ``tokens × hidden`` route
@@ -190,7 +204,7 @@ class ModelShape:
             return self
         if not self.experts:
             raise ConfigError(f"{self.name} has no experts to split into {groups} groups")
-        return _llama(self.source, self.name, groups)
+        return _llama(self.source, self.name, groups).freeze(self.frozen_names)
 
     @property
     def signature(self) -> str:
@@ -213,9 +227,9 @@ class ModelShape:
         is attention's QKᵀ and AV, 2 · 2 · L · d · T per token forward, × 3 for forward + backward,
         without causal halving (PaLM's MFU accounting). Recomputation is not counted: model FLOPs,
         not hardware FLOPs. A frozen base (LoRA, ``frozen``) computes no weight gradients: 4 · N_matmul
-        (the adapters' own FLOPs are not counted)."""
-        n_matmul = sum(b.matmul_flops_per_token for b in self.blocks) // 2
-        return (4 if frozen else 6) * n_matmul + 12 * self.layers * self.hidden * seq_len
+        (the adapters' own FLOPs are not counted); nor does a block frozen whole (``BlockShape.frozen``)."""
+        per = sum((4 if frozen or b.frozen else 6) * b.matmul_flops_per_token for b in self.blocks) // 2
+        return per + 12 * self.layers * self.hidden * seq_len
 
     def sharded(self, world: int) -> ModelShape:
         """What one of ``world`` data-parallel ranks stores, streams and updates: every block's numel
@@ -237,6 +251,7 @@ class ModelShape:
             compute_bytes,
             state_bytes_per_param,
             tuple(names.index(o) for o in self.blocks[-1].borrows),
+            frozen=tuple(i for i, b in enumerate(self.blocks) if b.frozen),
         )
 
 

@@ -73,6 +73,7 @@ def plan_request(cfg: FinetuneConfig, config: Any, stripes: list[str] | None = N
         ranks=ranks,
         frozen=cfg.lora_rank is not None,
         lora_rank=cfg.lora_rank or 0,
+        freeze=tuple(cfg.freeze),
     )
 
 

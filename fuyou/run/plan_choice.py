@@ -84,6 +84,8 @@ class PlanRequest:
     """LoRA on a frozen base: the plan streams weights only (``Plan.frozen``)."""
     lora_rank: int = 0
     """With ``frozen``: the adapters' rank (their device memory)."""
+    freeze: tuple[str, ...] = ()
+    """``--freeze`` globs: the blocks they freeze whole are planned without state or writes."""
     ranks: int = 1
     """Data-parallel ranks (``torchrun``): the plan is one rank's, for its shards of the state and its
     ``micro_batch_size × grad_accum`` sequences; the budgets are per rank."""
@@ -222,6 +224,8 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
     prof, where = _profile(req, log)
     where = where or "measured now (not saved)"
     shape = shape_from_config(req.model_config.to_dict())
+    if req.freeze:
+        shape = shape.freeze(_frozen_names(req))
     gpu = parse_size(req.gpu_memory, "--gpu-memory") if req.gpu_memory is not None else prof.device_memory_bytes
     budgets = Budgets(cpu_memory=parse_size(req.cpu_memory, "--cpu-memory"), gpu_memory=gpu)
     sreq = Request(
@@ -250,6 +254,16 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
     }
     log(f"planner: {describe(plan)}; predicted {p.step_s:.2f} s/step, bottleneck {p.bottleneck} (profile {where})")
     return ChosenPlan(plan, info)
+
+
+def _frozen_names(req: PlanRequest) -> frozenset[str]:
+    """The blocks ``req.freeze`` freezes whole (the engine's rule: ``fuyou.engine.export.frozen_blocks``);
+    raises ConfigError for a pattern that matches nothing."""
+    from fuyou.engine.export import frozen_blocks
+    from fuyou.models.adapters import make_adapter
+
+    blocks = tuple(make_adapter(req.model_config).blocks)
+    return frozenset(blocks[b].name for b in frozen_blocks(blocks, req.freeze))
 
 
 def describe(plan: Plan) -> str:

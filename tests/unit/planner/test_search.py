@@ -166,3 +166,25 @@ def test_a_frozen_base_plans_reads_only_and_fits_where_full_fine_tuning_does_not
     with pytest.raises(InfeasibleError):
         search(small_llama(), HW, tight, Request(256, 2048, clip=True, ram_tiers=False))
     assert search(small_llama(), HW, tight, Request(256, 2048, clip=True, frozen=True, ram_tiers=False)).plan.frozen
+
+
+def test_blocks_frozen_whole_are_planned_without_state_or_writes():
+    """``--freeze`` of the embedding and the lower half of Llama-3-8B: the store holds no state for
+    them, a step writes and reads less from SSD, and model FLOPs drop their weight gradients; a split
+    layer's groups follow their layer."""
+    from fuyou.planner.shapes import load_shape
+
+    shape = load_shape("llama-3-8b")
+    names = frozenset({"embed"} | {f"layer.{i}" for i in range(16)})
+    frozen = shape.freeze(names)
+    assert sum(b.frozen for b in frozen.blocks) == 17 and frozen.params == shape.params
+    cfg, plan = StepConfig(1, 1024, 12, 2), Plan(activation_policy=("keep",) + ("recompute",) * 32 + ("keep",))
+    from fuyou.planner.cost import memory, predict
+
+    whole, part = (predict(s, plan, cfg, HW) for s in (shape, frozen))
+    assert part.ssd_write_bytes < 0.6 * whole.ssd_write_bytes and part.ssd_read_bytes < whole.ssd_read_bytes
+    state = 12 * sum(b.numel for b in frozen.blocks if b.frozen)
+    assert memory(shape, plan, cfg, HW).ssd - memory(frozen, plan, cfg, HW).ssd == 2 * state
+    assert frozen.train_flops_per_token(1024) < shape.train_flops_per_token(1024)
+    moe = load_shape("mixtral-8x7b").freeze(frozenset({"layer.0"})).split(2)
+    assert [b.name for b in moe.blocks if b.frozen] == ["layer.0", "layer.0.experts.0", "layer.0.experts.1"]
