@@ -179,16 +179,22 @@ class StepRunner:
         self.c = ctx
         self.pending: dict[int, Future] = {}
         """overlap_next_forward: block → the future of its update submitted after the last backward."""
+        lay = ctx.layout
+        self._training = frozenset(
+            b
+            for b, blk in enumerate(lay.blocks)
+            if ctx.lora is None and any(lay.trains(o) for o in [b] + [lay.index(n) for n in blk.borrows])
+        )
+        """The blocks that train (``trains``), fixed with the layout: computed once, not per hand-off."""
 
     def trains(self, b: int) -> bool:
         """Whether block ``b`` gets gradients, hands them off and is updated: not with LoRA (its base is
         frozen), nor a block frozen whole (``--freeze``) unless the head uses a block that trains."""
-        lay = self.c.layout
-        return self.c.lora is None and any(lay.trains(o) for o in [b] + [lay.index(n) for n in lay.blocks[b].borrows])
+        return b in self._training
 
     def last_gradient(self) -> int:
         """The block whose gradient completes the step (backward's last that trains; -1: none)."""
-        return min((b for b in range(len(self.c.layout.blocks)) if self.trains(b)), default=-1)
+        return min(self._training, default=-1)
 
     def borrowed(self) -> list[int]:
         """The blocks the head borrows (a tied embedding)."""
