@@ -14,6 +14,7 @@ import dataclasses
 import math
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,7 +27,7 @@ from fuyou.engine.config import EngineConfig
 from fuyou.engine.export import HF_FILES, export_layout, frozen_blocks, frozen_keys, iter_master
 from fuyou.engine.lora import LoraState
 from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
-from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
+from fuyou.errors import ConfigError, DeviceMemoryError, FuyouWarning, ManifestError
 from fuyou.models.adapters import MicroBatchContext, make_adapter
 from fuyou.models.blocks import parse_slice, split_experts
 from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config
@@ -43,7 +44,7 @@ from fuyou.transfer.activation_files import ActivationSpace
 from fuyou.transfer.collectives import Collectives, world_size
 from fuyou.transfer.grad_park import GradientParking
 from fuyou.transfer.host_pool import HostBufferPool
-from fuyou.transfer.ram_tier import RamTier, refuse_stale
+from fuyou.transfer.ram_tier import STALE, RamTier, refuse_stale
 from fuyou.transfer.weights import WeightLoader
 from fuyou.units import format_size
 
@@ -120,8 +121,8 @@ class Engine:
         else:
             layout = _stored_layout(blocks, store, cfg, rank, world)
             plan = dataclasses.replace(plan, state_chunk=layout.state_chunk)
+            _agree_on_step(self.comm, store)
             self.progress.step = int(store.meta.get("step", 0))
-            _same_step_on_every_rank(self.comm, self.progress.step, store.dirs[0])
         if self.lora is not None:  # staged through one host buffer of the pool
             layout = dataclasses.replace(layout, adapter_bytes=self.lora.extent().nbytes)
         frozen = frozen_blocks(blocks, cfg.freeze)
@@ -155,6 +156,7 @@ class Engine:
                 self.timeline,
                 self.plan.ram_weight_blocks,
                 self.plan.ram_state_blocks,
+                self.comm.min_int if self.comm is not None else None,
             )
             if store is not None:
                 self.tier.load()
@@ -260,6 +262,8 @@ class Engine:
         different ``precision`` in ``cfg`` raises ConfigError). Raises ManifestError if the
         directories hold no Fuyou training store, StoreError if its last committed step kept extents
         in host RAM that were never written back (``ram_tier_stale``: resume from a checkpoint).
+        Several ranks (torchrun) each reopen their own store; a rank that a crash left one step ahead of
+        the others goes back to the step they hold (kept until all confirmed it), with a FuyouWarning.
         """
         store = TensorStore.open(
             rank_dirs(cfg.ssd_dirs, *_rank_world()), io=cfg.io, direct=cfg.direct, checksums=cfg.checksums
@@ -589,18 +593,34 @@ def _seeds(position_ids: list[torch.Tensor] | None, n: int, dev: torch.device) -
     return [MicroBatchContext(p.to(dev)) for p in position_ids]
 
 
-def _same_step_on_every_rank(comm: Collectives | None, step: int, where: str) -> None:
-    """Raise ConfigError unless every rank's store was committed at ``step``: a crash can leave the
-    ranks' live stores a step apart (each commits its own), and ranks resuming from different steps
-    would train a model that no single run computes. Checkpoints are agreed across ranks."""
+def _agree_on_step(comm: Collectives | None, store: TensorStore) -> None:
+    """Bring every rank's reopened store to one step. A crash during a commit can leave ranks one step
+    apart; those ahead still keep the step before (``TensorStore.previous``) and go back to it. Raises
+    ConfigError on every rank when some rank cannot reach the lowest step (its stores were changed by
+    hand, or that version kept RAM-tier state unwritten): resume from a checkpoint then."""
+    step = int(store.meta.get("step", 0))
     if comm is None:
+        store.forget_previous()
         return
     low, high = comm.min_int(step), -comm.min_int(-step)
-    if low != high:
+    prev = store.previous
+    back = step > low and prev is not None and int(prev["meta"].get("step", -1)) == low
+    if comm.any(step > low and (not back or bool(prev and prev["meta"].get(STALE)))):
         raise ConfigError(
-            f"the ranks' stores were left at different steps ({low} to {high}; this rank's, {where}, at "
-            f"{step}): resume from a checkpoint every rank holds (fuyou finetune --resume auto)"
+            f"the ranks' stores were left at different steps ({low} to {high}; this rank's, {store.dirs[0]}, at "
+            f"{step}) and cannot all go back to step {low}: resume from a checkpoint every rank holds "
+            "(fuyou finetune --resume auto)"
         )
+    if back:
+        store.roll_back()
+        warnings.warn(
+            f"this rank's store in {store.dirs[0]} went back from step {step} to step {low}, the step every "
+            "rank committed before the run stopped",
+            FuyouWarning,
+            stacklevel=3,
+        )
+    else:
+        store.forget_previous()
 
 
 def _rank_world() -> tuple[int, int]:

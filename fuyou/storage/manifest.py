@@ -15,6 +15,9 @@ from fuyou.storage import checksum
 from fuyou.storage.dirs import fsync_dir
 
 MANIFEST = "manifest.json"
+PREVIOUS = MANIFEST + ".previous"
+"""The version before the current one, kept (with its files) while several ranks confirm a commit: a rank
+that committed a step its peers did not can go back to it (``TensorStore.commit(agree=…)``)."""
 FORMAT = 1
 
 

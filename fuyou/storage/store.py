@@ -6,6 +6,11 @@ writes, fsyncs them, and atomically replaces the manifest, which is the only thi
 files are current. Files the new manifest no longer names are retired: kept as spares for the next
 write, or unlinked if a checkpoint hard-linked them (their data lives on through the link).
 
+Several ranks (data parallel) commit with ``agree``: the previous version's manifest and files are kept
+until every rank has written its new manifest, so a crash of any rank at any moment leaves every rank's
+store at the step the slowest one reached, or one step ahead of it with that step still on disk
+(``previous``, ``roll_back``).
+
 Reads see the latest write ("read your writes"), committed or not, so the next step's forward can
 read weights Adam wrote before the step is committed. A read of an extent waits for that extent's
 write in flight; a write must not overlap a read of the same extent (the I/O backend orders them).
@@ -16,6 +21,7 @@ from __future__ import annotations
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +34,7 @@ from fuyou.storage import checksum, dirs as fsdirs
 from fuyou.storage.extents import ExtentSpec, Piece, place
 from fuyou.storage.io_base import FileHandle, gather, then
 from fuyou.storage.io_select import make_io
-from fuyou.storage.manifest import MANIFEST, read_manifest, write_manifest
+from fuyou.storage.manifest import MANIFEST, PREVIOUS, read_manifest, write_manifest
 
 ID_FILE = "fuyou-store.id"
 
@@ -107,6 +113,10 @@ class TensorStore:
         self._ext = {e.name: _Extent(i, e, p) for i, (e, p) in enumerate(zip(extents, pieces))}
         self._lock = threading.RLock()
         self._closed = False
+        self.previous: dict | None = None
+        """The manifest body of the version before the current one while it is kept on disk (a commit
+        with ``agree`` that not every rank confirmed), else None; see ``roll_back``."""
+        self._held: list[list[_File]] = []
 
     # ---------------------------------------------------------------- create / open
     @classmethod
@@ -199,11 +209,14 @@ class TensorStore:
         store = cls(
             dirs, extents, pieces, body, io=io, direct=direct, checksums=checksums, threads=threads, fsync=fsync
         )
-        store._load_files(body["files"])
+        store.previous = _previous_of(dirs, body)
+        store._load_files(body["files"], store.previous["files"] if store.previous else {})
         return store
 
-    def _load_files(self, files: dict) -> None:
-        named: set[tuple[int, str]] = set()
+    def _load_files(self, files: dict, keep: dict) -> None:
+        """Open the files of ``files`` (a manifest's) as the committed version; delete every other store
+        file except those ``keep`` names (the kept previous version)."""
+        named: set[tuple[int, str]] = {(d, fname) for entry in keep.values() for d, fname, _ in entry}
         for name, entry in files.items():
             ext = self._ext[name]
             recs = []
@@ -325,13 +338,19 @@ class TensorStore:
         return then(gather(futs), lambda _: None)
 
     # ---------------------------------------------------------------- versions
-    def commit(self, meta: dict | None = None) -> int:
+    def commit(self, meta: dict | None = None, agree: Callable[[int], object] | None = None) -> int:
         """Make every write since the last commit durable and current, atomically; return the version.
 
         Waits for the writes (raising StoreError if any failed — the previous version stays
         current), fsyncs data and directories, then replaces the manifest. ``meta`` (JSON data,
         e.g. the training step) is stored with the version.
+
+        ``agree`` (several ranks): called with the new version once its manifest is written; it returns
+        when every rank has written its own (a collective). Until then the previous version stays on
+        disk with its manifest (``PREVIOUS``), so a rank whose peers died before committing can go back
+        to the step they hold. Whatever ``agree`` raises propagates, the previous version kept.
         """
+        self.forget_previous()
         with self._lock:
             dirty = [e for e in self._ext.values() if e.pending is not None]
             futs = [e.write_future for e in dirty if e.write_future is not None]
@@ -346,12 +365,24 @@ class TensorStore:
             gather([self.io.fsync(f.handle) for f in written]).result()
             for d in {f.dir_index for f in written}:
                 fsdirs.fsync_dir(self.dirs[d])
+        before = self.committed()[0] if agree is not None else None
         with self._lock:
             body = self._body(self.version + 1, meta if meta is not None else self.meta)
+            if before is not None:
+                write_manifest(self.dirs[0], before, PREVIOUS)
             write_manifest(self.dirs[0], body)
+            old = [(e, e.committed) for e in dirty]
             for e in dirty:
-                self._retire(e)
+                e.committed, e.pending, e.write_future = e.pending, None, None
             self.version, self.meta = body["version"], body["meta"]
+            self._held = [files for _, files in old if files is not None]
+        if agree is not None:
+            agree(self.version)
+            os.unlink(os.path.join(self.dirs[0], PREVIOUS))  # every rank holds the new version
+        with self._lock:
+            self._held = []
+            for e, files in old:
+                self._retire(e, files)
         return self.version
 
     def _body(self, version: int, meta: dict) -> dict:
@@ -395,8 +426,8 @@ class TensorStore:
             }
             return body, [(d, name) for entry in files.values() for d, name, _ in entry]
 
-    def _retire(self, e: _Extent) -> None:
-        old, e.committed, e.pending, e.write_future = e.committed, e.pending, None, None
+    def _retire(self, e: _Extent, old: list[_File] | None) -> None:
+        """``old``, files of ``e`` no version names any more: spares, or unlinked if a checkpoint links them."""
         if old is None:
             return
         if any(self._linked(f) for f in old):
@@ -415,6 +446,37 @@ class TensorStore:
             self.io.close(f.handle)
             os.unlink(os.path.join(self.dirs[f.dir_index], f.name))
 
+    def roll_back(self) -> None:
+        """Make the kept previous version current again (a rank ahead of its peers after a crash); the
+        newer version's files are deleted. Raises StoreError if no previous version is kept or writes
+        are uncommitted."""
+        with self._lock:
+            prev = self.previous
+            if prev is None or any(e.pending is not None for e in self._ext.values()):
+                raise StoreError(f"the store in {self.dirs[0]} keeps no previous version to go back to")
+            write_manifest(self.dirs[0], prev)
+            os.unlink(os.path.join(self.dirs[0], PREVIOUS))
+            self._close_files()
+            for e in self._ext.values():
+                e.committed, e.spares = None, []
+            self.previous = None
+            self._load_files(prev["files"], {})
+            self.version, self.meta = prev["version"], prev.get("meta", {})
+
+    def forget_previous(self) -> None:
+        """Stop keeping the previous version found at ``open`` (its manifest and the files only it names
+        are deleted); nothing if there is none."""
+        with self._lock:
+            prev, self.previous = self.previous, None
+            if prev is None:
+                return
+            os.unlink(os.path.join(self.dirs[0], PREVIOUS))
+            current = {(f.dir_index, f.name) for e in self._ext.values() for f in (e.committed or [])}
+            for entry in prev["files"].values():
+                for d, fname, _ in entry:
+                    if (d, fname) not in current:
+                        os.unlink(os.path.join(self.dirs[d], fname))
+
     def abort(self) -> None:
         """Discard every write since the last commit (the committed version stays current)."""
         with self._lock:
@@ -431,18 +493,41 @@ class TensorStore:
         if self._closed:
             return
         self.abort()
+        self._close_files()
+        self.io.shutdown()
+        self._closed = True
+
+    def _close_files(self) -> None:
         for e in self._ext.values():
             for files in [e.committed or []] + e.spares:
                 for f in files:
                     self.io.close(f.handle)
-        self.io.shutdown()
-        self._closed = True
+        for files in self._held:
+            for f in files:
+                self.io.close(f.handle)
+        self._held = []
 
     def __enter__(self) -> TensorStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _previous_of(dirs: list[str], body: dict) -> dict | None:
+    """The kept previous version's manifest body (in ``dirs[0]``) if it is this store's version just
+    before ``body``'s and every file it names exists; else None (a stale or damaged one is ignored; the
+    next commit with ``agree`` replaces it)."""
+    if not os.path.exists(os.path.join(dirs[0], PREVIOUS)):
+        return None
+    try:
+        prev = read_manifest(dirs[0], PREVIOUS)
+    except ManifestError:
+        return None
+    if prev.get("store_id") != body["store_id"] or prev.get("version") != body["version"] - 1:
+        return None
+    named = [os.path.join(dirs[d], fname) for entry in prev["files"].values() for d, fname, _ in entry]
+    return prev if all(os.path.exists(p) for p in named) else None
 
 
 def _remove_store_files(d: str) -> None:

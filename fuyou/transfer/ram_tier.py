@@ -23,6 +23,7 @@ extent changed since the last persist to the store and commits a complete versio
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -63,11 +64,13 @@ class RamTier:
         timeline: Timeline,
         weight_blocks: int,
         state_blocks: int,
+        agree: Callable[[int], object] | None = None,
     ) -> None:
         """Reserve the RAM copies in ``pool`` (raises HostMemoryError naming the tier if the host budget
         is too small; ConfigError if a count passes the number of blocks). Contents start undefined:
-        fill them with ``write_through`` (import) or ``load`` (resume)."""
-        self.store, self.timeline = store, timeline
+        fill them with ``write_through`` (import) or ``load`` (resume). ``agree``: the ranks' confirmation
+        of every commit (``TensorStore.commit``), None for one process."""
+        self.store, self.timeline, self.agree = store, timeline, agree
         self.ram: dict[str, torch.Tensor] = {}
         self.dirty: set[str] = set()
         """RAM extents written since the last ``persist`` (their SSD copies are stale)."""
@@ -165,7 +168,7 @@ class RamTier:
     def commit(self, meta: dict) -> int:
         """Commit the store's writes with ``meta`` plus ``ram_tier_stale`` (True while any RAM extent
         changed since the last ``persist``); returns the version. Raises as ``TensorStore.commit``."""
-        version = self.store.commit({**meta, STALE: bool(self.dirty)})
+        version = self.store.commit({**meta, STALE: bool(self.dirty)}, self.agree)
         self.uncommitted.clear()
         return version
 

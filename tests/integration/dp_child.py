@@ -5,7 +5,9 @@
 SPEC: device (default cpu), family, steps, batch (the global batch), seq, K (micro-batches per rank), clip, policy,
 precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, moe_balance, expert_groups, mismatch (then
 rank 1's store goes back one committed step and both ranks try ``Engine.resume``: each writes the
-error it got). Writes on rank 0 (or the only process) the per-step losses, grad norms and final
+error it got), die ({"rank": r, "commit": k}: rank r is SIGKILLed as it starts its k-th store commit; the
+others write the error that stopped them), resume_live (resume every rank's live store with
+``Engine.resume`` and train the steps left). Writes on rank 0 (or the only process) the per-step losses, grad norms and final
 master weights; every rank writes its SSD bytes.
 """
 
@@ -13,7 +15,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import warnings
 
 import torch
 
@@ -54,10 +58,20 @@ def main(spec_path: str, out: str) -> None:
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     data = batches(spec["steps"], batch=spec["batch"], seq=spec.get("seq", 16))
     losses, norms, read, written, comm = [], [], 0, 0, 0
-    eng = Engine.from_state_dict(cfg, sd, ec)
-    for ids, labels in data:
+    die = spec.get("die")
+    if die and die["rank"] == rank:
+        _die_at_commit(die["commit"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        eng = Engine.resume(ec) if spec.get("resume_live") else Engine.from_state_dict(cfg, sd, ec)
+    start = eng.progress.step
+    for ids, labels in data[start:]:
         per = ids.shape[0] // world
-        st = eng.train_step(ids[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per])
+        try:
+            st = eng.train_step(ids[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per])
+        except Exception as e:  # noqa: BLE001 - a peer was killed: record what stopped this rank, then exit
+            torch.save({"error": f"{type(e).__name__}: {e}", "rank": rank}, out)
+            os._exit(0)
         losses.append(st.loss)
         norms.append(st.grad_norm)
         read, written, comm = read + st.ssd_read_bytes, written + st.ssd_write_bytes, comm + st.comm_bytes
@@ -67,9 +81,25 @@ def main(spec_path: str, out: str) -> None:
         _resume_mismatched(ec, rank, out)
         return
     result = {"ssd_read": read, "ssd_written": written, "comm": comm, "rank": rank, "ranked": eng.comm is not None}
+    result |= {"start": start, "warnings": [str(w.message) for w in caught]}
     if rank == 0:
         result |= {"losses": losses, "norms": norms, "weights": weights}
     torch.save(result, out)
+
+
+def _die_at_commit(k: int) -> None:
+    """SIGKILL this process as it starts its ``k``-th store commit (counting the import's)."""
+    from fuyou.storage.store import TensorStore
+
+    real, count = TensorStore.commit, [0]
+
+    def commit(self: TensorStore, meta: dict | None = None, agree=None) -> int:  # noqa: ANN001
+        count[0] += 1
+        if count[0] == k:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(self, meta, agree)
+
+    TensorStore.commit = commit  # type: ignore[method-assign]
 
 
 def _resume_mismatched(ec: EngineConfig, rank: int, out: str) -> None:

@@ -29,12 +29,19 @@ def free_port() -> int:
 
 
 def launch(
-    spec: dict, world: int, d, env_extra: dict | None = None, timeout: float = 300, ranked: bool = False
+    spec: dict,
+    world: int,
+    d,
+    env_extra: dict | None = None,
+    timeout: float = 300,
+    ranked: bool = False,
+    killed: int | None = None,
 ) -> list:
-    """Run ``dp_child`` as ``world`` local ranks (one plain process for world 1 unless ``ranked``); their results."""
-    d.mkdir(parents=True)
+    """Run ``dp_child`` as ``world`` local ranks (one plain process for world 1 unless ``ranked``); their results
+    (None for rank ``killed``, which must die by SIGKILL). A second launch in ``d`` reuses its store."""
+    d.mkdir(parents=True, exist_ok=True)
     ssd = d / "ssd"
-    ssd.mkdir()
+    ssd.mkdir(exist_ok=True)
     path = d / "spec.json"
     path.write_text(json.dumps(dict(spec, ssd=str(ssd))))
     port, procs = free_port(), []
@@ -47,11 +54,11 @@ def launch(
         cmd = [sys.executable, "-m", "tests.integration.dp_child", str(path), str(d / f"out{r}.pt")]
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True))
     outs = []
-    for p in procs:
+    for r, p in enumerate(procs):
         _, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, err[-3000:]
+        assert p.returncode == (-9 if r == killed else 0), err[-3000:]
     for r in range(world):
-        outs.append(torch.load(d / f"out{r}.pt"))
+        outs.append(None if r == killed else torch.load(d / f"out{r}.pt"))
     return outs
 
 
@@ -106,6 +113,30 @@ def test_resuming_ranks_whose_stores_are_steps_apart_is_refused_on_every_rank(tm
     outs = launch(spec, 2, tmp_path / "many")
     for o in outs:
         assert "left at different steps (1 to 2" in o["message"] and "--resume auto" in o["message"], o
+        assert "cannot all go back to step 1" in o["message"], o
+
+
+@SLOW
+def test_a_rank_killed_as_it_commits_leaves_stores_every_rank_resumes_from(tmp_path) -> None:
+    """Rank 1 dies as it starts committing step 2, after rank 0 committed it: the stores are a step apart.
+    Rank 0 kept step 1 until both confirmed, goes back to it, and the resumed run ends bit-identical to
+    an uninterrupted one."""
+    from fuyou.storage.dirs import rank_dirs
+    from fuyou.storage.manifest import PREVIOUS, read_manifest
+
+    spec = dict(steps=4, batch=4, K=1, world=2, clip=1.0)
+    ref = launch(spec, 2, tmp_path / "ref")[0]
+    d = tmp_path / "crash"
+    stopped = launch(dict(spec, die={"rank": 1, "commit": 3}), 2, d, killed=1)[0]  # import, step 1, step 2
+    assert "error" in stopped, stopped
+    stores = [rank_dirs((str(d / "ssd"),), r, 2)[0] for r in range(2)]
+    assert [read_manifest(s)["meta"]["step"] for s in stores] == [2, 1]
+    assert read_manifest(stores[0], PREVIOUS)["meta"]["step"] == 1
+    resumed = launch(dict(spec, resume_live=True), 2, d)
+    assert [o["start"] for o in resumed] == [1, 1]
+    assert any("went back from step 2 to step 1" in w for w in resumed[0]["warnings"]), resumed[0]["warnings"]
+    assert resumed[0]["losses"] == ref["losses"][1:] and resumed[0]["norms"] == ref["norms"][1:]
+    assert all(torch.equal(resumed[0]["weights"][k], v) for k, v in ref["weights"].items())
 
 
 @SLOW
