@@ -1,13 +1,18 @@
 """LoRA on a frozen streamed base vs full fine-tuning of the same model, side by side in one run.
 
-    python bench/bench_lora.py [--hidden 1024 --layers 8 --seq 256 --batch 4 --rank 16] [--smoke]
+    python bench/bench_lora.py [--hidden 1024 --layers 8 --seq 256 --batch 4 --rank 16] [--freeze GLOB ...] [--smoke]
 
 Three trainers on one random Llama and the same batches, each for ``--steps`` steps after
 ``--warmup``, interleaved step by step so drift hits all alike:
 
 * ``fuyou_full``: Fuyou full fine-tuning (weights and Adam state stream from the store);
 * ``fuyou_lora``: Fuyou LoRA (``--rank``, every linear layer): the base streams read-only;
-* ``plain_lora``: ``peft`` + ``torch.optim.AdamW`` with the whole model in RAM (the reference).
+* ``plain_lora``: ``peft`` + ``torch.optim.AdamW`` with the whole model in RAM (the reference);
+
+and with ``--freeze``, partial full fine-tuning:
+
+* ``fuyou_freeze``: Fuyou full fine-tuning with the parameters the globs name frozen (``--freeze``);
+* ``plain_freeze``: the whole model in RAM with those parameters' ``requires_grad=False`` and AdamW.
 
 Prints one JSON line per trainer (median step time, tokens/s, SSD bytes read and written per step)
 and the ratios, and a Markdown table for ``bench/RESULTS.md`` on stderr. Clipping on (1.0, the CLI
@@ -45,7 +50,7 @@ def model(args: argparse.Namespace):
     return cfg, LlamaForCausalLM(cfg)
 
 
-def engine(cfg, sd, d: str, args: argparse.Namespace, lora):
+def engine(cfg, sd, d: str, args: argparse.Namespace, lora, freeze: tuple[str, ...] = ()):
     from fuyou.engine import Engine, EngineConfig
 
     os.makedirs(d)
@@ -56,6 +61,7 @@ def engine(cfg, sd, d: str, args: argparse.Namespace, lora):
         max_grad_norm=1.0,
         lr=1e-4,
         lora=lora,
+        freeze=freeze,
     )
     return Engine.from_state_dict(cfg, sd, ec)
 
@@ -84,6 +90,19 @@ class PlainLora:
         return {"step_time_s": time.perf_counter() - t0, "ssd_read_bytes": 0, "ssd_write_bytes": 0, "loss": loss.item()}
 
 
+class PlainFreeze(PlainLora):
+    """The whole model in RAM, the parameters ``patterns`` name with ``requires_grad=False``, AdamW."""
+
+    def __init__(self, hf_model, patterns: tuple[str, ...]) -> None:
+        import fnmatch
+
+        self.model = hf_model
+        for name, p in hf_model.named_parameters():
+            p.requires_grad_(not any(fnmatch.fnmatchcase(name, pat) for pat in patterns))
+        self.params = [p for p in hf_model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=1e-4)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=1024)
@@ -97,6 +116,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--dir", default=None, help="where the stores go (default: a temporary directory)")
+    ap.add_argument("--freeze", action="append", default=[], help="also partial fine-tuning with this glob frozen")
     ap.add_argument("--smoke", action="store_true", help="a tiny model, two steps after one")
     args = ap.parse_args()
     if args.smoke:
@@ -109,23 +129,33 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(args.warmup + args.steps)]
     with tempfile.TemporaryDirectory(dir=args.dir) as base:
+        import copy
+
+        freeze = tuple(args.freeze)
         full = engine(cfg, sd, os.path.join(base, "full"), args, None)
         lora = engine(cfg, sd, os.path.join(base, "lora"), args, settings)
-        plain = PlainLora(hf.to(torch.bfloat16) if args.precision == "bf16" else hf, settings)
-        runs: dict[str, list[dict]] = {"fuyou_full": [], "fuyou_lora": [], "plain_lora": []}
+        fuyou = {"fuyou_full": full, "fuyou_lora": lora}
+        if freeze:
+            fuyou["fuyou_freeze"] = engine(cfg, sd, os.path.join(base, "freeze"), args, None, freeze)
+        ref = hf.to(torch.bfloat16) if args.precision == "bf16" else hf
+        plain = {"plain_lora": PlainLora(copy.deepcopy(ref) if freeze else ref, settings)}
+        if freeze:
+            plain["plain_freeze"] = PlainFreeze(ref, freeze)
+        runs: dict[str, list[dict]] = {n: [] for n in [*fuyou, *plain]}
         try:
             for i, ids in enumerate(data):
-                for name, step in (("fuyou_full", full.train_step), ("fuyou_lora", lora.train_step)):
-                    st = step(ids)
+                for name, eng in fuyou.items():
+                    st = eng.train_step(ids)
                     if i >= args.warmup:
                         runs[name].append(st.to_json())
-                st2 = plain.step(ids)
-                if i >= args.warmup:
-                    runs["plain_lora"].append(st2)
+                for name, ref_step in plain.items():
+                    st2 = ref_step.step(ids)
+                    if i >= args.warmup:
+                        runs[name].append(st2)
             hw = hardware_info([base])
         finally:
-            full.close()
-            lora.close()
+            for eng in fuyou.values():
+                eng.close()
         report(args, runs, hw, lora.lora.numel if lora.lora else 0, sum(p.numel() for p in hf.parameters()))
 
 
@@ -151,21 +181,28 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], hw: dict, lora
             "ssd_write_bytes_per_step": statistics.median(r["ssd_write_bytes"] for r in rs),
             "vs_fuyou_full": med[name] / med["fuyou_full"],
             "vs_plain_lora": med[name] / med["plain_lora"],
+            "freeze": list(args.freeze),
         }
+        if "plain_freeze" in med:
+            rec["vs_plain_freeze"] = med[name] / med["plain_freeze"]
         emit(rec)
         rows.append(rec)
     table = [
         f"Llama hidden {args.hidden} × {args.layers} layers, vocab {args.vocab} ({params / 1e6:.1f} M params), "
         f"{args.batch} × {args.seq} tokens per step, {args.precision}, clipping 1.0, LoRA rank {args.rank} on every "
-        f"linear layer ({lora_params / 1e6:.2f} M params); median of {args.steps} steps after {args.warmup}, "
-        "the three trainers interleaved step by step\n",
-        "| trainer | s/step | ÷ Fuyou full | ÷ plain peft | tokens/s | SSD read MB/step | SSD write MB/step |",
-        "|---|---|---|---|---|---|---|",
+        f"linear layer ({lora_params / 1e6:.2f} M params)"
+        + (f"; --freeze {' '.join(args.freeze)}" if args.freeze else "")
+        + f"; median of {args.steps} steps after {args.warmup}, the trainers interleaved step by step\n",
+        "| trainer | s/step | ÷ Fuyou full | ÷ plain peft |"
+        + (" ÷ plain freeze |" if args.freeze else "")
+        + " tokens/s | SSD read MB/step | SSD write MB/step |",
+        "|---|---|---|---|---|---|---|" + ("---|" if args.freeze else ""),
     ]
     for r in rows:
         table.append(
             f"| {r['trainer']} | {r['step_s_median']:.2f} | {r['vs_fuyou_full']:.2f} | {r['vs_plain_lora']:.2f} | "
-            f"{r['tokens_per_s']:.0f} | {r['ssd_read_bytes_per_step'] / 1e6:.1f} | "
+            + (f"{r['vs_plain_freeze']:.2f} | " if args.freeze else "")
+            + f"{r['tokens_per_s']:.0f} | {r['ssd_read_bytes_per_step'] / 1e6:.1f} | "
             f"{r['ssd_write_bytes_per_step'] / 1e6:.1f} |"
         )
     print("\n".join(table), file=sys.stderr)

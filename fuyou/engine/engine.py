@@ -131,7 +131,9 @@ class Engine:
                 f"the store in {store.dirs[0]} was trained with --freeze {store.meta.get('freeze', [])}; resume "
                 "with the same patterns (its frozen blocks have no optimizer state)"
             )
-        layout = dataclasses.replace(layout, frozen_blocks=frozen)
+        layout = dataclasses.replace(layout, frozen_blocks=frozen, frozen_params=self.adapter.frozen_keys)
+        if store is not None:
+            _check_extents(layout, store)
         self.plan: Plan = admit(
             layout, plan, cfg.cpu_bytes, self.backend.memory().capacity, store is not None, self.backend.name
         )
@@ -187,7 +189,7 @@ class Engine:
             self.timeline,
             self.backend.new_stream(),
             cfg.adam_threads,
-            cfg.no_decay | self.adapter.frozen_keys,  # a frozen parameter's zero gradient then leaves it as it is
+            cfg.no_decay,
         )
         self.loader.new_weights = self.stage.new_weights
         self.loader.comm = self.comm
@@ -302,6 +304,11 @@ class Engine:
             w = buf.data[: n * elem_size(lay.compute_dtype)]
             lay.flatten_into(b, src, w.view(lay.compute_dtype), 0, n)
             self.tier.write_through(lay.w(b).name, w).result()
+            f, nf = lay.f(b), lay.frozen_numel(b)
+            if f is not None:  # the block's frozen parameters: written once, here
+                w = buf.data[: nf * elem_size(lay.compute_dtype)]
+                lay.flatten_into(b, src, w.view(lay.compute_dtype), 0, nf, frozen=True)
+                self.tier.write_through(f.name, w).result()
         finally:
             self.pool.release(buf)
         for c, (lo, hi) in enumerate(lay.chunks(b) if lay.trains(b) else []):
@@ -631,6 +638,19 @@ def _rank_world() -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     world = world_size()
     return (int(os.environ.get("RANK", "0")) if world > 1 else 0), world
+
+
+def _check_extents(layout: ModelLayout, store: TensorStore) -> None:
+    """Raise ConfigError unless ``store`` holds every extent ``layout`` reads, of the same size (a store
+    written for other settings, or by an older Fuyou with another layout)."""
+    held = {e.name: e.nbytes for e in store.extents}
+    for e in layout.extents():
+        if held.get(e.name) != e.nbytes:
+            raise ConfigError(
+                f"the store in {store.dirs[0]} does not hold extent {e.name!r} of {e.nbytes} bytes "
+                f"({'absent' if e.name not in held else f'{held[e.name]} bytes'}): it was written with other "
+                "settings or by another Fuyou version; resume with the settings it was created with, or start again"
+            )
 
 
 def _stored_layout(blocks: tuple, store: TensorStore, cfg: EngineConfig, rank: int, world: int) -> ModelLayout:

@@ -43,6 +43,17 @@ def read_master(store: TensorStore | RamTier, layout: ModelLayout, b: int) -> to
     return master
 
 
+def read_frozen(store: TensorStore | RamTier, layout: ModelLayout, b: int) -> torch.Tensor | None:
+    """Block ``b``'s read-only part (``layout.f``: parameters ``--freeze`` froze in a block that trains)
+    as fp32 (this rank's shard when sharded), or None if it has none."""
+    f = layout.f(b)
+    if f is None:
+        return None
+    w = torch.empty(f.nbytes, dtype=torch.uint8)
+    store.read(f.name, w).result()
+    return w.view(layout.compute_dtype)[: layout.frozen_numel(b)].float()
+
+
 def iter_master(
     store: TensorStore | RamTier,
     layout: ModelLayout,
@@ -58,11 +69,15 @@ def iter_master(
         raise ValueError("a sharded layout's masters need a gather across ranks")
 
     def blocks() -> Iterator[tuple[str, torch.Tensor]]:
+        def gathered(part: torch.Tensor) -> torch.Tensor | None:
+            return gather(part) if gather is not None and layout.world > 1 else part
+
         for b in range(len(layout.blocks)):
-            master = read_master(store, layout, b)
-            whole = gather(master) if gather is not None and layout.world > 1 else master
+            whole = gathered(read_master(store, layout, b))
+            frozen = read_frozen(store, layout, b)
+            rest = gathered(frozen) if frozen is not None else None
             if whole is not None:
-                yield from layout.unflatten(b, whole).items()
+                yield from layout.unflatten(b, whole if rest is None else torch.cat([whole, rest])).items()
 
     return merge_expert_groups(blocks())
 
@@ -72,8 +87,9 @@ def _iter_ranks(stores: list[TensorStore], layouts: list[ModelLayout]) -> Iterat
 
     def blocks() -> Iterator[tuple[str, torch.Tensor]]:
         for b in range(len(layouts[0].blocks)):
-            whole = torch.cat([read_master(st, lay, b) for st, lay in zip(stores, layouts)])
-            yield from layouts[0].unflatten(b, whole).items()
+            parts = [read_master(st, lay, b) for st, lay in zip(stores, layouts)]
+            parts += [f for st, lay in zip(stores, layouts) if (f := read_frozen(st, lay, b)) is not None]
+            yield from layouts[0].unflatten(b, torch.cat(parts)).items()
 
     return merge_expert_groups(blocks())
 
@@ -192,6 +208,7 @@ def _store_layout(store: TensorStore, first: str, ranked: bool) -> tuple[ModelLa
     config = load_config(files)
     blocks = tuple(make_adapter(config, expert_groups=int(meta.get("expert_groups", 1))).blocks)
     frozen = frozen_blocks(blocks, tuple(meta.get("freeze", ())))
+    keys = frozen_keys(blocks, tuple(meta.get("freeze", ())))
     layout = ModelLayout(
         blocks,
         dtype_from_name(meta["compute_dtype"]),
@@ -201,6 +218,7 @@ def _store_layout(store: TensorStore, first: str, ranked: bool) -> tuple[ModelLa
         meta.get("world", 1),
         bool(meta.get("frozen", False)),
         frozen_blocks=frozen,
+        frozen_params=keys,
     )
     return layout, config, files
 

@@ -8,6 +8,11 @@
   by chunk, so host memory for state is bounded by the chunk size, not by the largest block (a
   150k-token embedding), and writes the new compute weights straight into a ``w`` buffer.
 
+Parameters frozen by ``--freeze`` in a block that still trains (``frozen_params``) are stored apart, in
+a read-only extent ``f/<block>`` with the same layout rules: no optimizer state, no gradient, never
+rewritten. On the device the block's weights are one vector, the trained part then the frozen part
+(``device_numel``); its gradient covers the trained part only (``full_numel``).
+
 With data-parallel ranks (``world`` > 1) each rank stores only its shard of every block's flat vector
 (``fuyou.schedule.shards``): ``w/<block>`` is then one flat tensor ``shard`` of ``numel(b)`` elements
 (the last rank's zero-padded), and the state chunks cover the shard. The device works on the
@@ -24,6 +29,7 @@ from fuyou.models.blocks import BlockSpec
 from fuyou.schedule import shards
 from fuyou.schedule.sizing import Footprint, state_chunks
 from fuyou.storage.extents import ExtentSpec, TensorSpec
+from fuyou.units import HOST_ALIGN, align_up
 
 
 def elem_size(dtype: torch.dtype) -> int:
@@ -51,6 +57,9 @@ class ModelLayout:
     """Bytes of the LoRA adapters' extent (``fuyou.engine.lora``), which host sizing stages (0: none)."""
     frozen_blocks: frozenset[int] = frozenset()
     """Blocks whose every parameter is frozen (``--freeze``): compute weights only, like ``frozen``."""
+    frozen_params: frozenset[str] = frozenset()
+    """Keys of the parameters ``--freeze`` freezes (``fuyou.engine.export.frozen_keys``); in a block that
+    trains they live in its read-only extent ``f(b)``."""
 
     def trains(self, b: int) -> bool:
         """Whether block ``b`` has optimizer state and is updated (not ``frozen``, not in ``frozen_blocks``)."""
@@ -61,12 +70,25 @@ class ModelLayout:
             raise ValueError(f"state chunk must be a positive multiple of 32 elements, got {self.state_chunk}")
         shards.shard_range(1, self.rank, self.world)  # raises ConfigError for a rank outside the world
 
+    def _parts(self, b: int) -> tuple[ExtentSpec, ExtentSpec | None]:
+        """Block ``b``'s parameters keyed by HF name as the device sees them (the gathered vectors): the
+        trained ones, and the frozen ones of a block that trains (None if there are none)."""
+        whole = self.blocks[b].extent("w/", self.compute_dtype)
+        frozen = tuple(t for t in whole.tensors if t.name in self.frozen_params)
+        if not frozen or not self.trains(b):
+            return whole, None
+        trained = tuple(t for t in whole.tensors if t.name not in self.frozen_params)
+        return ExtentSpec(whole.name, trained), ExtentSpec(f"f/{self.blocks[b].name}", frozen)
+
     def _hf(self, b: int) -> ExtentSpec:
-        """Block ``b``'s parameters keyed by HF name, as the device sees them (the gathered vector)."""
-        return self.blocks[b].extent("w/", self.compute_dtype)
+        return self._parts(b)[0]
 
     def _hf_numel(self, b: int) -> int:
         return -(-self._hf(b).nbytes // elem_size(self.compute_dtype))
+
+    def _frozen_hf_numel(self, b: int) -> int:
+        part = self._parts(b)[1]
+        return 0 if part is None else -(-part.nbytes // elem_size(self.compute_dtype))
 
     def w(self, b: int) -> ExtentSpec:
         """The compute-weight extent of block ``b``: its tensors by HF name, or (sharded) this rank's
@@ -74,6 +96,36 @@ class ModelLayout:
         if self.world == 1:
             return self._hf(b)
         return ExtentSpec(f"w/{self.blocks[b].name}", (TensorSpec("shard", (self.numel(b),), self.compute_dtype),))
+
+    def f(self, b: int) -> ExtentSpec | None:
+        """The read-only extent of block ``b``'s frozen parameters (``frozen_params`` in a block that
+        trains; by HF name, or sharded this rank's shard ``shard``), or None if it has none."""
+        part = self._parts(b)[1]
+        if part is None or self.world == 1:
+            return part
+        name = part.name
+        return ExtentSpec(name, (TensorSpec("shard", (self.frozen_numel(b),), self.compute_dtype),))
+
+    def frozen_numel(self, b: int) -> int:
+        """Elements of ``f(b)`` (this rank's shard when sharded); 0 without one."""
+        n = self._frozen_hf_numel(b)
+        return shards.shard_len(n, self.world) if n else 0
+
+    def device_numel(self, b: int) -> int:
+        """Elements of block ``b``'s gathered weight vector on the device: the trained part
+        (``full_numel``), then the frozen part, each padded to ``world`` shards."""
+        n = self._frozen_hf_numel(b)
+        return self.full_numel(b) + (shards.padded_numel(n, self.world) if n else 0)
+
+    def staged_bytes(self, b: int) -> int:
+        """Host bytes block ``b``'s weights take when read: ``w(b)``, and ``f(b)`` from the next 4 KiB
+        boundary (``frozen_offset``)."""
+        f = self.f(b)
+        return self.w(b).nbytes if f is None else self.frozen_offset(b) + f.nbytes
+
+    def frozen_offset(self, b: int) -> int:
+        """Byte offset of ``f(b)``'s data in a host buffer holding block ``b``'s weights."""
+        return align_up(self.w(b).nbytes, HOST_ALIGN)
 
     def numel(self, b: int) -> int:
         """Elements of block ``b``'s flat vectors this rank stores and updates (the ``w`` extent in
@@ -119,6 +171,7 @@ class ModelLayout:
             self.world,
             self.adapter_bytes,
             tuple(sorted(self.frozen_blocks)),
+            tuple(self.frozen_numel(b) for b in nb) if self.frozen_params else (),
         )
 
     def extents(self) -> list[ExtentSpec]:
@@ -126,6 +179,9 @@ class ModelLayout:
         out = []
         for b in range(len(self.blocks)):
             out.append(self.w(b))
+            f = self.f(b)
+            if f is not None:
+                out.append(f)
             if self.trains(b):
                 out += [self.s(b, c) for c in range(len(self.chunks(b)))]
         return out
@@ -134,12 +190,17 @@ class ModelLayout:
         """Block index of block ``name``."""
         return [blk.name for blk in self.blocks].index(name)
 
-    def flatten_into(self, b: int, tensors: dict[str, torch.Tensor], out: torch.Tensor, lo: int, hi: int) -> None:
+    def flatten_into(
+        self, b: int, tensors: dict[str, torch.Tensor], out: torch.Tensor, lo: int, hi: int, frozen: bool = False
+    ) -> None:
         """Write elements [lo, hi) of block ``b``'s flat vector into ``out`` (``hi - lo`` elements,
         any dtype), gaps between tensors zeroed; converts one tensor slice at a time, so the whole
-        block is never held a second time. Positions are this rank's (``shard_start`` adds up)."""
-        ext, size = self._hf(b), elem_size(self.compute_dtype)
-        base = self.shard_start(b)
+        block is never held a second time. Positions are this rank's (``shard_start`` adds up).
+        ``frozen``: of its frozen part's vector (``f(b)``; ValueError if it has none)."""
+        ext, size = self._parts(b)[1] if frozen else self._hf(b), elem_size(self.compute_dtype)
+        if ext is None:
+            raise ValueError(f"block {self.blocks[b].name} has no frozen part")
+        base = self.rank * self.frozen_numel(b) if frozen else self.shard_start(b)
         lo, hi = lo + base, hi + base
         out.zero_()
         for t, off in zip(ext.tensors, ext.offsets):
@@ -170,11 +231,15 @@ class ModelLayout:
         return [(max(a, lo) - lo, min(z, hi) - lo, d) for a, z, d in runs if min(z, hi) > max(a, lo)]
 
     def unflatten(self, b: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Views of each parameter in a flat vector laid out like block ``b``'s one-rank ``w`` extent
-        (the gathered vector when sharded)."""
-        ext = self._hf(b)
+        """Views of each parameter in block ``b``'s gathered vector ``flat``: of ``device_numel``
+        elements, every parameter (weights, masters); of ``full_numel``, the trained ones (gradients)."""
+        trained, frozen = self._parts(b)
         size = elem_size(self.compute_dtype)
+        parts = [(trained, 0)] + (
+            [(frozen, self.full_numel(b))] if frozen is not None and flat.numel() > self.full_numel(b) else []
+        )
         return {
-            t.name: flat[off // size : off // size + t.nbytes // size].view(t.shape)
+            t.name: flat[base + off // size : base + off // size + t.nbytes // size].view(t.shape)
+            for ext, base in parts
             for t, off in zip(ext.tensors, ext.offsets)
         }

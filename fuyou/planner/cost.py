@@ -127,11 +127,13 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     offloaded = sum(p == "recompute_cpu" and k for p, k in zip(pol, kept))
     boundary = (sum(kept) - offloaded) * T * shape.hidden * cb
     keep = sum(g.act_bytes(b) for b in range(1, H) if pol[b] == "keep")
-    layer_ws = max(2 * cb * blk.numel + 2 * g.act_bytes(b) / K for b, blk in enumerate(shape.blocks[:H]))
+    # a block's weights (its read-only part too) and the gradient of its trained part
+    ws = [cb * (2 * blk.numel + blk.frozen_numel) for blk in shape.blocks]
+    layer_ws = max(ws[b] + 2 * g.act_bytes(b) / K for b in range(H))
     head = shape.blocks[H]
-    tied = sum(2 * cb * blk.numel for blk in shape.blocks if blk.name in head.borrows)
+    tied = sum(ws[b] for b, blk in enumerate(shape.blocks) if blk.name in head.borrows)
     logit_tokens = min(mbt, sizing.loss_chunk_tokens(shape.vocab, cb))  # the loss runs in token chunks
-    head_ws = 2 * cb * head.numel + tied + (8 + 2 * cb) * logit_tokens * shape.vocab
+    head_ws = ws[H] + tied + (8 + 2 * cb) * logit_tokens * shape.vocab
     own = g.own.blocks
     shard_grad = cb * max(blk.numel for blk in own) if g.world > 1 else 0  # reduce-scatter's output
     adapters = ADAPTER_BYTES_PER_PARAM * cfg.adapter_params  # LoRA: weights, gradients, m and v in fp32
@@ -141,7 +143,8 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)
     swap_cpu += offloaded * T * shape.hidden * cb
     state = 0 if plan.frozen else cfg.state_bytes_per_param  # a frozen base (LoRA) stores no optimizer state
-    store = sum(cb * b.numel + (0 if b.frozen else state) * b.numel for b in own)  # nor a block frozen whole
+    # nor a block frozen whole, nor the read-only part of one that trains
+    store = sum(cb * (b.numel + b.frozen_numel) + (0 if b.frozen else state) * b.numel for b in own)
     parked = sum(cb * own[b].numel for b in rules.parked_on_ssd(H + 1, g.p) if not own[b].frozen)
     return Memory(
         device=device,

@@ -101,15 +101,22 @@ class StepGraph:
 
     # ------------------------------------------------------------------ durations (s)
     def _w_bytes(self, b: int) -> int:
-        """Bytes of block ``b``'s compute weights (or gradient) this rank stores and moves: its shard."""
+        """Bytes of block ``b``'s trained compute weights (or gradient) this rank stores and moves: its shard."""
         return self.c.compute_bytes * self.own.blocks[b].numel
 
+    def _f_bytes(self, b: int) -> int:
+        """Bytes of block ``b``'s read-only part (``BlockShape.frozen_numel``) this rank stores and reads."""
+        return self.c.compute_bytes * self.own.blocks[b].frozen_numel
+
     def _collective(self, b: int, kind: str, after: int) -> int:
-        """An all-gather or reduce-scatter of block ``b``'s flat vector on ``comm``, after op ``after``
-        (one rank: no collective, ``after`` itself)."""
+        """An all-gather (every weight) or reduce-scatter (the trained part's gradient) of block ``b``'s
+        flat vector on ``comm``, after op ``after`` (one rank: no collective, ``after`` itself)."""
         if self.world == 1:
             return after
-        nbytes = collective_bytes(self.m.blocks[b].numel, self.world, self.c.compute_bytes)
+        blk = self.m.blocks[b]
+        nbytes = collective_bytes(blk.numel, self.world, self.c.compute_bytes)
+        if kind == "all_gather" and blk.frozen_numel:
+            nbytes += collective_bytes(blk.frozen_numel, self.world, self.c.compute_bytes)
         self.comm_bytes += nbytes
         return self.sim.op("comm", self.c.cluster.collective_s(nbytes), (after,), kind)
 
@@ -169,7 +176,7 @@ class StepGraph:
         """Loader ``next(pos)``: wait for the read, copy to the device, issue the read depth+1 ahead."""
         b = self.order[pos]
         self._t(self.reads[pos])
-        cp = self.sim.op("h2d", self._w_bytes(b) / self.hw.h2d_Bps, (self.thread,))
+        cp = self.sim.op("h2d", (self._w_bytes(b) + self._f_bytes(b)) / self.hw.h2d_Bps, (self.thread,))
         if self.cpu:
             self._t(cp)
         self._issue(pos + self.p.prefetch_depth + 1, (cp, self.thread))
@@ -183,15 +190,18 @@ class StepGraph:
         if gate is not None and pos < self.H and b >= self.p.ram_weight_blocks:  # forward: handed over
             cp = self._w_bytes(b) / self.hw.host_mem_Bps
             self.reads[pos] = self.sim.op("adam", cp, deps + (self.prev_done[b],), "handoff")
+            if self._f_bytes(b):  # the read-only part still comes from the SSD
+                frozen = self._ssd(self._f_bytes(b), "ssd_read", deps)
+                self.reads[pos] = self.sim.op(None, 0.0, (self.reads[pos], frozen))
         elif b < self.p.ram_weight_blocks:  # RAM tier: a memcpy into the host buffer, no SSD read, done by
             # the thread that issues it (training thread) or, gated on last step's update, the Adam worker
-            cp = self._w_bytes(b) / self.hw.host_mem_Bps
+            cp = (self._w_bytes(b) + self._f_bytes(b)) / self.hw.host_mem_Bps
             if gate is None:
                 self.reads[pos] = self._t(self.sim.op("thread", cp, deps + (self.thread,), "ram_read"))
             else:
                 self.reads[pos] = self.sim.op("adam", cp, deps + (gate,), "ram_read")
         else:
-            self.reads[pos] = self._ssd(self._w_bytes(b), "ssd_read", deps + (gate,))
+            self.reads[pos] = self._ssd(self._w_bytes(b) + self._f_bytes(b), "ssd_read", deps + (gate,))
 
     def _compute(self, dur: float, *deps: int | None, sync: bool = False) -> int:
         self.compute = self.sim.op("compute", dur, (self.compute, self.thread) + deps)

@@ -274,7 +274,7 @@ class _Search:
     def _check_static(self, sched: str) -> None:
         m, cb = self.own, self.cb  # one rank's shards
         spp = 0 if self.r.frozen else self.spp
-        store = 2 * sum((cb + (0 if b.frozen else spp)) * b.numel for b in m.blocks)
+        store = 2 * sum((cb + (0 if b.frozen else spp)) * b.numel + cb * b.frozen_numel for b in m.blocks)
         if self.b.ssd_bytes and store > self.b.ssd_bytes:
             raise InfeasibleError(
                 f"SSD space: the store needs {fs(store)} (two versions of {cb + spp} B/param × "
@@ -322,14 +322,15 @@ class _Search:
             f"micro-batch {mb}; --gpu-memory is {fs(self.b.gpu_memory)}. {self._fewer_tokens(self.b.gpu_memory - work, per_tok)}"
             f", or raise --gpu-memory to ≥ {fs(mem.device)}"
         )
-        big = max(self.m.blocks, key=lambda b: b.numel)
-        if work > self.b.gpu_memory and 2 * big.numel * self.cb >= self.b.gpu_memory:
+        big = max(self.m.blocks, key=lambda b: 2 * b.numel + b.frozen_numel)
+        alone = (2 * big.numel + big.frozen_numel) * self.cb  # its weights and its trained part's gradient
+        if work > self.b.gpu_memory and alone >= self.b.gpu_memory:
             split = (
                 f" (its experts in {self.m.expert_groups} groups)" if self.m.expert_groups > 1 else " (a decoder layer)"
             )
             raise BlockTooLargeError(
-                f"device memory: block {big.name}{split} ({big.numel / 1e9:.2f} B params) needs "
-                f"{fs(2 * big.numel * self.cb)} on the device for its weights and gradients alone, whatever the "
+                f"device memory: block {big.name}{split} ({(big.numel + big.frozen_numel) / 1e9:.2f} B params) needs "
+                f"{fs(alone)} on the device for its weights and gradients alone, whatever the "
                 f"sequence length; --gpu-memory is {fs(self.b.gpu_memory)}. Raise --gpu-memory to ≥ {fs(work)}"
             )
         if work > self.b.gpu_memory:
@@ -371,9 +372,9 @@ class _Search:
         spare = self.b.cpu_memory - memory(self.m, plan, cfg, self.hw).host
         w = s = 0
         for blk in self.own.blocks:
-            if self.cb * blk.numel > spare:
+            if self.cb * (blk.numel + blk.frozen_numel) > spare:
                 break
-            spare -= self.cb * blk.numel
+            spare -= self.cb * (blk.numel + blk.frozen_numel)
             w += 1
         for blk in self.own.blocks if w == len(self.own.blocks) and not self.r.frozen else ():
             if self.spp * blk.numel > spare:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fuyou.errors import ConfigError
-from fuyou.schedule.experts import EXPERTS_PART, group_ranges
+from fuyou.schedule.experts import group_ranges
 from fuyou.schedule.shards import shard_len
 from fuyou.schedule.sizing import Footprint
 
@@ -127,6 +127,11 @@ NAMED = {
     },
 }
 
+Freezer = Callable[[int], Mapping[str, tuple[float, float]]]
+"""What ``--freeze`` freezes, given a model's expert-group count: for each block name that it touches,
+(share of the block's elements frozen, share of its matmul FLOPs frozen); an element share of 1 is a
+block frozen whole. Made from the engine's own rule by ``fuyou.run.plan_choice.frozen_parts``."""
+
 
 @dataclass(frozen=True)
 class BlockShape:
@@ -154,6 +159,11 @@ class BlockShape:
     expert group's, which adds to its input (``fuyou.engine.activations``)."""
     frozen: bool = False
     """Frozen whole (``--freeze``): no optimizer state, no gradient leaves the device, never written."""
+    frozen_numel: int = 0
+    """Elements of the block's read-only part: parameters ``--freeze`` freezes in a block that trains
+    (``ModelLayout.frozen_numel``): read like weights, no state, gradient or writes; ``numel`` is the rest."""
+    frozen_matmul_flops_per_token: int = 0
+    """The part of ``matmul_flops_per_token`` whose weights that read-only part holds (no weight gradient)."""
 
     def fwd_flops_per_token(self, hidden: int, seq_len: int) -> int:
         """Forward FLOPs per token including attention scores for layers (4·d·T, no causal halving)."""
@@ -175,18 +185,28 @@ class ModelShape:
     """Expert-group blocks each mixture-of-experts layer is split into (``Plan.expert_groups``)."""
     source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """The config the shape was made from (``split``)."""
-    frozen_names: frozenset[str] = frozenset()
-    """Blocks frozen whole (``freeze``), by their names in the unsplit model."""
+    freezer: Freezer | None = dataclasses.field(default=None, compare=False, repr=False)
+    """What ``--freeze`` freezes (``freeze``), applied again to a ``split``."""
 
-    def freeze(self, names: frozenset[str]) -> ModelShape:
-        """This model with the blocks ``names`` (unsplit names: a split layer's groups follow it)
-        frozen whole."""
-
-        def frozen(name: str) -> bool:
-            return name in names or (EXPERTS_PART in name and name.split(EXPERTS_PART)[0] in names)
-
-        blocks = tuple(dataclasses.replace(b, frozen=frozen(b.name)) for b in self.blocks)
-        return dataclasses.replace(self, blocks=blocks, frozen_names=frozenset(names))
+    def freeze(self, freezer: Freezer) -> ModelShape:
+        """This model with what ``freezer`` says of its blocks at its expert-group count frozen: a
+        block at share 1 frozen whole, one at a smaller share with that share of its elements (and
+        of its matmul FLOPs) moved to its read-only part (``BlockShape.frozen_numel``)."""
+        parts = freezer(self.expert_groups)
+        blocks = []
+        for b in self.blocks:
+            elems, flops = parts.get(b.name, (0.0, 0.0))
+            if elems >= 1.0:
+                blocks.append(dataclasses.replace(b, frozen=True))
+            elif elems > 0.0:
+                fz = round(b.numel * elems)
+                fl = round(b.matmul_flops_per_token * flops)
+                blocks.append(
+                    dataclasses.replace(b, numel=b.numel - fz, frozen_numel=fz, frozen_matmul_flops_per_token=fl)
+                )
+            else:
+                blocks.append(b)
+        return dataclasses.replace(self, blocks=tuple(blocks), freezer=freezer)
 
     def route_holders(self) -> list[int]:
         """The last expert group of each split layer: each layer keeps one ``tokens × hidden`` route
@@ -204,7 +224,8 @@ class ModelShape:
             return self
         if not self.experts:
             raise ConfigError(f"{self.name} has no experts to split into {groups} groups")
-        return _llama(self.source, self.name, groups).freeze(self.frozen_names)
+        split = _llama(self.source, self.name, groups)
+        return split.freeze(self.freezer) if self.freezer is not None else split
 
     @property
     def signature(self) -> str:
@@ -213,8 +234,8 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        """Trainable elements (store layout)."""
-        return sum(b.numel for b in self.blocks)
+        """Elements of every parameter, frozen or not (store layout)."""
+        return sum(b.numel + b.frozen_numel for b in self.blocks)
 
     def lora_params(self, rank: int) -> int:
         """Parameters of LoRA adapters of ``rank`` on every linear layer (``all-linear``)."""
@@ -227,8 +248,17 @@ class ModelShape:
         is attention's QKᵀ and AV, 2 · 2 · L · d · T per token forward, × 3 for forward + backward,
         without causal halving (PaLM's MFU accounting). Recomputation is not counted: model FLOPs,
         not hardware FLOPs. A frozen base (LoRA, ``frozen``) computes no weight gradients: 4 · N_matmul
-        (the adapters' own FLOPs are not counted); nor does a block frozen whole (``BlockShape.frozen``)."""
-        per = sum((4 if frozen or b.frozen else 6) * b.matmul_flops_per_token for b in self.blocks) // 2
+        (the adapters' own FLOPs are not counted); nor does a block frozen whole (``BlockShape.frozen``),
+        nor a block's read-only part (``BlockShape.frozen_matmul_flops_per_token``)."""
+        per = (
+            sum(
+                4 * b.matmul_flops_per_token
+                if frozen or b.frozen
+                else 6 * b.matmul_flops_per_token - 2 * b.frozen_matmul_flops_per_token
+                for b in self.blocks
+            )
+            // 2
+        )
         return per + 12 * self.layers * self.hidden * seq_len
 
     def sharded(self, world: int) -> ModelShape:
@@ -237,7 +267,14 @@ class ModelShape:
         the whole model's (every rank computes on whole, gathered blocks). ``self`` on one rank."""
         if world == 1:
             return self
-        blocks = tuple(dataclasses.replace(b, numel=shard_len(b.numel, world)) for b in self.blocks)
+        blocks = tuple(
+            dataclasses.replace(
+                b,
+                numel=shard_len(b.numel, world),
+                frozen_numel=shard_len(b.frozen_numel, world) if b.frozen_numel else 0,
+            )
+            for b in self.blocks
+        )
         return dataclasses.replace(self, blocks=blocks)
 
     def footprint(self, compute_bytes: int, state_bytes_per_param: int) -> Footprint:
@@ -252,6 +289,9 @@ class ModelShape:
             state_bytes_per_param,
             tuple(names.index(o) for o in self.blocks[-1].borrows),
             frozen=tuple(i for i, b in enumerate(self.blocks) if b.frozen),
+            frozen_numels=tuple(b.frozen_numel for b in self.blocks)
+            if any(b.frozen_numel for b in self.blocks)
+            else (),
         )
 
 

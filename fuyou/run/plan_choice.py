@@ -28,11 +28,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fuyou.errors import ConfigError
 from fuyou.schedule.plan import POLICIES, Plan
 from fuyou.units import parse_size
+
+if TYPE_CHECKING:
+    from fuyou.planner.shapes import Freezer
 
 MODES = ("auto", "rules")
 
@@ -225,7 +228,7 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
     where = where or "measured now (not saved)"
     shape = shape_from_config(req.model_config.to_dict())
     if req.freeze:
-        shape = shape.freeze(_frozen_names(req))
+        shape = shape.freeze(frozen_parts(req.model_config, req.freeze))
     gpu = parse_size(req.gpu_memory, "--gpu-memory") if req.gpu_memory is not None else prof.device_memory_bytes
     budgets = Budgets(cpu_memory=parse_size(req.cpu_memory, "--cpu-memory"), gpu_memory=gpu)
     sreq = Request(
@@ -256,14 +259,35 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
     return ChosenPlan(plan, info)
 
 
-def _frozen_names(req: PlanRequest) -> frozenset[str]:
-    """The blocks ``req.freeze`` freezes whole (the engine's rule: ``fuyou.engine.export.frozen_blocks``);
-    raises ConfigError for a pattern that matches nothing."""
-    from fuyou.engine.export import frozen_blocks
+def frozen_parts(model_config: Any, patterns: tuple[str, ...]) -> Freezer:
+    """What ``--freeze`` ``patterns`` freeze of each block of ``model_config``'s model, by the engine's own
+    rule (``fuyou.engine.export.frozen_keys``/``frozen_blocks``) at a given expert-group count: blocks
+    frozen whole at share 1, others at the share of their elements (and of their matrices' elements,
+    for FLOPs) frozen. Raises ConfigError (at once) for a pattern that matches nothing."""
+    import functools
+    import math
+
+    from fuyou.engine.export import frozen_blocks, frozen_keys
     from fuyou.models.adapters import make_adapter
 
-    blocks = tuple(make_adapter(req.model_config).blocks)
-    return frozenset(blocks[b].name for b in frozen_blocks(blocks, req.freeze))
+    @functools.cache
+    def parts(groups: int) -> dict[str, tuple[float, float]]:
+        blocks = tuple(make_adapter(model_config, expert_groups=groups).blocks)
+        keys, whole = frozen_keys(blocks, patterns), frozen_blocks(blocks, patterns)
+        out = {}
+        for b, blk in enumerate(blocks):
+            sizes = [(p.key in keys, math.prod(p.shape), len(p.shape) >= 2) for p in blk.params]
+            frozen = sum(n for f, n, _ in sizes if f)
+            if b in whole or frozen:
+                mm = sum(n for _, n, m in sizes if m)
+                mm_frozen = sum(n for f, n, m in sizes if f and m)
+                out[blk.name] = (
+                    (1.0, 1.0) if b in whole else (frozen / sum(n for _, n, _ in sizes), mm_frozen / max(mm, 1))
+                )
+        return out
+
+    parts(1)
+    return parts
 
 
 def describe(plan: Plan) -> str:

@@ -70,6 +70,19 @@ class Footprint:
     """Bytes of the LoRA adapters' store extent (0: none), staged through one host buffer."""
     frozen: tuple[int, ...] = ()
     """Blocks that never train (``--freeze``): no gradient leaves the device, no state, no update."""
+    frozen_numels: tuple[int, ...] = ()
+    """Elements of each block's read-only part (parameters ``--freeze`` freezes in a block that trains;
+    one rank's shard), stored apart from ``weight_bytes``; empty: none anywhere."""
+
+    def frozen_bytes(self, b: int) -> int:
+        """Bytes of block ``b``'s read-only part (0 without one)."""
+        return self.frozen_numels[b] * self.compute_bytes if self.frozen_numels else 0
+
+    def staged_bytes(self, b: int) -> int:
+        """Host bytes of block ``b``'s weights as read: the compute-weight extent, then its read-only
+        part from the next page boundary."""
+        f = self.frozen_bytes(b)
+        return self.weight_bytes[b] if not f else align_up(self.weight_bytes[b], HOST_ALIGN) + f
 
     @property
     def nblocks(self) -> int:
@@ -84,8 +97,8 @@ class Footprint:
         """Device bytes of block ``b``'s weights and gradient while it computes: the whole block, and
         when sharded the gathered (padded) vectors plus the shard they come from and go to."""
         if self.world == 1:
-            return self.weight_bytes[b] + self.grad_bytes(b)
-        return 2 * (self.world + 1) * self.grad_bytes(b)
+            return self.weight_bytes[b] + self.frozen_bytes(b) + self.grad_bytes(b)
+        return (self.world + 1) * (2 * self.grad_bytes(b) + self.frozen_bytes(b))
 
     def state_extent_bytes(self, n: int) -> int:
         """Bytes of one state extent of ``n`` elements: master (fp32), m, v at 64-byte alignment."""
@@ -115,7 +128,7 @@ def state_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
 def buffer_classes(fp: Footprint, plan: Plan) -> list[BufferClass]:
     """The host buffers ``plan`` streams through, in reservation order (the RAM tier apart). A frozen
     base (``Plan.frozen``) streams weights only."""
-    w = max(fp.weight_bytes)
+    w = max(fp.staged_bytes(b) for b in range(fp.nblocks))
     adapters = [BufferClass(ADAPTERS, fp.adapter_bytes, 1)] if fp.adapter_bytes else []
     if plan.frozen:
         return [BufferClass(WEIGHTS, w, plan.prefetch_depth + 1)] + adapters
@@ -125,16 +138,16 @@ def buffer_classes(fp: Footprint, plan: Plan) -> list[BufferClass]:
         BufferClass(WEIGHTS, w, plan.prefetch_depth + 1),
         BufferClass(GRADS, g, 2),
         BufferClass(STATE, state, plan.state_buffers),
-        BufferClass(NEW_WEIGHTS, w, 2),
+        BufferClass(NEW_WEIGHTS, max(fp.weight_bytes), 2),
     ]
     parked = [b for b in parked_in_ram(fp.nblocks, plan) if b not in fp.frozen]
     return out + adapters + [BufferClass(park_class(b), fp.grad_bytes(b), 1) for b in parked]
 
 
 def ram_tier_extents(fp: Footprint, plan: Plan) -> tuple[list[int], list[int]]:
-    """Bytes of each RAM-tier extent: (compute weights of blocks < ``ram_weight_blocks``, state chunks
-    of blocks < ``ram_state_blocks``), in layout order."""
-    ws = [fp.weight_bytes[b] for b in range(plan.ram_weight_blocks)]
+    """Bytes of each RAM-tier extent: (compute weights, and read-only parts, of blocks <
+    ``ram_weight_blocks``, state chunks of blocks < ``ram_state_blocks``), in layout order."""
+    ws = [n for b in range(plan.ram_weight_blocks) for n in (fp.weight_bytes[b], fp.frozen_bytes(b)) if n]
     ss = [
         fp.state_extent_bytes(hi - lo)
         for b in range(plan.ram_state_blocks)

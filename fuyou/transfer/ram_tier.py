@@ -47,8 +47,9 @@ def ram_extents(
     layout: ModelLayout, weight_blocks: int, state_blocks: int
 ) -> tuple[list[ExtentSpec], list[ExtentSpec]]:
     """(weight extents, state extents) held in RAM for the first ``weight_blocks``/``state_blocks`` blocks
-    (at most the block count: ``fuyou.schedule.rules.check_ram_tier``)."""
-    ws = [layout.w(b) for b in range(weight_blocks)]
+    (at most the block count: ``fuyou.schedule.rules.check_ram_tier``); a block's read-only part
+    (``layout.f``) goes with its weights."""
+    ws = [e for b in range(weight_blocks) for e in (layout.w(b), layout.f(b)) if e is not None]
     ss = [layout.s(b, c) for b in range(state_blocks) if layout.trains(b) for c in range(len(layout.chunks(b)))]
     return ws, ss
 

@@ -21,6 +21,10 @@ training thread only ever waits for the read of the block it needs now.
 With data-parallel ranks (``comm``) the read and upload move this rank's shard; ``next`` then has
 the ranks gather the whole block on their collectives' stream (``Collectives.gather``) into the
 buffer it returns, and ``ready_event`` marks that gather.
+
+A block with parameters frozen by ``--freeze`` has a second, read-only extent (``ModelLayout.f``): it is
+read beside ``w/<block>`` into the same host buffer and uploaded behind the trained part, never gated
+or claimed (nothing rewrites it).
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from functools import partial
 import torch
 
 from fuyou.device.base import Backend, Event
-from fuyou.models.store_layout import ModelLayout
+from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.schedule.sizing import WEIGHTS as HOST_CLASS
+from fuyou.storage.io_base import gather, then
 from fuyou.timeline import Timeline
 from fuyou.transfer.collectives import Collectives
 from fuyou.transfer.futures import chain, done_future, event_future
@@ -83,8 +88,21 @@ class WeightLoader:
                 self._reads[p] = (buf, chain(free, partial(self._read, b, buf)))
 
     def _read(self, b: int, buf: HostBuffer) -> Future:
-        """Fill ``buf`` with block ``b``'s latest weights: claimed from an update in flight, else read
-        from the store (RAM tier or SSD) once the gate allows."""
+        """Fill ``buf`` with block ``b``'s latest weights (``ModelLayout.staged_bytes``): the trained
+        part (``_read_trained``), and its read-only part if it has one."""
+        trained = self._read_trained(b, buf)
+        f = self.layout.f(b)
+        if f is None:
+            return trained
+        at = self.layout.frozen_offset(b)
+        frozen = self.store.read(f.name, buf.data[at : at + f.nbytes])
+        if not self.store.holds(f.name):
+            frozen = self.timeline.track(frozen, "ssd_read", f.name, f.nbytes)
+        return then(gather([trained, frozen]), lambda _: None)
+
+    def _read_trained(self, b: int, buf: HostBuffer) -> Future:
+        """Fill ``buf`` with block ``b``'s latest trained weights: claimed from an update in flight, else
+        read from the store (RAM tier or SSD) once the gate allows."""
         ext = self.layout.w(b)
         if self.store.holds(ext.name):  # RAM tier: a memcpy that times itself
             return chain(self.gate(b), partial(self.store.read, ext.name, buf.data))
@@ -130,9 +148,12 @@ class WeightLoader:
         buf, fut = self._reads.pop(self.pos)
         self.pos += 1
         fut.result()
-        n = self.layout.w(b).nbytes
-        what = f"weights of {self.layout.blocks[b].name}"
-        full = n * (self.comm.world if self.comm is not None else 1)
+        lay = self.layout
+        n, f = lay.w(b).nbytes, lay.f(b)
+        fn, at = (f.nbytes, lay.frozen_offset(b)) if f is not None else (0, 0)
+        size = elem_size(lay.compute_dtype)
+        what = f"weights of {lay.blocks[b].name}"
+        full, trained = lay.device_numel(b) * size, lay.full_numel(b) * size
         if into is None:
             into = whole = self.backend.device_empty((full,), torch.uint8, what, stream=self.comm_or_copy())
         else:
@@ -141,14 +162,18 @@ class WeightLoader:
         self.backend.keep_alive(into, self.compute)
         shard: torch.Tensor | None = None
         if self.comm is not None:  # upload the shard into memory of its own, gather into the block's
-            shard = self.backend.device_empty((n,), torch.uint8, what, stream=self.stream)
-        alias = shard if shard is not None else whole
-        with self.timeline.device_span("h2d", self.layout.blocks[b].name, self.backend, self.stream, n):
-            copied = self.backend.copy(alias, buf.data[:n], self.stream)
+            shard = self.backend.device_empty((n + fn,), torch.uint8, what, stream=self.stream)
+        dst_w, dst_f = (shard[:n], shard[n:]) if shard is not None else (whole[:n], whole[trained : trained + fn])
+        with self.timeline.device_span("h2d", lay.blocks[b].name, self.backend, self.stream, n + fn):
+            copied = self.backend.copy(dst_w, buf.data[:n], self.stream)
+            if fn:
+                copied = self.backend.copy(dst_f, buf.data[at : at + fn], self.stream)
         self._copies.append((buf, copied))
         if self.comm is not None:
             assert shard is not None
-            self.comm.gather(shard, whole, copied, self.layout.blocks[b].name)
+            self.comm.gather(shard[:n], whole[:trained], copied, lay.blocks[b].name)
+            if fn:
+                self.comm.gather(shard[n:], whole[trained:], copied, f"{lay.blocks[b].name} (frozen)")
         self._reap(wait=False)
         self._issue()
         return into

@@ -3,7 +3,7 @@
     python -m tests.integration.dp_child SPEC.json OUT.pt      (RANK/WORLD_SIZE/MASTER_* from the launcher)
 
 SPEC: device (default cpu), family, steps, batch (the global batch), seq, K (micro-batches per rank), clip, policy,
-precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, moe_balance, expert_groups, mismatch (then
+precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, moe_balance, expert_groups, freeze, mismatch (then
 rank 1's store goes back one committed step and both ranks try ``Engine.resume``: each writes the
 error it got), die ({"rank": r, "commit": k}: rank r is SIGKILLed as it starts its k-th store commit; the
 others write the error that stopped them), resume_live (resume every rank's live store with
@@ -54,6 +54,7 @@ def main(spec_path: str, out: str) -> None:
         max_grad_norm=spec.get("clip", 0.0),
         plan=plan,
         moe_balance=spec.get("moe_balance", "global"),
+        freeze=tuple(spec.get("freeze", ())),
     )
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     data = batches(spec["steps"], batch=spec["batch"], seq=spec.get("seq", 16))

@@ -77,6 +77,8 @@ CASES = {
     "3-noclip-accum": (3, dict(clip=0.0, K=2, schedule="overlap_backward")),
     "2-ramtier-clip-accum": (2, dict(clip=0.5, K=2, ram_weights=2, ram_state=2)),
     "3-tied-clip": (3, dict(clip=1.0, family="llama_tied", policy="recompute")),
+    # frozen parameters in the layers' read-only extents, sharded unevenly and gathered; layer 0's in RAM
+    "3-freeze-partial-ramtier": (3, dict(clip=1.0, freeze=["*.q_proj.weight", "*.mlp.up_proj.weight"], ram_weights=2)),
 }
 SLOW = pytest.mark.slow  # ~25 s each; the default tier runs torchrun through the CLI (test_data_parallel_cli)
 

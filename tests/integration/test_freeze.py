@@ -1,12 +1,13 @@
 """``--freeze``: parameters named by globs do not train. A block frozen whole has no optimizer state
-and is never written; a frozen parameter in a block that trains gets no gradient and no weight
-decay, so it stays exactly as it was. Either way the run equals plain PyTorch + AdamW with those
+and is never written; frozen parameters in a block that trains live in its read-only extent
+``f/<block>``: no optimizer state, no gradient, never rewritten, so they stay exactly as they were. Either way the run equals plain PyTorch + AdamW with those
 parameters' ``requires_grad=False`` (fp32, losses and weights within 1e-5)."""
 
 from __future__ import annotations
 
 import copy
 import fnmatch
+import math
 
 import pytest
 import torch
@@ -73,6 +74,60 @@ def test_frozen_blocks_are_read_not_written(tmp_path):
         if freeze:
             assert not any(n.startswith(("s/embed", "s/layer.0/", "s/layer.1/")) for n in names)
     assert all(0 < h < f for h, f in zip(written["half"], written["full"])), written
+
+
+PARTIAL = ("*.self_attn.q_proj.weight", "*.mlp.down_proj.weight")
+
+
+def test_frozen_parameters_of_a_training_block_are_stored_apart(tmp_path):
+    """q_proj and down_proj of every layer frozen: the layers' state covers the other parameters only,
+    their gradients leave the device without them, the frozen part is read (RAM tier for layer 0,
+    SSD for layer 1) and never rewritten; the run equals plain PyTorch and exports every weight."""
+    from fuyou.engine.export import export_store
+    from fuyou.models.hf_io import CheckpointReader
+    from fuyou.storage.manifest import read_manifest
+
+    cfg, model = tiny("llama", layers=2)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    plan = Plan(grad_accum=2, ram_weight_blocks=2, activation_policy=("keep", "recompute", "swap_cpu", "keep"))
+    ec = EngineConfig(
+        ssd_dirs=(str(tmp_path / "s"),), precision="fp32", lr=LR, weight_decay=WD, cpu_memory="256MiB",
+        max_grad_norm=0.5, plan=plan, freeze=PARTIAL,
+    )  # fmt: skip
+    data = batches(STEPS)
+    (tmp_path / "s").mkdir()
+    frozen_files = lambda: {n: f for n, f in read_manifest(str(tmp_path / "s"))["files"].items() if n.startswith("f/")}  # noqa: E731
+    with Engine.from_state_dict(cfg, sd, ec) as eng:
+        lay = eng.layout
+        before = frozen_files()
+        eng.timeline.clear()
+        results = [eng.train_step(ids, labels) for ids, labels in data]
+        eng.timeline.resolve()
+        spans = list(eng.timeline.spans)
+        eng.flush()
+        weights = dict(eng.master_weights())
+        layers = [b for b, blk in enumerate(lay.blocks) if blk.name.startswith("layer.")]
+        for b in layers:
+            keys = {p.key for p in lay.blocks[b].params}
+            frozen = {k for k in keys if any(fnmatch.fnmatchcase(k, p) for p in PARTIAL)}
+            f = lay.f(b)
+            assert f is not None and {t.name for t in f.tensors} == frozen
+            assert {t.name for t in lay.w(b).tensors} == keys - frozen
+            state = sum(hi - lo for lo, hi in lay.chunks(b))
+            trained = sum(math.prod(t.shape) for t in lay.w(b).tensors)
+            assert trained <= state < trained + 32 * len(keys)  # the trained part only (and its alignment gaps)
+            assert lay.full_numel(b) == lay.numel(b) < lay.device_numel(b)
+        assert eng.tier.holds(lay.f(layers[0]).name) and not eng.tier.holds(lay.f(layers[1]).name)
+    assert all(r.applied for r in results)
+    assert frozen_files() == before and len(before) == 2  # the same files: never rewritten
+    reads = {(s.resource, s.label) for s in spans if "f/" in s.label}
+    assert reads == {("ssd_read", "f/layer.1"), ("h2d", "ram→host f/layer.0")}, reads  # read, never written
+    ref, _ = frozen_reference(model, PARTIAL, data, 0.5)
+    assert_same(model, ref, [r.loss for r in results], weights)
+    export_store([str(tmp_path / "s")], str(tmp_path / "hf"), "fp32")
+    exported = CheckpointReader(str(tmp_path / "hf"), "llama")
+    assert all(torch.equal(exported.get(k), w) for k, w in weights.items())
+    assert all(torch.equal(weights[k], sd[k]) for k in weights if any(fnmatch.fnmatchcase(k, p) for p in PARTIAL))
 
 
 def test_bad_freezes_are_refused_by_name(tmp_path):

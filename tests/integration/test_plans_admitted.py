@@ -12,12 +12,14 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
 from fuyou.engine.engine import admit
+from fuyou.engine.export import frozen_blocks, frozen_keys
 from fuyou.models.adapters import make_adapter
 from fuyou.models.store_layout import ModelLayout
 from fuyou.planner.cluster import Cluster
 from fuyou.planner.result import Budgets
 from fuyou.planner.search import InfeasibleError, Request, search
 from fuyou.planner.shapes import shape_from_config
+from fuyou.run.plan_choice import frozen_parts
 from fuyou.schedule import sizing
 from fuyou.schedule.plan import MIN_CHUNK, Plan
 from tests.unit.planner.helpers import profile
@@ -115,6 +117,12 @@ requests = st.builds(
 )
 
 
+freezes = st.sampled_from(
+    [(), (), ("{layers}.0.*",), ("*.mlp.*",), ("*attn*", "*.0.*"), ("{norms}",)]
+)  # none, a block whole, parts of every layer (a third, the MLP's two thirds, the norms alone), both
+"""``--freeze`` patterns ({layers}: the family's layer prefix, {norms}: its norms)."""
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 @example(
     m=SMOLLM2_135M,
@@ -131,11 +139,24 @@ requests = st.builds(
     ),
     bud=Budgets(cpu_memory=GiB, gpu_memory=512 * MiB),
     req=Request(seq_len=256, tokens_per_step=1024, micro_batch_size=2, clip=True, precision="fp32"),
+    freeze=(),
 )
-@given(m=models, prof=profiles, bud=budgets, req=requests)
-def test_planner_plans_are_admitted_and_refusals_name_the_binding_budget(m, prof, bud, req):
+@example(  # layers larger than the embedding, two thirds of each frozen: their read-only parts size the buffers
+    m=("llama", 256, 2, 1024, 4, 4, 96, False),
+    prof=profile(device="cuda"),
+    bud=Budgets(cpu_memory=256 * MiB, gpu_memory=GiB),
+    req=Request(seq_len=64, tokens_per_step=256, clip=True, precision="fp32"),
+    freeze=("*.mlp.*",),
+)
+@given(m=models, prof=profiles, bud=budgets, req=requests, freeze=freezes)
+def test_planner_plans_are_admitted_and_refusals_name_the_binding_budget(m, prof, bud, req, freeze):
     cfg, blocks = model(*m)
     shape = shape_from_config(cfg.to_dict())
+    gpt2 = m[0] == "gpt2"
+    fill = {"{layers}": "transformer.h" if gpt2 else "model.layers", "{norms}": "*.ln_*" if gpt2 else "*norm*"}
+    freeze = tuple(fill.get(p, p).replace("{layers}", fill["{layers}"]) for p in freeze)
+    if freeze:
+        shape = shape.freeze(frozen_parts(cfg, freeze))
     if not isinstance(bud, Budgets):
         cb, spp = (4 if req.precision == "fp32" else 2), (12 if req.state_precision == "fp32" else 8)
         floor = sizing.host_need(
@@ -153,8 +174,9 @@ def test_planner_plans_are_admitted_and_refusals_name_the_binding_budget(m, prof
         return
     world = req.cluster.world
     layout = ModelLayout(
-        blocks, DTYPES[req.precision], DTYPES[req.state_precision], res.plan.state_chunk, world - 1, world
-    )
+        blocks, DTYPES[req.precision], DTYPES[req.state_precision], res.plan.state_chunk, world - 1, world,
+        frozen_blocks=frozen_blocks(blocks, freeze), frozen_params=frozen_keys(blocks, freeze),
+    )  # fmt: skip
     fp = layout.footprint()
     assert admit(layout, res.plan, bud.cpu_memory, bud.gpu_memory) == res.plan
     need = sizing.host_need(fp, res.plan)

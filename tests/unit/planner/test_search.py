@@ -176,7 +176,7 @@ def test_blocks_frozen_whole_are_planned_without_state_or_writes():
 
     shape = load_shape("llama-3-8b")
     names = frozenset({"embed"} | {f"layer.{i}" for i in range(16)})
-    frozen = shape.freeze(names)
+    frozen = shape.freeze(lambda groups: {n: (1.0, 1.0) for n in names})
     assert sum(b.frozen for b in frozen.blocks) == 17 and frozen.params == shape.params
     cfg, plan = StepConfig(1, 1024, 12, 2), Plan(activation_policy=("keep",) + ("recompute",) * 32 + ("keep",))
     from fuyou.planner.cost import memory, predict
@@ -186,5 +186,55 @@ def test_blocks_frozen_whole_are_planned_without_state_or_writes():
     state = 12 * sum(b.numel for b in frozen.blocks if b.frozen)
     assert memory(shape, plan, cfg, HW).ssd - memory(frozen, plan, cfg, HW).ssd == 2 * state
     assert frozen.train_flops_per_token(1024) < shape.train_flops_per_token(1024)
-    moe = load_shape("mixtral-8x7b").freeze(frozenset({"layer.0"})).split(2)
+
+
+
+def test_frozen_parts_follow_the_engine_rule_at_every_split():
+    """``frozen_parts``: the engine's own rule per expert-group count. Layer 0 frozen: its core and every
+    group frozen whole after a split; q_proj frozen: the core keeps that share as its read-only part,
+    the groups train whole."""
+    from fuyou.engine.export import frozen_keys
+    from fuyou.models.adapters import make_adapter
+    from fuyou.models.store_layout import ModelLayout
+    from fuyou.planner.shapes import shape_from_config
+    from fuyou.run.plan_choice import frozen_parts
+    from tests.integration.tiny_models import tiny
+
+    cfg, _ = tiny("mixtral")
+    shape = shape_from_config(cfg.to_dict())
+    moe = shape.freeze(frozen_parts(cfg, ("model.layers.0.*",))).split(2)
     assert [b.name for b in moe.blocks if b.frozen] == ["layer.0", "layer.0.experts.0", "layer.0.experts.1"]
+    patterns = ("*.self_attn.q_proj.weight", "*.input_layernorm.weight")
+    for groups in (1, 2):
+        part = shape.freeze(frozen_parts(cfg, patterns)).split(groups)
+        blocks = tuple(make_adapter(cfg, expert_groups=groups).blocks)
+        lay = ModelLayout(blocks, frozen_params=frozen_keys(blocks, patterns))
+        assert [b.name for b in part.blocks] == [b.name for b in blocks]
+        for b, blk in enumerate(part.blocks):
+            assert not blk.frozen and (blk.frozen_numel > 0) == (lay.f(b) is not None), blk.name
+            # the planner's shares of its own element counts against the engine's layout (alignment gaps apart)
+            assert abs(blk.frozen_numel - lay.frozen_numel(b)) <= 32 * len(blocks[b].params), blk.name
+            assert 0 < blk.frozen_matmul_flops_per_token < blk.matmul_flops_per_token or not blk.frozen_numel
+
+
+def test_frozen_parameters_in_training_blocks_are_planned_as_read_only():
+    """q, k and v of every Llama-3-8B layer frozen (a third of its attention): the store and the SSD
+    writes lose their state and weights, the reads keep every weight, model FLOPs lose their weight
+    gradients."""
+    from fuyou.planner.cost import memory, predict
+    from fuyou.planner.shapes import load_shape
+
+    shape = load_shape("llama-3-8b")
+    qkv = {f"layer.{i}": (0.2, 0.2) for i in range(32)}
+    part = shape.freeze(lambda groups: qkv)
+    assert part.params == shape.params
+    fz = sum(b.frozen_numel for b in part.blocks)
+    assert fz == sum(round(b.numel * 0.2) for b in shape.blocks if b.name in qkv)
+    cfg, plan = StepConfig(1, 1024, 12, 2), Plan(activation_policy=("keep",) + ("recompute",) * 32 + ("keep",))
+    whole, less = (predict(s, plan, cfg, HW) for s in (shape, part))
+    assert whole.ssd_write_bytes - less.ssd_write_bytes == pytest.approx(fz * (2 + 12), rel=0.02)  # weights, state
+    assert less.ssd_read_bytes < whole.ssd_read_bytes  # the state of the frozen part is not read back
+    m0, m1 = memory(shape, plan, cfg, HW), memory(part, plan, cfg, HW)
+    assert m0.ssd - m1.ssd == 2 * 12 * fz  # two versions of their state
+    assert m1.device <= m0.device  # a layer's gradient is a fifth smaller (the head's working set is larger)
+    assert part.train_flops_per_token(1024) < shape.train_flops_per_token(1024)
