@@ -11,6 +11,7 @@ import sys
 import click
 
 from fuyou import __version__
+from fuyou.run.tensorboard import REPORT_TO
 from fuyou.schedule.plan import POLICIES
 
 
@@ -109,6 +110,12 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 @click.option("--seed", type=int)
 @click.option("--metrics", type=click.Path(), help="Per-step metrics JSONL (default OUTPUT/metrics.jsonl).")
 @click.option("--trace", type=click.Path(), help="Write a Perfetto trace of the last step here.")
+@click.option(
+    "--report-to",
+    type=click.Choice(list(REPORT_TO)),
+    help="tensorboard: also log each step (loss, held-out loss, lr, grad norm, speed, busy fractions, SSD GB) "
+    "to OUTPUT/tensorboard (needs the report extra). Default none.",
+)
 @click.option("--data-format", type=click.Choice(["auto", "text", "prompt_completion", "messages"]))
 @click.option(
     "--packing",
@@ -214,6 +221,17 @@ def export(store_dirs: tuple[str, ...], out_dir: str, dtype: str) -> None:
 
     export_store(list(store_dirs), out_dir, dtype)
     click.echo(f"exported to {out_dir}")
+
+
+@main.command()
+@click.argument("run_dir")
+@click.option("--output", type=click.Path(), help="HTML file to write (default RUN_DIR/report.html).")
+def report(run_dir: str, output: str | None) -> None:
+    """Write a one-page HTML report of the run in RUN_DIR (finished, running or resumed): loss, speed,
+    busy fractions and bottleneck, SSD traffic and drive endurance, plan vs measured, host memory."""
+    from fuyou.run.html_report import write_report
+
+    click.echo(f"report written to {write_report(run_dir, output)}")
 
 
 def _register() -> None:

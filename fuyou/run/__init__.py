@@ -11,6 +11,9 @@ The modules, in the order a run uses them:
 - ``loop``        — ``finetune(cfg)``: the run end to end (engine, steps, checkpoints, metrics, run.json).
 - ``lr``          — the learning rate of each step (the curves of ``transformers.get_scheduler``).
 - ``report``      — what a person sees: live progress and the end-of-run table.
+- ``tensorboard`` — ``--report-to tensorboard``: each step's metrics as TensorBoard scalars (rank 0).
+- ``run_record``  — a run directory read back (finished, running or resumed), for ``fuyou report``.
+- ``html_report`` — ``fuyou report``: the one-page HTML report of a run, figures embedded.
 
 A front end's package: ``cli`` and ``fuyou.integrations`` import it; the library (the rest of
 ``fuyou``) never does.

@@ -11,6 +11,7 @@ from fuyou.engine.balance import MODES as BALANCE_MODES
 from fuyou.errors import ConfigError
 from fuyou.models.lora import LoraSettings
 from fuyou.run.lr import SCHEDULES
+from fuyou.run.tensorboard import REPORT_TO
 from fuyou.schedule.plan import POLICIES
 from fuyou.units import parse_size
 
@@ -49,6 +50,9 @@ class FinetuneConfig:
     """Per-step metrics JSONL; None: OUTPUT/metrics.jsonl."""
     trace: str | None = None
     """Perfetto trace of the last step, if set."""
+    report_to: str = "none"
+    """``tensorboard``: also log each step's metrics as TensorBoard scalars in OUTPUT/tensorboard
+    (``fuyou.run.tensorboard``; needs the ``report`` extra); ``none``: metrics.jsonl only."""
     data_format: str = "auto"
     packing: str = "auto"
     """``documents`` (each packed document attends only to itself), ``concat`` (documents run on into
@@ -129,6 +133,8 @@ class FinetuneConfig:
             p.append(f"--prefetch-depth must be an integer ≥ 1, got {self.prefetch_depth!r}")
         if self.activations is not None and self.activations not in POLICIES:
             p.append(f"--activations must be one of {', '.join(POLICIES)}, got {self.activations!r}")
+        if self.report_to not in REPORT_TO:
+            p.append(f"--report-to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
         if self.packing not in ("auto", "concat", "documents"):
             p.append(f"--packing must be auto, concat or documents, got {self.packing!r}")
         if self.lora_rank is None and (self.merge or self.lora_alpha is not None):

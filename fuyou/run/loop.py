@@ -1,14 +1,16 @@
 """``finetune(config)``: one fine-tuning run, what both ``fuyou finetune`` and scripts call.
 
 A run directory holds ``model/`` (the trained Hugging Face model), ``metrics.jsonl`` (one line per
-step) and ``run.json`` (the summary) — written last, so a directory without it is not a finished
-run. The store lives under ``--ssd`` (default ``OUTPUT/store``). Nothing of an earlier run is deleted
-unless asked: a fresh start over one refuses without ``--overwrite`` (``fuyou.run.directory``), and resuming
-an older checkpoint sets the newer ones aside.
+step; with ``--report-to tensorboard`` also ``tensorboard/``, the same numbers as TensorBoard scalars)
+and ``run.json`` (the summary) — written last, so a directory without it is not a finished run. The
+store lives under ``--ssd`` (default ``OUTPUT/store``). Nothing of an earlier run is deleted unless
+asked: a fresh start over one refuses without ``--overwrite`` (``fuyou.run.directory``), and resuming an
+older checkpoint sets the newer ones aside.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -22,6 +24,7 @@ from fuyou.run.config import FinetuneConfig
 from fuyou.run.lr import lr_at
 from fuyou.run.plan_choice import ChosenPlan, PlanRequest, choose_plan, device_kind
 from fuyou.run.report import Progress, peak_rss, summary_table
+from fuyou.run.tensorboard import TensorBoardLog, require_tensorboard
 from fuyou.units import parse_size
 
 
@@ -132,6 +135,8 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     stripes = _stripes(cfg, ranks)
     if not cfg.resume:  # before any slow work: refuse to start over an earlier run unless --overwrite
         _on_every_rank(ranks, lambda: check_fresh_start(out, stripes, cfg.overwrite))
+    if cfg.report_to == "tensorboard":  # rank 0 logs: it needs the package, and every rank stops without it
+        _on_every_rank(ranks, lambda: require_tensorboard() if ranks.root else None)
     model_dir, pretrained = _model(cfg)
     config = load_config(model_dir)
     architecture_of(config)  # unsupported models fail before any data is read
@@ -177,7 +182,7 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
         os.replace(os.path.join(out, "run.json.tmp"), os.path.join(out, "run.json"))
     ranks.barrier()  # the run is finished for every rank once run.json exists
     if cfg.progress:
-        summary_table(summary)
+        summary_table(summary, out)
     return summary | {"rank": ranks.rank}
 
 
@@ -393,7 +398,10 @@ def _train(
             _truncate_lines(metrics_path, start)
     batches: Iterator = data.train_batches()
     progress = Progress(total, enabled=cfg.progress)
-    with open(metrics, "a") as mf, progress:
+    tb = TensorBoardLog(cfg.output, start) if cfg.report_to == "tensorboard" and ranks.root else None
+    if tb and state is None:
+        tb.eval_loss(0, c["eval_before"])
+    with open(metrics, "a") as mf, progress, tb or contextlib.nullcontext():
         progress.advance_to(start)
         for step in range(start, total):
             t0 = time.perf_counter()
@@ -406,6 +414,8 @@ def _train(
             rec = _record(step, st, fpt, ranks.world)
             mf.write(json.dumps(rec) + "\n")
             mf.flush()
+            if tb:
+                tb.step(rec)
             c["tokens"] += st["tokens"] * ranks.world
             c["written"] += st["ssd_write_bytes"]
             c["read"] += st["ssd_read_bytes"]
@@ -415,8 +425,11 @@ def _train(
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total:
                 c["stall"] += _checkpoint(cfg, engine, data, step + 1, c, ranks)
             progress.update(rec)
-    if cfg.trace:
-        engine.timeline.to_chrome_trace(cfg.trace)
+        if cfg.trace:
+            engine.timeline.to_chrome_trace(cfg.trace)
+        eval_after = _evaluate(engine, data.eval_batches)
+        if tb:
+            tb.eval_loss(total, eval_after)
     return {
         "steps": total,
         "tokens": c["tokens"],
@@ -425,7 +438,7 @@ def _train(
         "first_loss": c["first_loss"],
         "last_loss": c["loss"],
         "eval_loss_before": c["eval_before"],
-        "eval_loss_after": _evaluate(engine, data.eval_batches),
+        "eval_loss_after": eval_after,
         "peak_rss_bytes": peak_rss(),
         "ssd_write_bytes": c["written"],
         "ssd_read_bytes": c["read"],
@@ -434,6 +447,7 @@ def _train(
         "cpu_memory_bytes": parse_size(cfg.cpu_memory),
         "flop_formula": FLOP_FORMULA,
         "store_dirs": list(_store_template(cfg, ranks.world)),
+        "tensorboard": tb.log_dir if tb else None,
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from typing import Any
 
@@ -65,14 +66,38 @@ class Progress:
             self._bar.__exit__(*exc)
 
 
-def summary_table(s: dict) -> None:
-    """Print the end-of-run table, including what the SSD writes mean for drive endurance."""
+def _disk_bytes(path: str) -> int:
+    """Capacity in bytes of the filesystem holding ``path`` (its nearest existing parent: a store
+    directory may be a ``{rank}`` template or gone); 0 if none can be read."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        return shutil.disk_usage(path).total
+    except OSError:
+        return 0
+
+
+def ssd_endurance(write_bytes: float, seconds: float, store_dirs: list[str]) -> str:
+    """What writing ``write_bytes`` to the store in ``seconds`` means for the drive: bytes per day at
+    this rate and, where the disk holding the first of ``store_dirs`` is known, drive-writes per day
+    (bytes per day ÷ the disk's capacity), e.g. ``1.2 TiB/day = 0.6 drive-writes/day of this 1.8 TiB disk``."""
+    per_day = write_bytes / max(seconds, 1e-9) * 86400
+    disk = _disk_bytes(store_dirs[0]) if store_dirs else 0
+    return f"{format_size(per_day)}/day" + (
+        f" = {per_day / disk:.1f} drive-writes/day of this {format_size(disk)} disk" if disk else ""
+    )
+
+
+def summary_table(s: dict, run_dir: str | None = None) -> None:
+    """Print the end-of-run table, including what the SSD writes mean for drive endurance, and where
+    the run's one-page report (``fuyou report``) and TensorBoard logs are."""
     from rich.console import Console
     from rich.table import Table
 
-    per_day = s["ssd_write_bytes"] / max(s["wall_s"], 1e-9) * 86400
-    disk = shutil.disk_usage(s["store_dirs"][0]).total if s.get("store_dirs") else 0
     t = Table(title="Fuyou run", show_header=False)
+    t.add_column()
+    t.add_column(overflow="fold")  # long paths wrap instead of ending in "…": they are there to be copied
     rows = [
         ("steps", str(s["steps"])),
         ("tokens", f"{s['tokens']:,}"),
@@ -86,13 +111,13 @@ def summary_table(s: dict) -> None:
         ("peak host memory (RSS)", format_size(s["peak_rss_bytes"])),
         ("host budget (--cpu-memory)", format_size(s["cpu_memory_bytes"])),
         ("SSD read / written", f"{format_size(s['ssd_read_bytes'])} / {format_size(s['ssd_write_bytes'])}"),
-        (
-            "SSD writes at this rate",
-            f"{format_size(per_day)}/day"
-            + (f" = {per_day / disk:.1f} drive-writes/day of this {format_size(disk)} disk" if disk else ""),
-        ),
+        ("SSD writes at this rate", ssd_endurance(s["ssd_write_bytes"], s["wall_s"], s.get("store_dirs") or [])),
         ("model written to", s.get("output", "?")),
     ]
+    if run_dir:
+        rows.append(("report", f"fuyou report {run_dir}"))
+    if s.get("tensorboard"):
+        rows.append(("tensorboard", f"tensorboard --logdir {s['tensorboard']}"))
     for k, v in rows:
         t.add_row(k, v)
     Console().print(t)
