@@ -153,13 +153,23 @@ def main() -> None:
                     if i >= args.warmup:
                         runs[name].append(st2)
             hw = hardware_info([base])
+            tiers = {n: (e.plan.ram_weight_blocks, e.plan.ram_state_blocks) for n, e in fuyou.items()}
         finally:
             for eng in fuyou.values():
                 eng.close()
-        report(args, runs, hw, lora.lora.numel if lora.lora else 0, sum(p.numel() for p in hf.parameters()))
+        report(args, runs, hw, lora.lora.numel if lora.lora else 0, sum(p.numel() for p in hf.parameters()), tiers)
 
 
-def report(args: argparse.Namespace, runs: dict[str, list[dict]], hw: dict, lora_params: int, params: int) -> None:
+def report(
+    args: argparse.Namespace,
+    runs: dict[str, list[dict]],
+    hw: dict,
+    lora_params: int,
+    params: int,
+    tiers: dict[str, tuple[int, int]],
+) -> None:
+    """Print each trainer's JSON line and the Markdown table; ``tiers``: each Fuyou trainer's RAM tier
+    (blocks whose weights, and whose optimizer state, the host budget keeps in RAM: no SSD traffic)."""
     tokens = args.batch * args.seq
     med = {n: statistics.median(r["step_time_s"] for r in rs) for n, rs in runs.items()}
     rows = []
@@ -182,6 +192,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], hw: dict, lora
             "vs_fuyou_full": med[name] / med["fuyou_full"],
             "vs_plain_lora": med[name] / med["plain_lora"],
             "freeze": list(args.freeze),
+            "ram_tier_blocks": tiers.get(name),
         }
         if "plain_freeze" in med:
             rec["vs_plain_freeze"] = med[name] / med["plain_freeze"]
@@ -195,15 +206,15 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], hw: dict, lora
         + f"; median of {args.steps} steps after {args.warmup}, the trainers interleaved step by step\n",
         "| trainer | s/step | ÷ Fuyou full | ÷ plain peft |"
         + (" ÷ plain freeze |" if args.freeze else "")
-        + " tokens/s | SSD read MB/step | SSD write MB/step |",
-        "|---|---|---|---|---|---|---|" + ("---|" if args.freeze else ""),
+        + " tokens/s | SSD read MB/step | SSD write MB/step | RAM tier (weights, state blocks) |",
+        "|---|---|---|---|---|---|---|---|" + ("---|" if args.freeze else ""),
     ]
     for r in rows:
         table.append(
             f"| {r['trainer']} | {r['step_s_median']:.2f} | {r['vs_fuyou_full']:.2f} | {r['vs_plain_lora']:.2f} | "
             + (f"{r['vs_plain_freeze']:.2f} | " if args.freeze else "")
             + f"{r['tokens_per_s']:.0f} | {r['ssd_read_bytes_per_step'] / 1e6:.1f} | "
-            f"{r['ssd_write_bytes_per_step'] / 1e6:.1f} |"
+            f"{r['ssd_write_bytes_per_step'] / 1e6:.1f} | {r['ram_tier_blocks'] or '—'} |"
         )
     print("\n".join(table), file=sys.stderr)
 

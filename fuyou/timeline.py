@@ -27,6 +27,8 @@ from typing import Any
 from fuyou.device.base import Backend, Event
 
 RESOURCES = ("ssd_read", "ssd_write", "h2d", "d2h", "compute", "adam", "comm")
+MOVED = ("ssd_read", "ssd_write", "comm")
+"""Resources whose bytes a step reports (``summary``)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,10 @@ class Timeline:
         self.spans: list[Span] = []
         self._device: list[tuple[str, str, int, Event, Event]] = []
         """Device-timed spans whose events have not been read yet (``resolve``)."""
+        self._moved: dict[str, int] = dict.fromkeys(MOVED, 0)
+        """Bytes of every span recorded so far, per resource of ``MOVED`` (``clear`` keeps them)."""
+        self._reported: dict[str, int] = dict.fromkeys(MOVED, 0)
+        """``_moved`` at the last ``summary``."""
         self._lock = threading.Lock()
         self.origin = time.perf_counter()
 
@@ -65,6 +71,8 @@ class Timeline:
         """Record a finished span."""
         with self._lock:
             self.spans.append(Span(resource, label, t0, t1, nbytes))
+            if resource in self._moved:
+                self._moved[resource] += nbytes
 
     @contextmanager
     def device_span(
@@ -101,13 +109,16 @@ class Timeline:
         return fut
 
     def summary(self, t0: float, t1: float) -> dict:
-        """Busy seconds and bytes per resource within [t0, t1], the bottleneck, and the wall time
-        (device-timed spans resolved first)."""
+        """Busy seconds per resource within [t0, t1], the bottleneck, the wall time, and the bytes each
+        resource of ``MOVED`` moved in the spans recorded since the previous summary (device-timed
+        spans resolved first). Bytes go by completion, so each byte counts in exactly one summary: a
+        write that outlives one step's window, or finishes between two steps, counts in the next."""
         self.resolve()
         with self._lock:
             spans = [s for s in self.spans if s.t1 > t0 and s.t0 < t1]
+            moved = {r: self._moved[r] - self._reported[r] for r in MOVED}
+            self._reported = dict(self._moved)
         busy = {r: union_length([(max(s.t0, t0), min(s.t1, t1)) for s in spans if s.resource == r]) for r in RESOURCES}
-        moved = {r: sum(s.nbytes for s in spans if s.resource == r) for r in ("ssd_read", "ssd_write", "comm")}
         wall = t1 - t0
         bottleneck = max(busy, key=busy.__getitem__)
         return {
@@ -144,7 +155,7 @@ class Timeline:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
     def clear(self) -> None:
-        """Forget recorded spans (long runs keep only the recent ones)."""
+        """Forget recorded spans (long runs keep only the recent ones); device-timed spans still in
+        flight stay, and so do the byte counts of the next ``summary``."""
         with self._lock:
             self.spans.clear()
-            self._device.clear()

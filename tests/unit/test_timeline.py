@@ -50,3 +50,19 @@ def test_on_the_plain_cpu_backend_device_spans_are_host_spans():
         time.sleep(0.05)
     s = tl.summary(t, time.perf_counter())
     assert 0.05 <= s["busy_s"]["compute"] < 0.5 and s["bottleneck"] == "compute"
+
+
+def test_bytes_count_once_in_the_summary_after_they_complete():
+    """A write that finishes between two steps (or after a ``clear``) counts in the next step's summary;
+    none counts twice, whatever the windows."""
+    tl = Timeline()
+    t = time.perf_counter()
+    tl.add("ssd_write", "w/a", t, t + 0.1, 100)
+    first = tl.summary(t, t + 0.05)  # the write outlived this window: counted here, where it completed first
+    tl.add("ssd_write", "w/b", t + 0.2, t + 0.3, 10)  # between the windows
+    tl.clear()
+    tl.add("ssd_read", "w/c", t + 0.4, t + 0.5, 7)
+    second = tl.summary(t + 0.4, t + 0.6)
+    third = tl.summary(t + 0.6, t + 0.7)
+    assert (first["ssd_write_bytes"], second["ssd_write_bytes"], third["ssd_write_bytes"]) == (100, 10, 0)
+    assert (first["ssd_read_bytes"], second["ssd_read_bytes"], third["ssd_read_bytes"]) == (0, 7, 0)
