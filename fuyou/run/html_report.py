@@ -309,8 +309,9 @@ def _busy(run: RunRecord) -> str:
 def _ssd(run: RunRecord) -> str:
     steps, read, written = _steps(run), _col(run, "ssd_read_gb"), _col(run, "ssd_write_gb")
     fig, (ax,) = _figure(3.4)
-    ax.plot(steps, read, marker=_marker(run), color=COLOURS["ssd_read"], label="read")
-    ax.plot(steps, written, marker=_marker(run), color=COLOURS["ssd_write"], label="written")
+    ax.plot(steps, read, marker=_marker(run), color=COLOURS["ssd_read"], label="read", linewidth=3)
+    # dashed over a wider solid line: equal reads and writes (a common case) stay both visible
+    ax.plot(steps, written, marker=_marker(run), color=COLOURS["ssd_write"], label="written", linestyle="--")
     ax.set_ylabel("SSD GB per step")
     ax.set_ylim(bottom=0)
     ax.legend(loc="best")
