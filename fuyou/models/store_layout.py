@@ -27,9 +27,8 @@ import torch
 
 from fuyou.models.blocks import BlockSpec
 from fuyou.schedule import shards
-from fuyou.schedule.sizing import Footprint, state_chunks
+from fuyou.schedule.sizing import Footprint, staged_offset, state_chunks
 from fuyou.storage.extents import ExtentSpec, TensorSpec
-from fuyou.units import HOST_ALIGN, align_up
 
 
 def elem_size(dtype: torch.dtype) -> int:
@@ -103,8 +102,7 @@ class ModelLayout:
         part = self._parts(b)[1]
         if part is None or self.world == 1:
             return part
-        name = part.name
-        return ExtentSpec(name, (TensorSpec("shard", (self.frozen_numel(b),), self.compute_dtype),))
+        return ExtentSpec(part.name, (TensorSpec("shard", (self.frozen_numel(b),), self.compute_dtype),))
 
     def frozen_numel(self, b: int) -> int:
         """Elements of ``f(b)`` (this rank's shard when sharded); 0 without one."""
@@ -117,15 +115,9 @@ class ModelLayout:
         n = self._frozen_hf_numel(b)
         return self.full_numel(b) + (shards.padded_numel(n, self.world) if n else 0)
 
-    def staged_bytes(self, b: int) -> int:
-        """Host bytes block ``b``'s weights take when read: ``w(b)``, and ``f(b)`` from the next 4 KiB
-        boundary (``frozen_offset``)."""
-        f = self.f(b)
-        return self.w(b).nbytes if f is None else self.frozen_offset(b) + f.nbytes
-
     def frozen_offset(self, b: int) -> int:
-        """Byte offset of ``f(b)``'s data in a host buffer holding block ``b``'s weights."""
-        return align_up(self.w(b).nbytes, HOST_ALIGN)
+        """Byte offset of ``f(b)``'s data in a host buffer holding block ``b``'s weights (``sizing.staged_offset``)."""
+        return staged_offset(self.w(b).nbytes)
 
     def numel(self, b: int) -> int:
         """Elements of block ``b``'s flat vectors this rank stores and updates (the ``w`` extent in

@@ -48,6 +48,12 @@ def crosses_pcie(name: str) -> bool:
     return name not in HOST_ONLY
 
 
+def staged_offset(weight_bytes: int) -> int:
+    """Where a block's read-only part (``--freeze``) starts in the host buffer its weights are read
+    into: after its ``weight_bytes`` of compute weights, at the next page boundary."""
+    return align_up(weight_bytes, HOST_ALIGN)
+
+
 @dataclass(frozen=True)
 class Footprint:
     """What sizing needs to know of a model: per block (layout order) the bytes of its compute-weight
@@ -82,7 +88,7 @@ class Footprint:
         """Host bytes of block ``b``'s weights as read: the compute-weight extent, then its read-only
         part from the next page boundary."""
         f = self.frozen_bytes(b)
-        return self.weight_bytes[b] if not f else align_up(self.weight_bytes[b], HOST_ALIGN) + f
+        return self.weight_bytes[b] if not f else staged_offset(self.weight_bytes[b]) + f
 
     @property
     def nblocks(self) -> int:

@@ -88,7 +88,7 @@ class WeightLoader:
                 self._reads[p] = (buf, chain(free, partial(self._read, b, buf)))
 
     def _read(self, b: int, buf: HostBuffer) -> Future:
-        """Fill ``buf`` with block ``b``'s latest weights (``ModelLayout.staged_bytes``): the trained
+        """Fill ``buf`` with block ``b``'s latest weights (``Footprint.staged_bytes``): the trained
         part (``_read_trained``), and its read-only part if it has one."""
         trained = self._read_trained(b, buf)
         f = self.layout.f(b)
