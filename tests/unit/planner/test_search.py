@@ -188,7 +188,6 @@ def test_blocks_frozen_whole_are_planned_without_state_or_writes():
     assert frozen.train_flops_per_token(1024) < shape.train_flops_per_token(1024)
 
 
-
 def test_frozen_parts_follow_the_engine_rule_at_every_split():
     """``frozen_parts``: the engine's own rule per expert-group count. Layer 0 frozen: its core and every
     group frozen whole after a split; q_proj frozen: the core keeps that share as its read-only part,
