@@ -66,13 +66,11 @@ class Engine:
         """Build the engine; with ``store`` (an opened store of an earlier run) resume from it, else
         create a new store in ``cfg.ssd_dirs`` and import ``tensors`` block by block. With
         ``cfg.lora``, LoRA adapters train on the frozen base, starting from ``lora_init`` (by ``peft``
-        parameter name), ``peft``'s initialisation, or the resumed store's. Raises ConfigError for
-        LoRA with several ranks (not supported yet), or a store trained with other LoRA settings."""
+        parameter name), ``peft``'s initialisation, or the resumed store's (the same on every rank).
+        Raises ConfigError for a store trained with other LoRA settings."""
         self.cfg, self.source_dir = cfg, source_dir
         self.progress = Progress(step=0, lr=cfg.lr)
         self.max_grad_norm = cfg.max_grad_norm
-        if cfg.lora is not None and world_size() > 1:
-            raise ConfigError("LoRA runs cannot be spread over several ranks yet; train LoRA in one process")
         if cfg.lora is None and store is not None and any(e.name == LoraState.EXTENT for e in store.extents):
             raise ConfigError(
                 f"the store in {store.dirs[0]} holds LoRA adapters; resume with the --lora-* settings it was trained with"
@@ -523,7 +521,8 @@ class Engine:
         directory imported). Raises ConfigError when this run trains no LoRA."""
         if self.lora is None:
             raise ConfigError("this run trains no LoRA adapters (give --lora-rank); export the full model instead")
-        self.lora.save(out_dir, base or self.source_dir)
+        if self.comm is None or self.comm.rank == 0:  # every rank holds the same adapters
+            self.lora.save(out_dir, base or self.source_dir)
 
     def _gather_to_root(self) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
         return self.comm.gather_to_root if self.comm is not None else None

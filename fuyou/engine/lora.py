@@ -13,6 +13,10 @@ never written by a step of a frozen base, so each committed version's step count
 extent agree. Checkpoints (hard links to a committed version) and ``Engine.resume`` therefore cover
 the adapters with no machinery of their own (``extent``, ``save_to``, ``load_from``).
 
+With data-parallel ranks every rank holds the same adapters: the base streams sharded (read-only,
+gathered), each rank's adapter gradients are summed over ranks in one all-reduce, and every rank
+takes the same AdamW step (``fuyou.engine.step``); rank 0 writes the adapter directory.
+
 The output is a PEFT adapter directory that ``peft.PeftModel.from_pretrained`` loads:
 ``adapter_config.json`` and ``adapter_model.safetensors`` (``LoraState.save``). ``merged`` gives a
 base weight plus its LoRA update, for a merged full model.
@@ -87,6 +91,17 @@ class LoraState:
         if not grads:
             return torch.zeros((), dtype=torch.float64, device=dev)
         return torch.stack([g.double().square().sum() for g in grads]).sum()
+
+    def flat_grads(self) -> torch.Tensor:
+        """Every adapter gradient (zeros where none arrived) in one flat fp32 device tensor, and each
+        ``.grad`` made a view of it: what the ranks sum in one collective."""
+        params = list(self.params.values())
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        off = 0
+        for p in params:
+            p.grad = flat[off : off + p.numel()].view_as(p)
+            off += p.numel()
+        return flat
 
     def step(self, lr: float, scale: float) -> None:
         """One AdamW update at ``lr``, the gradients first multiplied by ``scale`` (clipping)."""

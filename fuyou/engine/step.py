@@ -446,10 +446,17 @@ class StepRunner:
         return True
 
     def _finish_lora(self, st: StepState) -> bool:
-        """LoRA: the adapters' gradients are the step's; clip them by their global norm and step their
-        AdamW (a non-finite norm skips the step). The frozen base is not written."""
+        """LoRA: the adapters' gradients are the step's (summed over ranks); clip them by their global
+        norm and step their AdamW (a non-finite norm skips the step on every rank). The frozen base is
+        not written."""
         c = self.c
-        st.sq_sum = c.lora.sq_norm() if c.lora is not None else 0.0
+        if c.lora is not None and c.comm is not None:  # every rank's adapter gradients summed, on every rank
+            flat = c.lora.flat_grads()
+            c.comm.sum_on_device(flat, "lora gradients")
+            per = -(-flat.numel() // c.comm.world)  # each rank counts its share of the summed norm
+            st.sq_sum = sum_squares_lazy(flat[c.comm.rank * per : (c.comm.rank + 1) * per])
+        else:
+            st.sq_sum = c.lora.sq_norm() if c.lora is not None else 0.0
         self.read_back(st)
         if not self.finite(st) or c.lora is None:
             return False

@@ -3,7 +3,7 @@
     python -m tests.integration.dp_child SPEC.json OUT.pt      (RANK/WORLD_SIZE/MASTER_* from the launcher)
 
 SPEC: device (default cpu), family, steps, batch (the global batch), seq, K (micro-batches per rank), clip, policy,
-precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, moe_balance, expert_groups, freeze, mismatch (then
+precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, moe_balance, expert_groups, freeze, lora (a rank: LoRA on every linear layer), mismatch (then
 rank 1's store goes back one committed step and both ranks try ``Engine.resume``: each writes the
 error it got), die ({"rank": r, "commit": k}: rank r is SIGKILLed as it starts its k-th store commit; the
 others write the error that stopped them), resume_live (resume every rank's live store with
@@ -23,6 +23,7 @@ import torch
 
 from fuyou.engine import Engine, EngineConfig, Plan
 from fuyou.models.adapters import make_adapter
+from fuyou.models.lora import LoraSettings
 from tests.integration.tiny_models import batches, tiny
 
 
@@ -55,6 +56,7 @@ def main(spec_path: str, out: str) -> None:
         plan=plan,
         moe_balance=spec.get("moe_balance", "global"),
         freeze=tuple(spec.get("freeze", ())),
+        lora=None if "lora" not in spec else LoraSettings(rank=spec["lora"], alpha=2 * spec["lora"]),
     )
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     data = batches(spec["steps"], batch=spec["batch"], seq=spec.get("seq", 16))
@@ -77,6 +79,8 @@ def main(spec_path: str, out: str) -> None:
         norms.append(st.grad_norm)
         read, written, comm = read + st.ssd_read_bytes, written + st.ssd_write_bytes, comm + st.comm_bytes
     weights = dict(eng.master_weights())
+    if eng.lora is not None:  # the adapters (the same on every rank), beside the frozen base
+        weights |= {k: v.detach().cpu().clone() for k, v in eng.lora.params.items()}
     eng.close()
     if spec.get("mismatch"):  # rank 1's live store goes back a step: resuming must refuse on every rank
         _resume_mismatched(ec, rank, out)

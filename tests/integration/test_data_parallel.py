@@ -79,6 +79,9 @@ CASES = {
     "3-tied-clip": (3, dict(clip=1.0, family="llama_tied", policy="recompute")),
     # frozen parameters in the layers' read-only extents, sharded unevenly and gathered; layer 0's in RAM
     "3-freeze-partial-ramtier": (3, dict(clip=1.0, freeze=["*.q_proj.weight", "*.mlp.up_proj.weight"], ram_weights=2)),
+    # LoRA: the frozen base sharded and gathered, the adapters' gradients summed over ranks, clipping active
+    "2-lora-clip-accum": (2, dict(clip=0.05, K=2, lora=4)),
+    "3-lora": (3, dict(clip=1.0, lora=4, policy="recompute")),
 }
 SLOW = pytest.mark.slow  # ~25 s each; the default tier runs torchrun through the CLI (test_data_parallel_cli)
 

@@ -147,3 +147,31 @@ def test_a_budget_that_does_not_fit_is_refused_on_every_rank_with_its_reason(tmp
         assert p.returncode == 1, err[-2000:]
         last = err.strip().splitlines()[-1]
         assert last.startswith("error: ") and "--cpu-memory" in last and "another rank" not in last, last
+
+
+@pytest.mark.slow  # ~40 s
+def test_torchrun_lora_writes_what_one_process_writes(tmp_path, model_and_data) -> None:
+    """``--lora-rank`` under torchrun with the CLI's defaults (planner, clipping): 2 ranks, each its slice of
+    the global batch, write the adapter directory one process writes (rank 0 alone writes it) and the
+    merged model."""
+    from safetensors.torch import load_file
+
+    model, data = model_and_data
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    lora = ("--lora-rank", "4", "--merge")
+    cmd = [sys.executable, "-m", "fuyou"] + finetune_args(model, data, one, 1, 4, lora)
+    subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=600, env=env_without_ranks())
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fuyou"]
+    p = subprocess.run(
+        run + finetune_args(model, data, two, 1, 2, lora), cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=env_without_ranks(),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+    a1, a2 = (load_file(os.path.join(d, "adapter", "adapter_model.safetensors")) for d in (one, two))
+    assert a1.keys() == a2.keys() and a1
+    for k in a1:
+        torch.testing.assert_close(a2[k], a1[k], rtol=1e-5, atol=1e-5, msg=k)
+    w1, w2 = exported_weights(one), exported_weights(two)
+    for k in w1:
+        torch.testing.assert_close(w2[k], w1[k], rtol=1e-5, atol=1e-5, msg=k)

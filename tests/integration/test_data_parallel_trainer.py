@@ -39,3 +39,19 @@ def test_two_rank_trainer_equals_ddp_and_resumes_bit_identically(tmp_path) -> No
     full, resumed = torch.load(os.path.join(fy, "full.pt")), torch.load(os.path.join(fy, "result.pt"))
     assert resumed["losses"] == full["losses"]
     assert all(torch.equal(resumed["weights"][k], v) for k, v in full["weights"].items())
+
+
+@pytest.mark.slow  # ~45 s: two 2-rank launches
+def test_two_rank_trainer_on_a_peft_model_equals_ddp(tmp_path) -> None:
+    """A ``peft`` LoRA model under torchrun: FuyouTrainer streams the base sharded and frozen and sums the
+    adapters' gradients over ranks; losses and adapters equal transformers.Trainer with DDP."""
+    plain, fy = str(tmp_path / "plain"), str(tmp_path / "fuyou")
+    torchrun("plain_lora", plain)
+    torchrun("fuyou_lora", fy)
+    ref, got = torch.load(os.path.join(plain, "result.pt")), torch.load(os.path.join(fy, "result.pt"))
+    assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
+    adapters = [k for k in ref["weights"] if "lora_" in k]
+    assert adapters and ref["weights"].keys() == got["weights"].keys()
+    for k, v in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][k], v, rtol=1e-5, atol=1e-5, msg=k)
+    assert os.path.isfile(os.path.join(fy, "saved", "adapter_model.safetensors"))

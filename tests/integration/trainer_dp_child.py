@@ -1,9 +1,10 @@
 """One rank of a 2-rank Trainer run under torchrun, for test_data_parallel_trainer.
 
-    torchrun --nproc-per-node 2 -m tests.integration.trainer_dp_child plain|fuyou OUT [RESUME]
+    torchrun --nproc-per-node 2 -m tests.integration.trainer_dp_child plain|fuyou[_lora] OUT [RESUME]
 
-``plain``: transformers.Trainer with DDP (gloo), the reference; ``fuyou``: FuyouTrainer. Rank 0 saves
-the per-step losses and final weights to OUT/result.pt.
+``plain``: transformers.Trainer with DDP (gloo), the reference; ``fuyou``: FuyouTrainer; ``_lora``: the
+model wrapped by ``peft`` first (the same adapters on both). Rank 0 saves the per-step losses and final
+weights to OUT/result.pt.
 """
 
 from __future__ import annotations
@@ -22,6 +23,16 @@ def main(kind: str, out: str, resume: str | None = None) -> None:
     from fuyou import FuyouTrainer, FuyouTrainingArguments
 
     _, model = tiny("llama_tied", layers=2)
+    lora, kind = kind.endswith("_lora"), kind.removesuffix("_lora")
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+        with torch.no_grad():  # B starts at zero in peft: give it values so A trains from the first step
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.02)
     common = COMMON | dict(per_device_train_batch_size=1, save_strategy="steps", save_steps=2, save_total_limit=2)
     if kind == "plain":
         args = TrainingArguments(output_dir=out, optim="adamw_torch", **common)
