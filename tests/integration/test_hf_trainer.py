@@ -243,6 +243,20 @@ def test_a_mixture_of_experts_trains_with_the_balance_loss_trainer_computes(tmp_
     assert close >= 0.98 * total
 
 
+def peft_model(model, seed: int):
+    """``model`` wrapped by ``peft`` (rank 4 on q, v and down projections), its adapters drawn with ``seed``:
+    B from N(0, 0.02) instead of peft's zeros, so A trains from the first step."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02)
+    return pm
+
+
 def test_a_peft_model_trains_its_adapters_as_plain_trainer_does(tmp_path):
     """A ``peft`` LoRA model: Fuyou streams the base frozen and trains the adapters. Losses and
     adapter weights equal transformers.Trainer's on the same model; ``save_model`` writes a PEFT
@@ -251,12 +265,7 @@ def test_a_peft_model_trains_its_adapters_as_plain_trainer_does(tmp_path):
 
     _, model = tiny("qwen2", layers=2)
     fresh = copy.deepcopy(model)
-    torch.manual_seed(1)
-    pm = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
-    with torch.no_grad():  # B starts at zero in peft: give it values so A trains from the first step
-        for n, p in pm.named_parameters():
-            if "lora_B" in n:
-                p.normal_(0, 0.02)
+    pm = peft_model(model, seed=1)
     ref_pm = copy.deepcopy(pm)
     data = dataset()
     ref, fy = plain_and_fuyou(tmp_path, ref_pm, pm, data)

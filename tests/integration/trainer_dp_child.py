@@ -15,7 +15,7 @@ import sys
 import torch
 from transformers import Trainer, TrainingArguments
 
-from tests.integration.test_hf_trainer import COMMON, dataset, losses
+from tests.integration.test_hf_trainer import COMMON, dataset, losses, peft_model
 from tests.integration.tiny_models import tiny
 
 
@@ -25,14 +25,7 @@ def main(kind: str, out: str, resume: str | None = None) -> None:
     _, model = tiny("llama_tied", layers=2)
     lora, kind = kind.endswith("_lora"), kind.removesuffix("_lora")
     if lora:
-        from peft import LoraConfig, get_peft_model
-
-        torch.manual_seed(0)
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
-        with torch.no_grad():  # B starts at zero in peft: give it values so A trains from the first step
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0.0, 0.02)
+        model = peft_model(model, seed=0)
     common = COMMON | dict(per_device_train_batch_size=1, save_strategy="steps", save_steps=2, save_total_limit=2)
     if kind == "plain":
         args = TrainingArguments(output_dir=out, optim="adamw_torch", **common)
