@@ -57,7 +57,6 @@ class PlannerResult:
     def from_json(d: dict) -> PlannerResult:
         """Rebuild a result written by ``to_json``."""
         plan = dict(d["plan"])
-        plan["activation_policy"] = tuple(plan.get("activation_policy", ()))
         if "micro_batches" in plan:  # results written before 0.2 named the accumulation count so
             plan["grad_accum"] = plan.pop("micro_batches")
         gone = ("boundary_offload", "async_swap")  # before 0.2: a per-block policy and the device kind now
@@ -71,7 +70,7 @@ class PlannerResult:
         return PlannerResult(
             model=d["model"],
             profile=d["profile"],
-            plan=Plan(**plan),
+            plan=Plan.from_json(plan),
             step=StepConfig(**step),
             prediction=Prediction(memory=Memory(**mem), **pred),
             budgets=Budgets(**d["budgets"]),

@@ -343,8 +343,7 @@ def _plan_text(plan: dict[str, Any]) -> str:
 
     executed = dict(plan.get("executed") or {})
     try:
-        executed["activation_policy"] = tuple(executed.get("activation_policy", ()))
-        return describe(Plan(**executed))
+        return describe(Plan.from_json(executed))
     except (TypeError, ConfigError):
         return ", ".join(f"{k} {v}" for k, v in executed.items())
 

@@ -113,3 +113,9 @@ class Plan:
     def to_json(self) -> dict:
         """Plain data (for logs and the planner)."""
         return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> Plan:
+        """The plan ``to_json`` wrote (JSON turns the policy tuple into a list). Raises TypeError for a
+        field this version does not know."""
+        return Plan(**{**d, "activation_policy": tuple(d.get("activation_policy", ()))})
