@@ -257,6 +257,13 @@ def run_peer(a: argparse.Namespace, mode: str, model_dir: str, work: str) -> dic
     return {"mode": mode, "subprocess_wall_s": wall, **{k: rec[k] for k in keep if k in rec}}
 
 
+def cpu_floor(fy: dict, plain_step_s: float) -> float:
+    """The lowest Fuyou ÷ plain its own CPU work allows here: Fuyou's process CPU-seconds per step
+    spread perfectly over every core (``os.cpu_count``), ÷ the plain step; at least 1. Above the
+    target, only less CPU work per step (not better overlap) can reach it on this machine."""
+    return max(plain_step_s, fy["process_cpu_s_per_step"] / (os.cpu_count() or 1)) / plain_step_s
+
+
 # ---------------------------------------------------------------------------------- main
 def tiny_model(work: str) -> str:
     """A random-init tiny Llama (the peer script's ``tiny`` shape: hidden 256, 4 layers, vocab 49152,
@@ -319,6 +326,8 @@ def main() -> None:
         fy = run_fuyou(a, model_dir, work)
         ratios = {f"fuyou_over_{m}": fy["median_step_s"] / r["median_step_s"] for m, r in refs.items()
                   if "median_step_s" in r}  # fmt: skip
+        if "median_step_s" in refs.get("plain", {}):
+            ratios["cpu_floor_over_plain"] = cpu_floor(fy, refs["plain"]["median_step_s"])
         emit(
             {
                 "bench": "io_cpu",
