@@ -75,5 +75,6 @@ def test_io_cpu_bench_smoke(tmp_path):
     assert rec["fuyou"]["threads_cpu_s_per_step"]["io_pool"] > 0
     if os.path.exists(PEER):  # the peer script lives beside the repository on development machines only
         assert rec["references"]["plain"]["median_step_s"] > 0 and rec["ratios"]["fuyou_over_plain"] > 0
+        assert 1.0 <= rec["ratios"]["cpu_floor_over_plain"] <= rec["ratios"]["fuyou_over_plain"] * 1.1
     else:
         assert rec["references"] == {} and rec["ratios"] == {}
