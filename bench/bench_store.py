@@ -7,7 +7,13 @@ store's own queue depth (``--threads`` 1 MiB blocks in flight: ``ratio_store_qd`
 interleaved (fio, store, fio, store, …) so drift hits both alike; medians of ``--repeats`` after a
 warm-up. Prints one JSON line per figure (see bench/common.py).
 
+``--io`` names the store's I/O engines to measure (``posix``, ``kvikio``, ``pyfile``; a comma list),
+each over its own store in the same directory, interleaved with fio in every repeat. Each engine gets
+its GB/s and its CPU-seconds per GB moved (the process's CPU time during its reads or writes, all
+threads, checksums included), side by side with the other engines and fio.
+
     python bench/bench_store.py --dir /mnt/nvme/bench           # full run (1 GiB, 5 repeats)
+    python bench/bench_store.py --dir /mnt/nvme/bench --io posix,kvikio   # on a CUDA machine
     python bench/bench_store.py --smoke                         # seconds; what the tests run
 """
 
@@ -53,15 +59,31 @@ def fio(directory: str, rw: str, size_mib: int, iodepth: int = 8) -> float:
     return float(job["write" if rw == "write" else "read"]["bw_bytes"])
 
 
-def store_run(store: TensorStore, names: list[str], bufs: list[torch.Tensor], op: str) -> float:
-    """Write (or read) every extent concurrently; return bytes/s (commit excluded, timed apart)."""
+def store_run(store: TensorStore, names: list[str], bufs: list[torch.Tensor], op: str) -> tuple[float, float]:
+    """Write (or read) every extent concurrently; return (bytes/s, process CPU-seconds per GB) —
+    commit excluded, timed apart."""
     total = sum(store.spec(n).nbytes for n in names)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     futs = [getattr(store, op)(n, b) for n, b in zip(names, bufs)]
     for f in futs:
         f.result()
-    dt = time.perf_counter() - t0
-    return total / dt
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return total / dt, cpu / (total / 1e9)
+
+
+def engines(arg: str) -> list[str]:
+    """The I/O engines of ``--io`` (comma list), each checked usable here; exits with one line if not."""
+    from fuyou.storage.io_kvikio import kvikio_usable
+    from fuyou.storage.io_select import IO_BACKENDS
+
+    out = [e.strip() for e in arg.split(",") if e.strip()]
+    bad = [e for e in out if e not in IO_BACKENDS]
+    if bad or not out:
+        sys.exit(f"--io: unknown I/O engine {bad or arg!r}; choose from {', '.join(IO_BACKENDS)}")
+    if "kvikio" in out and not kvikio_usable():
+        sys.exit("--io kvikio: kvikio cannot do I/O here (it needs the kvikio package and a CUDA driver, "
+                 "libcuda.so.1); measure it on a CUDA machine, or leave it out of --io")  # fmt: skip
+    return out
 
 
 def main() -> None:
@@ -74,9 +96,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--block-kib", type=int, default=1024, help="store I/O block size (KiB)")
+    ap.add_argument("--io", default="posix", help="I/O engines to measure, a comma list of posix, kvikio, pyfile")
     ap.add_argument("--smoke", action="store_true", help="64 MiB, 1 repeat; fio skipped if absent")
     ap.add_argument("--out", default=None, help="also append JSON lines to this file")
     a = ap.parse_args()
+    a.engines = engines(a.io)
     if a.smoke:
         a.size_mib, a.extent_mib, a.repeats = 64, 16, 1
     base = a.dir or ("/work" if os.path.isdir("/work") else tempfile.gettempdir())
@@ -91,8 +115,8 @@ def run(a: argparse.Namespace, work: str) -> None:
     n_ext = max(1, a.size_mib // a.extent_mib)
     numel = a.extent_mib << 18  # fp32 elements per extent
     extents = [ExtentSpec(f"layer{i}", (TensorSpec("w", (numel,), torch.float32),)) for i in range(n_ext)]
-    sdir, fdir = os.path.join(work, "store"), os.path.join(work, "fio")
-    os.makedirs(sdir), os.makedirs(fdir)
+    fdir = os.path.join(work, "fio")
+    os.makedirs(fdir)
     pool = HostBufferPool(get_backend("cpu"), budget=(n_ext + 1) * (a.extent_mib << 20))
     pool.reserve("extent", a.extent_mib << 20, n_ext)
     bufs = [pool.acquire("extent").data for _ in range(n_ext)]
@@ -101,33 +125,39 @@ def run(a: argparse.Namespace, work: str) -> None:
     have_fio = shutil.which("fio") is not None
     if not have_fio and not a.smoke:
         sys.exit("fio is not installed (apt-get install fio); it is the reference this benchmark compares against")
-    store = TensorStore.create(
-        [sdir], extents, io="posix", direct="on", threads=a.threads, block_bytes=a.block_kib << 10
-    )
+    stores = {}
+    for io in a.engines:
+        sdir = os.path.join(work, f"store-{io}")
+        os.makedirs(sdir)
+        stores[io] = TensorStore.create(
+            [sdir], extents, io=io, direct="on", threads=a.threads, block_bytes=a.block_kib << 10
+        )
     names = [e.name for e in extents]
-    res: dict[str, list[float]] = {
-        "store_write": [],
-        "store_read": [],
-        "fio_write": [],
-        "fio_read": [],
-        "commit_s": [],
-        "fioqd_write": [],
-        "fioqd_read": [],
-    }
-    with store:
+    keys = ["fio_write", "fio_read", "fioqd_write", "fioqd_read"]
+    keys += [f"{io}_{k}" for io in a.engines for k in ("write", "read", "write_cpu", "read_cpu", "commit_s")]
+    res: dict[str, list[float]] = {k: [] for k in keys}
+    try:
         for rep in range(a.repeats + 2):  # repeats 0 and 1 are warm-up: after them writes recycle files, as in training
-            w = store_run(store, names, bufs, "write")
-            t0 = time.perf_counter()
-            store.commit({"rep": rep})
-            c = time.perf_counter() - t0
-            r = store_run(store, names, bufs, "read")
-            fw = fio(fdir, "write", a.size_mib) if have_fio else float("nan")
-            fr = fio(fdir, "read", a.size_mib) if have_fio else float("nan")
-            qw = fio(fdir, "write", a.size_mib, a.threads) if have_fio else float("nan")
-            qr = fio(fdir, "read", a.size_mib, a.threads) if have_fio else float("nan")
+            row: dict[str, float] = {}
+            for io, store in stores.items():
+                row[f"{io}_write"], row[f"{io}_write_cpu"] = store_run(store, names, bufs, "write")
+                t0 = time.perf_counter()
+                store.commit({"rep": rep})
+                row[f"{io}_commit_s"] = time.perf_counter() - t0
+                row[f"{io}_read"], row[f"{io}_read_cpu"] = store_run(store, names, bufs, "read")
+            for k, rw, qd in (
+                ("fio", "write", 8),
+                ("fio", "read", 8),
+                ("fioqd", "write", a.threads),
+                ("fioqd", "read", a.threads),
+            ):
+                row[f"{k}_{rw}"] = fio(fdir, rw, a.size_mib, qd) if have_fio else float("nan")
             if rep >= 2:
-                for k, v in zip(res, (w, r, fw, fr, c, qw, qr)):
+                for k, v in row.items():
                     res[k].append(v)
+    finally:
+        for store in stores.values():
+            store.close()
     med = {k: statistics.median(v) for k, v in res.items()}
     common = {
         "bench": "store_vs_fio",
@@ -139,23 +169,31 @@ def run(a: argparse.Namespace, work: str) -> None:
         "repeats": a.repeats,
         "hardware": hardware_info([work]),
     }
-    for op in ("write", "read"):
-        emit(
-            {
-                **common,
-                "op": op,
-                "store_GBps": med[f"store_{op}"] / 1e9,
-                "fio_GBps": med[f"fio_{op}"] / 1e9,
-                "ratio": med[f"store_{op}"] / med[f"fio_{op}"],
-                "store_all_GBps": [x / 1e9 for x in res[f"store_{op}"]],
-                "fio_all_GBps": [x / 1e9 for x in res[f"fio_{op}"]],
-                "fio_store_qd": a.threads,
-                "fio_store_qd_GBps": med[f"fioqd_{op}"] / 1e9,
-                "ratio_store_qd": med[f"store_{op}"] / med[f"fioqd_{op}"],
-            },
-            a.out,
-        )
-    emit({**common, "op": "commit", "commit_s_median": med["commit_s"]}, a.out)
+    for io in a.engines:
+        for op in ("write", "read"):
+            emit(
+                {
+                    **common,
+                    "io": io,
+                    "op": op,
+                    "store_GBps": med[f"{io}_{op}"] / 1e9,
+                    "store_cpu_s_per_GB": med[f"{io}_{op}_cpu"],
+                    "fio_GBps": med[f"fio_{op}"] / 1e9,
+                    "ratio": med[f"{io}_{op}"] / med[f"fio_{op}"],
+                    "store_all_GBps": [x / 1e9 for x in res[f"{io}_{op}"]],
+                    "fio_all_GBps": [x / 1e9 for x in res[f"fio_{op}"]],
+                    "fio_store_qd": a.threads,
+                    "fio_store_qd_GBps": med[f"fioqd_{op}"] / 1e9,
+                    "ratio_store_qd": med[f"{io}_{op}"] / med[f"fioqd_{op}"],
+                    **(
+                        {}
+                        if io == a.engines[0]
+                        else {f"ratio_vs_{a.engines[0]}": med[f"{io}_{op}"] / med[f"{a.engines[0]}_{op}"]}
+                    ),
+                },
+                a.out,
+            )
+        emit({**common, "io": io, "op": "commit", "commit_s_median": med[f"{io}_commit_s"]}, a.out)
 
 
 if __name__ == "__main__":

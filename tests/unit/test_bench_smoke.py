@@ -14,8 +14,10 @@ PEER = os.path.join(os.path.dirname(ROOT), "shared", "peers", "deepspeed_baselin
 
 
 def test_store_bench_smoke(tmp_path):
+    """Two I/O engines side by side (pyfile stands in for kvikio, which cannot do I/O without a CUDA
+    driver): each has its own GB/s, CPU-seconds per GB and ratios to fio and to the first engine."""
     r = subprocess.run(
-        [sys.executable, "bench/bench_store.py", "--smoke", "--dir", str(tmp_path)],
+        [sys.executable, "bench/bench_store.py", "--smoke", "--dir", str(tmp_path), "--io", "posix,pyfile"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -23,12 +25,30 @@ def test_store_bench_smoke(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     recs = [json.loads(line) for line in r.stdout.splitlines()]
-    ops = {rec["op"]: rec for rec in recs}
-    assert set(ops) == {"write", "read", "commit"}
-    assert ops["write"]["store_GBps"] > 0 and ops["read"]["store_GBps"] > 0
-    for op in ("write", "read"):  # with fio: both ratios measured; without: reported as not measured (NaN)
-        for key in ("ratio", "ratio_store_qd"):
-            assert (ops[op][key] > 0) if shutil.which("fio") else math.isnan(ops[op][key]), (op, key, ops[op][key])
+    by = {(rec["io"], rec["op"]): rec for rec in recs}
+    assert set(by) == {(io, op) for io in ("posix", "pyfile") for op in ("write", "read", "commit")}
+    for io in ("posix", "pyfile"):
+        for op in ("write", "read"):  # with fio: both ratios measured; without: reported as not measured (NaN)
+            rec = by[io, op]
+            assert rec["store_GBps"] > 0 and rec["store_cpu_s_per_GB"] > 0, (io, op)
+            for key in ("ratio", "ratio_store_qd"):
+                assert (rec[key] > 0) if shutil.which("fio") else math.isnan(rec[key]), (io, op, key, rec[key])
+    assert by["pyfile", "read"]["ratio_vs_posix"] > 0 and "ratio_vs_posix" not in by["posix", "read"]
+
+
+def test_store_bench_refuses_an_engine_it_cannot_run(tmp_path):
+    """``--io kvikio`` without a CUDA driver (or an unknown engine) is one line and a non-zero exit."""
+    from fuyou.storage.io_kvikio import kvikio_usable
+
+    engine = "nonesuch" if kvikio_usable() else "kvikio"
+    r = subprocess.run(
+        [sys.executable, "bench/bench_store.py", "--smoke", "--dir", str(tmp_path), "--io", f"posix,{engine}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1 and engine in r.stderr, r.stderr
 
 
 def test_checkpoint_bench_smoke(tmp_path):
