@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from fuyou.engine import Engine, EngineConfig, Plan
-from tests.integration.test_engine_fidelity import LR, WD, assert_same
+from tests.integration.test_engine_fidelity import (
+    LR,
+    WD,
+    assert_bf16_close,
+    assert_same,
+    reference_bf16_steps,
+    run_fuyou,
+)
 from tests.integration.tiny_models import batches, reference_steps, tiny
 
 pytestmark = pytest.mark.gpu
@@ -37,6 +44,15 @@ def test_cuda_matches_pytorch(tmp_path, policy, clip):
     losses, weights = run(cfg, model, tmp_path, data, policy, K=2, clip=clip)
     ref = reference_steps(model, data, 2, LR, WD, clip=clip)
     assert_same(model, ref, losses, weights, tol=2e-5)  # GPU matmuls round differently from CPU ones
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_cuda_bf16_matches_the_plain_bf16_recipe(tmp_path, policy):
+    """bf16 compute weights and fp32 master on CUDA vs the same recipe written plainly on the same GPU."""
+    cfg, model = tiny("llama")
+    data = batches(3)
+    losses, weights = run_fuyou(cfg, model, tmp_path, data, policy=policy, precision="bf16", device="cuda")
+    assert_bf16_close(losses, weights, *reference_bf16_steps(model, data, device="cuda"))
 
 
 def test_race_bait_wide_low_flop_layers(tmp_path):

@@ -10,7 +10,19 @@ LR, WD, STEPS = 1e-3, 0.01, 5
 
 
 def run_fuyou(
-    cfg, model, tmp_path, data, *, policy="recompute", K=1, depth=2, ndirs=1, clip=0.0, precision="fp32", lrs=None
+    cfg,
+    model,
+    tmp_path,
+    data,
+    *,
+    policy="recompute",
+    K=1,
+    depth=2,
+    ndirs=1,
+    clip=0.0,
+    precision="fp32",
+    lrs=None,
+    device="cpu",
 ):
     dirs = []
     for i in range(ndirs):
@@ -22,6 +34,7 @@ def run_fuyou(
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ec = EngineConfig(
         ssd_dirs=tuple(dirs),
+        device=device,
         precision=precision,
         lr=LR,
         weight_decay=WD,
@@ -153,39 +166,51 @@ def test_accumulation_prefetch_stripes_and_schedules(tmp_path, K, depth, ndirs, 
     assert_same(model, ref_losses, losses, weights)
 
 
-def test_bf16_mixed_precision_matches_reference_mixed_precision_loop(tmp_path):
-    """bf16 compute weights + fp32 master vs the same recipe written plainly in PyTorch."""
-    cfg, model = tiny("llama")
-    data = batches(3)
-    losses, weights = run_fuyou(cfg, model, tmp_path, data, precision="bf16")
-    master = {k: v.detach().clone().float() for k, v in model.state_dict().items()}
-    work = model.to(torch.bfloat16)
+def reference_bf16_steps(model, data, device="cpu"):
+    """The bf16 recipe written plainly in PyTorch on ``device``: bf16 compute weights, fp32 master
+    weights and AdamW, the new master copied into the compute weights after each step. Converts
+    ``model`` to bf16 on ``device`` in place; returns (losses, fp32 master weights by name, on the CPU)."""
+    master = {k: v.detach().clone().float().to(device) for k, v in model.state_dict().items()}
+    work = model.to(device=device, dtype=torch.bfloat16)
     params = [torch.nn.Parameter(master[k]) for k, _ in work.named_parameters()]
     opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD)
-    ref_losses = []
+    losses = []
     for ids, labels in data:
+        ids, labels = ids.to(device), labels.to(device)
         n = int((labels[:, 1:] != -100).sum())
         work.zero_grad()
         loss = work(input_ids=ids, labels=labels, num_items_in_batch=n).loss
         loss.backward()
-        ref_losses.append(loss.item())
+        losses.append(loss.item())
         for p, (_, wp) in zip(params, work.named_parameters()):
             p.grad = wp.grad.float()
         opt.step()
         with torch.no_grad():
             for p, (_, wp) in zip(params, work.named_parameters()):
                 wp.copy_(p)
+    return losses, {k: p.detach().cpu() for (k, _), p in zip(work.named_parameters(), params)}
+
+
+def assert_bf16_close(losses, weights, ref_losses, ref):
+    """Fuyou's bf16 run against ``reference_bf16_steps``, within bf16's rounding."""
     assert losses == pytest.approx(ref_losses, rel=2e-2)
-    ref = dict(zip([k for k, _ in work.named_parameters()], params))
     # bf16 tolerance: bf16 gradients carry ~0.4 % relative error, and Adam turns a near-zero gradient
     # of either sign into a ±lr step, so a few elements differ by up to 2·lr·steps while the bulk
     # agrees to ~0.1 % of the weights' scale.
     for k, w in weights.items():
-        r = ref[k].detach()
+        r = ref[k]
         d = (w - r).abs()
         assert d.mean().item() <= 3e-3 * r.abs().mean().item(), k
-        assert d.max().item() <= 2 * LR * len(data) + 1e-2 * r.abs().max().item(), k
+        assert d.max().item() <= 2 * LR * len(losses) + 1e-2 * r.abs().max().item(), k
         assert (d > 1e-4).float().mean().item() <= 0.03, k
+
+
+def test_bf16_mixed_precision_matches_reference_mixed_precision_loop(tmp_path):
+    """bf16 compute weights + fp32 master vs the same recipe written plainly in PyTorch."""
+    cfg, model = tiny("llama")
+    data = batches(3)
+    losses, weights = run_fuyou(cfg, model, tmp_path, data, precision="bf16")
+    assert_bf16_close(losses, weights, *reference_bf16_steps(model, data))
 
 
 @pytest.mark.parametrize("family", ["llama_tied", "gpt2"])
