@@ -4,8 +4,13 @@ against a bf16 matmul measured in the same run on the same GPU.
     python bench/bench_gpu.py --layers 32 --hidden 4096 --seq 2048 --micro-batch 4 --grad-accum 8 \\
         --ssd /scratch/fuyou --cpu-memory 100GiB          # Llama-7B shape (needs ~200 GB of store)
     python bench/bench_gpu.py --smoke                      # tiny, any device (what the tests run)
+    python bench/bench_gpu.py --plan auto --profile hw.json ...   # the planner's plan: predicted ÷ measured
 
-The model is random-init, built block by block (never whole in RAM). Prints one JSON line.
+The model is random-init, built block by block (never whole in RAM). ``--plan fixed`` (default) runs
+``--policy`` on every layer with no RAM tier; ``--plan auto`` lets the planner choose within
+``--cpu-memory`` / ``--gpu-memory`` as ``fuyou finetune`` does (RAM tiers included) and records its
+predicted step time beside the measured one (P7); ``--plan rules`` takes the engine's budget rules.
+Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -71,7 +76,9 @@ def main() -> None:
     ap.add_argument("--ssd", default=None)
     ap.add_argument("--cpu-memory", default="64GiB")
     ap.add_argument("--gpu-memory", default=None)
-    ap.add_argument("--policy", default="recompute")
+    ap.add_argument("--policy", default="recompute", help="every layer's activation policy (--plan fixed)")
+    ap.add_argument("--plan", choices=("fixed", "auto", "rules"), default="fixed")
+    ap.add_argument("--profile", default=None, help="hardware profile for --plan auto (default: as fuyou finetune)")
     ap.add_argument("--trace", default=None)
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out")
@@ -84,6 +91,33 @@ def main() -> None:
         run(a, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def choose(a: argparse.Namespace, cfg: LlamaConfig, work: str, device: str) -> tuple[Plan, dict]:
+    """The run's plan: ``--policy`` everywhere (``fixed``), or chosen as ``fuyou finetune`` chooses
+    (``auto``: the planner, ``rules``); with the chooser's record (source, predicted step time, bottleneck)."""
+    if a.plan == "fixed":
+        return Plan(grad_accum=a.grad_accum, activation_policy=("keep",) + (a.policy,) * a.layers + ("keep",)), {}
+    from fuyou.run.plan_choice import PlanRequest, choose_plan
+
+    req = PlanRequest(
+        model_config=cfg,
+        store_dirs=(work,),
+        cpu_memory=a.cpu_memory,
+        gpu_memory=a.gpu_memory,
+        device=device,
+        precision="bf16",
+        micro_batch_size=a.micro_batch,
+        grad_accum=a.grad_accum,
+        seq_len=a.seq,
+        clip=True,
+        mode=a.plan,
+        profile=a.profile,
+    )
+    out = choose_plan(req, log=lambda msg: print(msg, file=sys.stderr))
+    return out.plan, {
+        k: v for k, v in out.info.items() if k in ("source", "profile", "predicted_step_s", "predicted_bottleneck")
+    }
 
 
 def run(a: argparse.Namespace, work: str) -> None:
@@ -106,7 +140,7 @@ def run(a: argparse.Namespace, work: str) -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     peak = matmul_peak(device, 8192 if device == "cuda" else 1024)
     nb = a.layers + 2
-    plan = Plan(grad_accum=a.grad_accum, activation_policy=("keep",) + (a.policy,) * a.layers + ("keep",))
+    plan, chosen = choose(a, cfg, work, device)
     ec = EngineConfig(
         ssd_dirs=(work,),
         device=device,
@@ -149,6 +183,9 @@ def run(a: argparse.Namespace, work: str) -> None:
             "flop_formula": FLOP_FORMULA,
             "import_s": import_s,
             "bottleneck": stats["bottleneck"],
+            "plan": plan.to_json(),
+            **chosen,
+            **({"predicted_over_measured": chosen["predicted_step_s"] / step} if "predicted_step_s" in chosen else {}),
             "busy_frac": stats["busy_frac"],
             "cpu_memory": a.cpu_memory,
             "hardware": hardware_info([work]),

@@ -98,6 +98,9 @@ def main() -> None:
     ap.add_argument("--block-kib", type=int, default=1024, help="store I/O block size (KiB)")
     ap.add_argument("--io", default="posix", help="I/O engines to measure, a comma list of posix, kvikio, pyfile")
     ap.add_argument("--smoke", action="store_true", help="64 MiB, 1 repeat; fio skipped if absent")
+    ap.add_argument(
+        "--no-fio", action="store_true", help="no fio reference (a machine without it): engines side by side only"
+    )
     ap.add_argument("--out", default=None, help="also append JSON lines to this file")
     a = ap.parse_args()
     a.engines = engines(a.io)
@@ -122,9 +125,12 @@ def run(a: argparse.Namespace, work: str) -> None:
     bufs = [pool.acquire("extent").data for _ in range(n_ext)]
     for b in bufs:
         b.view(torch.float32).normal_()
-    have_fio = shutil.which("fio") is not None
-    if not have_fio and not a.smoke:
-        sys.exit("fio is not installed (apt-get install fio); it is the reference this benchmark compares against")
+    have_fio = shutil.which("fio") is not None and not a.no_fio
+    if not have_fio and not (a.smoke or a.no_fio):
+        sys.exit(
+            "fio is not installed (apt-get install fio); it is the reference this benchmark compares against "
+            "(--no-fio compares the store's engines only)"
+        )
     stores = {}
     for io in a.engines:
         sdir = os.path.join(work, f"store-{io}")
