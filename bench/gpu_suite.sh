@@ -14,12 +14,11 @@
 #   store     bench_store.py with the POSIX and (where usable) kvikio engines side by side: GB/s and
 #             CPU-seconds per GB; fio too where installed                             -> results.jsonl
 #   p6-smoke  bench_gpu.py --smoke with a trace                                      -> results.jsonl
-#   p6        bench_gpu.py $P6_ARGS with a trace (default: a Llama-3-8B shape, the planner's plan
-#             within 100 GiB of host memory)                                         -> results.jsonl
+#   p6        bench_gpu.py $P6_ARGS with a trace (default below)                      -> results.jsonl
 #   profile   fuyou profile of $WORK, layers timed on the P6 shape                   -> results.jsonl
 #   p7        bench_gpu.py --plan auto on $P7_SHAPE under each of $P7_BUDGETS, with the profile if
 #             measured: predicted ÷ measured step time per plan                      -> results.jsonl
-# Results in $OUT (default ./gpu-suite-out): summary.txt (one line per stage: ok / FAILED rc / skipped,
+# Results in $OUT (default ./gpu-suite-out): summary.txt (one line per stage: ok, or FAILED with its exit code,
 # seconds), suite.log (every stage's output), env.txt, junit-gpu.xml, results.jsonl, trace-*.json.gz.
 # Scratch (stores, traces before compression) in $FUYOU_SUITE_DIR (default /tmp/fuyou-suite).
 # shellcheck disable=SC2317  # the stage functions are called by name (stage_$s)
@@ -28,10 +27,14 @@ cd "$(dirname "$0")/.." || exit 2
 PY=${PYTHON:-python3}
 OUT=${OUT:-$PWD/gpu-suite-out}
 WORK=${FUYOU_SUITE_DIR:-/tmp/fuyou-suite}
-P6_ARGS=${P6_ARGS:---layers 32 --hidden 4096 --ffn 14336 --vocab 128256 --seq 2048 --micro-batch 4 --grad-accum 4 --steps 3 --cpu-memory 100GiB --plan auto}
-# P7: three plans the planner chooses for a ~1.2B Llama under three host budgets, each run and timed
-P7_SHAPE=${P7_SHAPE:---layers 16 --hidden 2048 --ffn 8192 --vocab 128256 --seq 2048 --micro-batch 4 --grad-accum 2 --steps 3}
-P7_BUDGETS=${P7_BUDGETS:-64GiB 8GiB 3GiB}
+# P6 default: a 1.6 B Llama with Llama-3's 128k vocabulary (16 layers × 2048), 65,536 tokens per step, the
+# planner's plan within 100 GiB of host memory. A Llama-3-8B shape (--layers 32 --hidden 4096 --ffn 14336)
+# needs ~230 GiB of store (two versions of 14 B/param): set P6_ARGS and FUYOU_SUITE_DIR where that fits.
+P6_ARGS=${P6_ARGS:---layers 16 --hidden 2048 --ffn 8192 --vocab 128256 --seq 2048 --micro-batch 8 --grad-accum 4 --steps 3 --cpu-memory 100GiB --plan auto}
+# P7: the plans the planner chooses for a 1.1 B Llama (8 layers × 2048, 128k vocabulary) under three host
+# budgets (all in RAM, part, all on SSD), each run and timed
+P7_SHAPE=${P7_SHAPE:---layers 8 --hidden 2048 --ffn 8192 --vocab 128256 --seq 2048 --micro-batch 4 --grad-accum 2 --steps 3}
+P7_BUDGETS=${P7_BUDGETS:-64GiB 8GiB 4GiB}
 mkdir -p "$OUT" "$WORK"
 LOG="$OUT/suite.log"
 SUMMARY="$OUT/summary.txt"
