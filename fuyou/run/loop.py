@@ -114,12 +114,14 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
 
     ranks = join(device_kind(cfg.device))  # before the output directory is touched
     try:
-        return _finetune(cfg, ranks)
+        summary = _finetune(cfg, ranks)
     except Exception as e:
         err = lost(e)
         if err is not None:
             raise err from e
         raise
+    ranks.close()  # every rank passed _finetune's last barrier
+    return summary
 
 
 def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:

@@ -38,6 +38,8 @@ class Ranks:
     world: int
     local_rank: int
     group: Any = None
+    owned: bool = False
+    """Whether ``join`` set up the default process group (not a caller before it): ``close`` tears it down."""
 
     @staticmethod
     def single() -> Ranks:
@@ -97,6 +99,15 @@ class Ranks:
 
             dist.barrier(group=self.group)
 
+    def close(self) -> None:
+        """After the run's last collective: destroy the process groups ``join`` set up, so their
+        threads (gloo) and pending work (NCCL) end before the interpreter does, not in its teardown."""
+        if self.owned:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
 
 def join(device: str) -> Ranks:
     """This process's ranks: ``Ranks.single()`` without a multi-process launch, else the process group
@@ -108,11 +119,12 @@ def join(device: str) -> Ranks:
     from fuyou.transfer.collectives import start_ranks, timeout_s
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    owned = not (dist.is_available() and dist.is_initialized())
     if not start_ranks(device, torch.device("cuda", local) if device == "cuda" else None):
         return Ranks.single()
     timeout = datetime.timedelta(seconds=timeout_s())
     group = dist.new_group(backend="gloo", timeout=timeout)
-    return Ranks(dist.get_rank(), dist.get_world_size(), local, group)
+    return Ranks(dist.get_rank(), dist.get_world_size(), local, group, owned)
 
 
 def lost(e: BaseException) -> RankLostError | None:

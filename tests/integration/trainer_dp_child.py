@@ -45,3 +45,8 @@ def main(kind: str, out: str, resume: str | None = None) -> None:
 
 if __name__ == "__main__":
     main(*sys.argv[1:])
+    # Trainer (through accelerate) leaves its process group alive; torn down by interpreter exit, gloo's
+    # threads can abort the process after a successful run ("terminate called without an active exception")
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
