@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from fuyou.storage.manifest import MANIFEST
+from tests.integration.test_data_parallel import free_port
 from tests.integration.tiny_models import cli_inputs, exported_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -69,9 +69,7 @@ def test_torchrun_two_ranks_train_what_one_process_trains(tmp_path, model_and_da
 
 
 def launch_ranks(args: list[str], world: int, **env: str) -> list[subprocess.Popen]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for r in range(world):
         e = env_without_ranks(**env) | dict(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world))

@@ -2,12 +2,13 @@
 (a Trainer, a script) set up alone. Each case runs in its own process: a process group is process-wide."""
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from tests.integration.test_data_parallel import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -25,12 +26,6 @@ CHILD = textwrap.dedent(
     print("owned" if ranks.owned else "caller's", "initialized" if dist.is_initialized() else "destroyed")
     """
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("setup, expected", [("join", "owned destroyed"), ("caller", "caller's initialized")])
