@@ -49,7 +49,7 @@ from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
 from fuyou.timeline import RESOURCES, Span, union_length  # noqa: E402
 
 LR, WD = 1e-4, 0.01
-GROUPS = {"cpu": ("compute", "adam", "h2d", "d2h"), "ssd": ("ssd_read", "ssd_write")}
+GROUPS = {"cpu": ("compute", "adam", "h2d", "d2h", "ram_copy"), "ssd": ("ssd_read", "ssd_write")}
 
 
 # ---------------------------------------------------------------------------------- models

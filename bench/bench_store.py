@@ -101,6 +101,10 @@ def main() -> None:
     ap.add_argument(
         "--no-fio", action="store_true", help="no fio reference (a machine without it): engines side by side only"
     )
+    ap.add_argument(
+        "--direct", choices=["on", "auto", "off"], default="on",
+        help="O_DIRECT for the stores: on (default: refuse a filesystem without it), auto (buffered there), off",
+    )  # fmt: skip
     ap.add_argument("--out", default=None, help="also append JSON lines to this file")
     a = ap.parse_args()
     a.engines = engines(a.io)
@@ -136,7 +140,7 @@ def run(a: argparse.Namespace, work: str) -> None:
         sdir = os.path.join(work, f"store-{io}")
         os.makedirs(sdir)
         stores[io] = TensorStore.create(
-            [sdir], extents, io=io, direct="on", threads=a.threads, block_bytes=a.block_kib << 10
+            [sdir], extents, io=io, direct=a.direct, threads=a.threads, block_bytes=a.block_kib << 10
         )
     names = [e.name for e in extents]
     keys = ["fio_write", "fio_read", "fioqd_write", "fioqd_read"]
@@ -182,6 +186,7 @@ def run(a: argparse.Namespace, work: str) -> None:
                     **common,
                     "io": io,
                     "op": op,
+                    "o_direct": stores[io].direct,
                     "store_GBps": med[f"{io}_{op}"] / 1e9,
                     "store_cpu_s_per_GB": med[f"{io}_{op}_cpu"],
                     "fio_GBps": med[f"fio_{op}"] / 1e9,

@@ -88,3 +88,49 @@ def emit(record: dict[str, Any], out: str | None = None) -> None:
     if out:
         with open(out, "a") as f:
             f.write(line + "\n")
+
+
+def device_memory(device: str, reset: bool = False, since: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The CUDA caching allocator's figures (bench scripts may ask ``torch.cuda``; ``fuyou/`` only in
+    ``device/cuda.py``): peak allocated and reserved bytes since the last reset, reserved now, and the
+    allocation retries and OOMs (counted from ``since``, an earlier result, when given). ``reset``
+    resets the peaks first. Empty off CUDA."""
+    import torch
+
+    if device != "cuda" or not torch.cuda.is_available():
+        return {}
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    s = torch.cuda.memory_stats()
+    out = {
+        "max_allocated_bytes": s.get("allocated_bytes.all.peak", 0),
+        "max_reserved_bytes": s.get("reserved_bytes.all.peak", 0),
+        "reserved_bytes": s.get("reserved_bytes.all.current", 0),
+        "num_alloc_retries": s.get("num_alloc_retries", 0),
+        "num_ooms": s.get("num_ooms", 0),
+    }
+    if since:
+        for k in ("num_alloc_retries", "num_ooms"):
+            out[k] -= since.get(k, 0)
+    return out
+
+
+ALLOWED_SKIPS = ("not installed", "could not import", "No module named")
+"""Skip reasons a GPU run accepts: an optional package missing (kvikio, …), nothing else."""
+
+
+def unexpected_skips(junit_xml: str, allowed: tuple[str, ...] = ALLOWED_SKIPS) -> tuple[int, int, list[str]]:
+    """(tests run, tests skipped, ``"test: reason"`` of each skip whose reason names none of ``allowed``)
+    from a pytest JUnit XML file."""
+    import xml.etree.ElementTree as ET
+
+    ran = skipped = 0
+    bad = []
+    for case in ET.parse(junit_xml).iter("testcase"):
+        ran += 1
+        for sk in case.iter("skipped"):
+            skipped += 1
+            reason = sk.get("message") or (sk.text or "").strip()
+            if not any(w in reason for w in allowed):
+                bad.append(f"{case.get('classname')}.{case.get('name')}: {reason}")
+    return ran, skipped, bad

@@ -214,7 +214,13 @@ def finetune(
 @main.command()
 @click.argument("store_dirs", nargs=-1, required=True)
 @click.argument("out_dir")
-@click.option("--dtype", type=click.Choice(["bf16", "fp32"]), default="bf16", show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
+    default="auto",
+    show_default=True,
+    help="auto: the dtype of the checkpoint the run started from (its frozen weights then come out bit-identical).",
+)
 def export(store_dirs: tuple[str, ...], out_dir: str, dtype: str) -> None:
     """Write the current weights of a run's store (STORE_DIRS…) as a Hugging Face directory OUT_DIR."""
     from fuyou.engine.export import export_store

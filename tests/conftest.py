@@ -11,6 +11,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from fuyou.device.precision import AUTO_ENV, SLOW_FACTOR
+
 
 @pytest.fixture(scope="session", autouse=True)
 def fuyou_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
@@ -36,17 +38,40 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "restore device memory by storage resize, as the CUDA backend does",
     )
 
+    parser.addoption(
+        "--auto-precision",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="what --precision auto resolves to for the whole session (FUYOU_AUTO_PRECISION, inherited by the "
+        "CLI runs and child processes): run the suite as the other kind of CPU would — AVX-512 BF16/AMX "
+        "machines resolve auto to bf16, AVX2-only ones to fp32",
+    )
+
 
 def pytest_configure(config: pytest.Config) -> None:
-    """``--cpu-async``: every ``get_backend("cpu")`` of the session is the asynchronous CPU backend."""
+    """``--cpu-async``: every ``get_backend("cpu")`` of the session is the asynchronous CPU backend;
+    ``--auto-precision``: what ``--precision auto`` resolves to."""
     mode = config.getoption("--cpu-async")
     if mode:
         os.environ["FUYOU_CPU_ASYNC"] = mode
+    auto = config.getoption("--auto-precision")
+    if auto:
+        os.environ[AUTO_ENV] = auto
 
 
-def pytest_report_header(config: pytest.Config) -> str | None:
+def pytest_report_header(config: pytest.Config) -> list[str]:
     mode = os.environ.get("FUYOU_CPU_ASYNC", "")
-    return f"CPU backend: asynchronous test mode (FUYOU_CPU_ASYNC={mode})" if mode not in ("", "0") else None
+    lines = [f"CPU backend: asynchronous test mode (FUYOU_CPU_ASYNC={mode})"] if mode not in ("", "0") else []
+    auto = os.environ.get(AUTO_ENV) or _measured_auto()
+    return lines + [f"--precision auto resolves to {auto} in this session"]
+
+
+def _measured_auto() -> str:
+    """What ``--precision auto`` picks on this machine (the probe, about a second at worst)."""
+    from fuyou.device import get_backend
+    from fuyou.device.precision import measure_bf16_slowdown
+
+    return "fp32" if measure_bf16_slowdown(get_backend("cpu")) > SLOW_FACTOR else "bf16"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

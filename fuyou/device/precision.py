@@ -13,6 +13,7 @@ and on the CPUs that need it the model is small enough that the extra SSD bytes 
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -27,6 +28,9 @@ SLOW_FACTOR = 1.5
 PROBE_SHAPE = (128, 512, 512)
 """(tokens, in, out) of the probe matmul: 67 MFLOP, ~0.2 s in emulated bf16."""
 PRECISIONS = ("auto", "bf16", "fp32")
+AUTO_ENV = "FUYOU_AUTO_PRECISION"
+"""Set to ``bf16`` or ``fp32``, what ``auto`` resolves to without measuring: to run the tests as the other
+kind of CPU would (``python -m pytest --auto-precision fp32``), or to pin a fleet's choice."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,8 @@ def bf16_slowdown(backend: Backend) -> tuple[float, bool]:
 
 
 def choose_precision(requested: str, backend: Backend) -> PrecisionChoice:
-    """Resolve ``--precision`` for ``backend``: ``auto`` → bf16 or fp32 by the measured slowdown.
+    """Resolve ``--precision`` for ``backend``: ``auto`` → bf16 or fp32 by the measured slowdown (or as
+    ``$FUYOU_AUTO_PRECISION`` says).
 
     An explicit ``bf16`` on a device where bf16 is slow is kept; the reason says how much slower it
     measured (callers warn with it). Raises ConfigError for an unknown value.
@@ -91,6 +96,11 @@ def choose_precision(requested: str, backend: Backend) -> PrecisionChoice:
         raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {requested!r}")
     if requested == "fp32":
         return PrecisionChoice("fp32", requested, None, "fp32 asked for")
+    forced = os.environ.get(AUTO_ENV, "")
+    if requested == "auto" and forced:
+        if forced not in ("bf16", "fp32"):
+            raise ConfigError(f"{AUTO_ENV} must be bf16 or fp32, got {forced!r}; unset it to measure")
+        return PrecisionChoice(forced, requested, None, f"auto: {forced}, as {AUTO_ENV} says")
     factor, _ = bf16_slowdown(backend)
     slow = factor > SLOW_FACTOR
     where = f"bf16 matmul measured {factor:.1f}× the time of fp32 on this {backend.name.upper()}"

@@ -89,7 +89,7 @@ class _Offloaded:
         self.nbytes = x.numel() * x.element_size()
         space.pool.charge(self.nbytes, "block inputs offloaded to host memory")
         self.space, self.what = space, what
-        self.copy: HostCopy | None = space.copies.off(x)
+        self.copy: HostCopy | None = space.copies.off(x, what)
 
     def upload(self) -> None:
         """Start copying the input back onto the device."""
@@ -131,7 +131,7 @@ class _Swap:
         n = t.numel() * t.element_size()
         self.pool.charge(n, "activations swapped to host memory")
         self.charged += n
-        self.packed.append(self.copies.off(t))
+        self.packed.append(self.copies.off(t, self.what))
         return self.packed[-1]
 
     def unpack(self, packed: Any) -> torch.Tensor:

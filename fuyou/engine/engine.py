@@ -24,20 +24,21 @@ from fuyou.device import get_backend
 from fuyou.engine.adam_stage import AdamStage
 from fuyou.engine.balance import StepBalance, balance_rule
 from fuyou.engine.config import EngineConfig
-from fuyou.engine.export import HF_FILES, export_layout, frozen_blocks, frozen_keys, iter_master
+from fuyou.engine.export import HF_FILES, export_dtype, export_layout, frozen_blocks, frozen_keys, iter_master
 from fuyou.engine.lora import LoraState
 from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
 from fuyou.errors import ConfigError, DeviceMemoryError, FuyouWarning, ManifestError
-from fuyou.models.adapters import MicroBatchContext, make_adapter
+from fuyou.models.adapters import make_adapter, seed_context
 from fuyou.models.blocks import parse_slice, split_experts
-from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config
+from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config, widest_float
 from fuyou.models.lora import is_lora
-from fuyou.models.store_layout import ModelLayout, elem_size
+from fuyou.models.store_layout import ModelLayout, elem_size, origin_wanted
 from fuyou.optim import AdamWHyper
 from fuyou.schedule import rules, sizing
 from fuyou.schedule.experts import expert_group_options, spread_policies
 from fuyou.schedule.plan import Plan
 from fuyou.storage.dirs import rank_dirs
+from fuyou.storage.extents import dtype_from_name
 from fuyou.storage.store import TensorStore
 from fuyou.timeline import Timeline
 from fuyou.transfer.activation_files import ActivationSpace
@@ -62,11 +63,14 @@ class Engine:
         source_dir: str | None = None,
         store: TensorStore | None = None,
         lora_init: dict[str, torch.Tensor] | None = None,
+        source_dtype: torch.dtype | None = None,
     ) -> None:
         """Build the engine; with ``store`` (an opened store of an earlier run) resume from it, else
         create a new store in ``cfg.ssd_dirs`` and import ``tensors`` block by block. With
         ``cfg.lora``, LoRA adapters train on the frozen base, starting from ``lora_init`` (by ``peft``
         parameter name), ``peft``'s initialisation, or the resumed store's (the same on every rank).
+        ``source_dtype``: the checkpoint's dtype (``checkpoint_dtype``; None: fp32), which export writes by
+        default and frozen parameters keep exactly (``ModelLayout.origin``); a resumed store's is recorded.
         Raises ConfigError for a store trained with other LoRA settings."""
         self.cfg, self.source_dir = cfg, source_dir
         self.progress = Progress(step=0, lr=cfg.lr)
@@ -130,7 +134,13 @@ class Engine:
                 "with the same patterns (its frozen blocks have no optimizer state)"
             )
         layout = dataclasses.replace(layout, frozen_blocks=frozen, frozen_params=self.adapter.frozen_keys)
-        if store is not None:
+        if store is None:
+            self.source_dtype = source_dtype or torch.float32
+            any_frozen = layout.frozen or bool(frozen) or bool(layout.frozen_params)
+            layout = dataclasses.replace(layout, origin=origin_wanted(layout.compute_dtype, source_dtype, any_frozen))
+        else:
+            self.source_dtype = dtype_from_name(store.meta.get("source_dtype") or store.meta["compute_dtype"])
+            layout = dataclasses.replace(layout, origin=bool(store.meta.get("origin", False)))
             _check_extents(layout, store)
         self.plan: Plan = admit(
             layout, plan, cfg.cpu_bytes, self.backend.memory().capacity, store is not None, self.backend.name
@@ -252,7 +262,7 @@ class Engine:
             reader.close()  # one block at a time: never keep the checkpoint mapped
             return out
 
-        return cls(config, cfg, block_tensors, source_dir=model_dir)
+        return cls(config, cfg, block_tensors, source_dir=model_dir, source_dtype=reader.dtype())
 
     @classmethod
     def resume(cls, cfg: EngineConfig) -> Engine:
@@ -282,7 +292,10 @@ class Engine:
     def from_state_dict(cls, config: Any, state_dict: dict[str, torch.Tensor], cfg: EngineConfig) -> Engine:
         """Build from an in-memory state dict (tests, the Trainer plugin); copies go block by block."""
         lora = {k: v for k, v in state_dict.items() if is_lora(k)}
-        return cls(config, cfg, lambda keys: {k: _entry(state_dict, k) for k in keys}, lora_init=lora)
+        dtype = widest_float(v.dtype for k, v in state_dict.items() if k not in lora)
+        return cls(
+            config, cfg, lambda keys: {k: _entry(state_dict, k) for k in keys}, lora_init=lora, source_dtype=dtype
+        )
 
     def _import(self, tensors: Callable[[list[str]], dict[str, torch.Tensor]]) -> None:
         """Write every block's weights and zeroed state to the store (and the RAM tier's copies), one
@@ -309,13 +322,14 @@ class Engine:
                 self.tier.write_through(f.name, w).result()
         finally:
             self.pool.release(buf)
-        for c, (lo, hi) in enumerate(lay.chunks(b) if lay.trains(b) else []):
-            ext = lay.s(b, c)
-            buf = self.pool.acquire(sizing.STATE)
+        chunks = [(lay.s(b, c), "master", lo, hi, sizing.STATE) for c, (lo, hi) in enumerate(lay.chunks(b))]
+        origin = [(lay.o(b, c), "origin", lo, hi, sizing.WEIGHTS) for c, (lo, hi) in enumerate(lay.origin_chunks(b))]
+        for ext, field, lo, hi, kind in (chunks if lay.trains(b) else []) + origin:
+            buf = self.pool.acquire(kind)
             try:
                 s = buf.data[: ext.nbytes]
                 s.zero_()
-                lay.flatten_into(b, src, ext.views(s)["master"], lo, hi)
+                lay.flatten_into(b, src, ext.views(s)[field], lo, hi, frozen=field == "origin" and lay.trains(b))
                 self.tier.write_through(ext.name, s).result()
             finally:
                 self.pool.release(buf)
@@ -330,7 +344,9 @@ class Engine:
                 "compute_dtype": str(lay.compute_dtype).removeprefix("torch."),
                 "state_dtype": str(lay.state_dtype).removeprefix("torch."),
                 "state_chunk": lay.state_chunk,
+                "source_dtype": str(self.source_dtype).removeprefix("torch."),
             }
+            | ({"origin": True} if lay.origin else {})
             | ({"rank": lay.rank, "world": lay.world} if lay.world > 1 else {})
             | ({"frozen": True} if lay.frozen else {})
             | ({"expert_groups": self.plan.expert_groups} if self.plan.expert_groups > 1 else {})
@@ -497,19 +513,19 @@ class Engine:
             gather = self.comm.gather_everywhere
         yield from iter_master(self.tier, self.layout, gather)
 
-    def export(self, out_dir: str, dtype: str = "bf16") -> None:
-        """Write the current weights as a Hugging Face model directory (sharded safetensors). With
-        several ranks every rank calls it; rank 0 writes ``out_dir``. A LoRA run writes the base with
-        its adapters merged (``LoraState.merged``)."""
-        if dtype not in DTYPES:
-            raise ConfigError(f"--dtype must be bf16 or fp32, got {dtype!r}")
+    def export(self, out_dir: str, dtype: str = "auto") -> None:
+        """Write the current weights as a Hugging Face model directory (sharded safetensors) in ``dtype``
+        (``auto``: the checkpoint's own, so frozen weights come out bit-identical; else bf16, fp16 or fp32).
+        With several ranks every rank calls it; rank 0 writes ``out_dir``. A LoRA run writes the base with
+        its adapters merged (``LoraState.merged``). Raises ConfigError for another dtype name."""
+        out_dtype = export_dtype(dtype, self.commit_meta())
         self.flush()
         export_layout(
             self.tier,
             self.layout,
             self.adapter.config,
             out_dir,
-            dtype,
+            out_dtype,
             self.source_dir,
             self._gather_to_root(),
             None if self.lora is None else self.lora.merged,
@@ -527,15 +543,20 @@ class Engine:
     def _gather_to_root(self) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
         return self.comm.gather_to_root if self.comm is not None else None
 
-    def close(self) -> None:
+    def close(self, persist: bool = True) -> None:
         """Commit pending updates and write the RAM tier back (``flush``), stop the Adam worker, close
-        the store."""
+        the store. ``persist=False`` (a benchmark's close) only waits for the updates in flight: the
+        store keeps its last committed version, which (with a RAM tier) resumes as after a crash would."""
         try:
-            self.flush()
+            if persist:
+                self.flush()
+            else:
+                self.runner.settle()
         finally:
             self.stage.close()
             self.parking.close()
             self.act_space.close()
+            self.tier.close()
             self.store.close()
 
     def __enter__(self) -> Engine:
@@ -592,11 +613,12 @@ def _entry(state_dict: dict[str, torch.Tensor], key: str) -> torch.Tensor:
 
 
 def _seeds(position_ids: list[torch.Tensor] | None, n: int, dev: torch.device) -> list:
-    """What the embedding block of each of ``n`` micro-batches starts from: None, or a context holding
-    only the micro-batch's ``position_ids`` (packed documents)."""
+    """What the embedding block of each of ``n`` micro-batches starts from: None (plain positions
+    0…t−1), or a context holding the micro-batch's ``position_ids`` and packed documents
+    (``seed_context``: found on the host, so no mask function reads them back from the device)."""
     if position_ids is None:
         return [None] * n
-    return [MicroBatchContext(p.to(dev)) for p in position_ids]
+    return [seed_context(p, dev) for p in position_ids]
 
 
 def _agree_on_step(comm: Collectives | None, store: TensorStore) -> None:
@@ -655,8 +677,6 @@ def _check_extents(layout: ModelLayout, store: TensorStore) -> None:
 def _stored_layout(blocks: tuple, store: TensorStore, cfg: EngineConfig, rank: int, world: int) -> ModelLayout:
     """The layout a store was created with (dtypes and state chunk from its metadata); raises
     ConfigError if it was a different rank's shard or trained with another precision."""
-    from fuyou.storage.extents import dtype_from_name
-
     meta = store.meta
     if (meta.get("rank", 0), meta.get("world", 1)) != (rank, world):
         raise ConfigError(

@@ -24,7 +24,19 @@ from fuyou.storage.store import TensorStore
 from fuyou.transfer.ram_tier import RamTier, refuse_stale
 
 HF_FILES = "hf-model-files"
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""``fuyou export --dtype`` names; ``auto`` is the checkpoint's own (``export_dtype``)."""
+
+
+def export_dtype(dtype: str, meta: dict) -> torch.dtype:
+    """The dtype to write for ``--dtype`` (``auto``: the dtype of the checkpoint the run started from, the
+    store's ``source_dtype``; a store from before it was recorded: its compute dtype). Raises ConfigError
+    for another name."""
+    if dtype == "auto":
+        return dtype_from_name(meta.get("source_dtype") or meta["compute_dtype"])
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype must be auto, {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
 
 
 def read_master(store: TensorStore | RamTier, layout: ModelLayout, b: int) -> torch.Tensor:
@@ -32,6 +44,8 @@ def read_master(store: TensorStore | RamTier, layout: ModelLayout, b: int) -> to
     frozen block's (no optimizer state: a LoRA base, ``--freeze``) is its compute weights, which
     never change."""
     if not layout.trains(b):
+        if layout.origin:
+            return read_origin(store, layout, b)
         w = torch.empty(layout.w(b).nbytes, dtype=torch.uint8)
         store.read(layout.w(b).name, w).result()
         return w.view(layout.compute_dtype)[: layout.numel(b)].float()
@@ -43,12 +57,27 @@ def read_master(store: TensorStore | RamTier, layout: ModelLayout, b: int) -> to
     return master
 
 
+def read_origin(store: TensorStore | RamTier, layout: ModelLayout, b: int) -> torch.Tensor:
+    """Block ``b``'s frozen values as the checkpoint had them (``layout.o``, fp32; this rank's shard):
+    the whole block's vector if it does not train, else its read-only part's."""
+    ranges = layout.origin_chunks(b)
+    out = torch.empty(ranges[-1][1] if ranges else 0, dtype=torch.float32)
+    for c, (lo, hi) in enumerate(ranges):
+        ext = layout.o(b, c)
+        raw = torch.empty(ext.nbytes, dtype=torch.uint8)
+        store.read(ext.name, raw).result()
+        out[lo:hi] = ext.views(raw)["origin"]
+    return out
+
+
 def read_frozen(store: TensorStore | RamTier, layout: ModelLayout, b: int) -> torch.Tensor | None:
     """Block ``b``'s read-only part (``layout.f``: parameters ``--freeze`` froze in a block that trains)
     as fp32 (this rank's shard when sharded), or None if it has none."""
     f = layout.f(b)
     if f is None:
         return None
+    if layout.origin:
+        return read_origin(store, layout, b)
     w = torch.empty(f.nbytes, dtype=torch.uint8)
     store.read(f.name, w).result()
     return w.view(layout.compute_dtype)[: layout.frozen_numel(b)].float()
@@ -121,7 +150,7 @@ def export_layout(
     layout: ModelLayout,
     config: Any,
     out_dir: str,
-    dtype: str,
+    dtype: torch.dtype,
     copy_from: str | None,
     gather: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
     transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
@@ -129,15 +158,13 @@ def export_layout(
     """Write the store's current weights as a Hugging Face model directory in ``dtype``; a sharded
     layout streams its blocks through ``gather`` (``iter_master``) and only the rank it gathers on
     writes. ``transform(key, fp32 tensor)``, if given, changes each tensor first (LoRA merged in)."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype must be bf16 or fp32, got {dtype!r}")
     change = transform or (lambda _k, t: t)
-    gen = ((k, change(k, t).to(DTYPES[dtype])) for k, t in iter_master(store, layout, gather))
+    gen = ((k, change(k, t).to(dtype)) for k, t in iter_master(store, layout, gather))
     if layout.world > 1 and layout.rank != 0:
         for _ in gen:  # the other ranks send their shards, block by block
             pass
         return
-    save_streamed(out_dir, gen, config, DTYPES[dtype], copy_from=copy_from)
+    save_streamed(out_dir, gen, config, dtype, copy_from=copy_from)
 
 
 def _store_dirs(paths: list[str]) -> list[str]:
@@ -149,7 +176,7 @@ def _store_dirs(paths: list[str]) -> list[str]:
     return paths
 
 
-def export_store(paths: list[str], out_dir: str, dtype: str = "bf16") -> None:
+def export_store(paths: list[str], out_dir: str, dtype: str = "auto") -> None:
     """``fuyou export``: a run directory or store directories → a Hugging Face model directory. A run
     of several ranks (``torchrun``) is read from every rank's store, block by block.
 
@@ -166,9 +193,9 @@ def export_store(paths: list[str], out_dir: str, dtype: str = "bf16") -> None:
     with TensorStore.open(first) as store:
         meta = store.meta
         layout, config, files = _store_layout(store, first[0], ranked)
-        world = layout.world
+        world, out_dtype = layout.world, export_dtype(dtype, meta)
         if world == 1:
-            export_layout(store, layout, config, out_dir, dtype, files)
+            export_layout(store, layout, config, out_dir, out_dtype, files)
             return
     if not ranked:
         raise ConfigError(
@@ -185,8 +212,8 @@ def export_store(paths: list[str], out_dir: str, dtype: str = "bf16") -> None:
                 f"the ranks' stores of {paths[0]} are at different steps ({sorted(steps)}) or out of order; "
                 "export a run that finished, or resume it with torchrun and --resume auto"
             )
-        gen = ((k, t.to(DTYPES[dtype])) for k, t in _iter_ranks(stores, layouts))
-        save_streamed(out_dir, gen, config, DTYPES[dtype], copy_from=files)
+        gen = ((k, t.to(out_dtype)) for k, t in _iter_ranks(stores, layouts))
+        save_streamed(out_dir, gen, config, out_dtype, copy_from=files)
     finally:
         for st in stores:
             st.close()
@@ -219,6 +246,7 @@ def _store_layout(store: TensorStore, first: str, ranked: bool) -> tuple[ModelLa
         bool(meta.get("frozen", False)),
         frozen_blocks=frozen,
         frozen_params=keys,
+        origin=bool(meta.get("origin", False)),
     )
     return layout, config, files
 

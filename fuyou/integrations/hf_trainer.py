@@ -203,6 +203,8 @@ class FuyouTrainer(Trainer):
             freeze=freeze,
         )
         self.engine = Engine.from_state_dict(config, state, cfg)
+        if self._ranks.root:
+            self.plan_choice.keep_profile()
         if args.bf16:
             _warn_if_bf16_is_slow(self.engine.backend)
         self._planned_seq_len = req.seq_len
@@ -294,7 +296,7 @@ class FuyouTrainer(Trainer):
         if self.engine.lora is not None:  # a PEFT model: its adapter directory, as PeftModel.save_pretrained writes
             self.engine.export_adapter(out, base=getattr(self.engine.adapter.config, "_name_or_path", None) or None)
         else:
-            self.engine.export(out, dtype="bf16" if self.args.bf16 else "fp32")  # every rank; rank 0 writes
+            self.engine.export(out)  # in the model's own dtype, as Trainer saves it; every rank; rank 0 writes
         if self.processing_class is not None and self._ranks.root:
             self.processing_class.save_pretrained(out)
 

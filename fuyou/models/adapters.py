@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +51,10 @@ class MicroBatchContext:
     routes: dict[int, Route] = field(default_factory=dict)
     """Decoder layer → its routed tokens, from the core block of a layer split into expert groups to
     the groups that follow it (``LlamaLike``); dropped after the core's backward."""
+    documents: torch.Tensor | None = None
+    """Packed documents: each token's document index in its row (``[b, t]``, ``document_ids``), from
+    which the embed block makes the block-diagonal masks; None: each row is one document (plain causal
+    masks). Only in the seed the embed block starts from (``seed_context``)."""
 
 
 @dataclass
@@ -340,19 +344,63 @@ def _owner(mod: nn.Module, dotted: str) -> tuple[nn.Module, str]:
 
 def _positions(x: torch.Tensor, seed: MicroBatchContext | None) -> torch.Tensor:
     """The positions of a micro-batch's ``[b, t]`` tokens: the caller's (``seed.position_ids``: packed
-    documents, each counting from 0, which ``transformers``' mask functions turn into a block-diagonal
-    mask), else 0…t−1."""
+    documents, each counting from 0), else 0…t−1."""
     if seed is not None:
         return seed.position_ids
     return torch.arange(x.shape[1], device=x.device).unsqueeze(0)
 
 
-def _causal_mask(config: Any, embeds: torch.Tensor, position_ids: torch.Tensor) -> Any:
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's document index in its row (``[b, t]``): a new document starts wherever a position
+    does not follow the previous one by 1 (``transformers``' own rule for packed sequences)."""
+    first = position_ids[:, :1] - 1
+    return (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+
+
+def seed_context(position_ids: torch.Tensor, device: torch.device) -> MicroBatchContext | None:
+    """What a micro-batch's embed block starts from, given its tokens' ``position_ids`` (``[b, t]``):
+    None where every row counts 0…t−1 (no packed documents: plain causal masks, as without
+    ``position_ids``), else a context holding them (on ``device``) and, where a row holds more than one
+    document, their ``document_ids``. Host tensors are inspected on the host; a tensor already on the
+    device is not inspected (that would wait for the device): it is taken as packed.
+
+    Why: given ``position_ids`` and no attention mask, ``transformers``' mask functions look for packed
+    documents themselves, and that test reads a value back from the device (a sync per micro-batch
+    and mask kind). Fuyou hands them no ``position_ids``: the documents, if any, as a mask function."""
+    if position_ids.device.type != "cpu":
+        return MicroBatchContext(position_ids.to(device), documents=document_ids(position_ids))
+    docs = document_ids(position_ids)
+    if not bool(docs[:, -1].any()):  # one document per row
+        plain = torch.arange(position_ids.shape[1], dtype=position_ids.dtype)
+        if bool((position_ids == plain).all()):
+            return None
+        return MicroBatchContext(position_ids.to(device))
+    return MicroBatchContext(position_ids.to(device), documents=docs.to(device))
+
+
+def _mask_kwargs(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None) -> dict[str, Any]:
+    """Arguments of ``transformers``' mask functions: never ``position_ids`` (their packed-sequence test
+    syncs with the device: ``seed_context``); packed ``documents`` as a mask function keeping each
+    token's attention within its document."""
+    kw: dict[str, Any] = dict(config=config, inputs_embeds=embeds, attention_mask=None, past_key_values=None)
+    if documents is not None:
+        kw["and_mask_function"] = _same_document(documents)
+    return kw
+
+
+def _same_document(documents: torch.Tensor) -> Callable:
+    """Mask function: query and key token are in the same document (``documents``: ``document_ids``)."""
+
+    def inner(batch_idx: Any, head_idx: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return documents[batch_idx, q_idx] == documents[batch_idx, kv_idx]
+
+    return inner
+
+
+def _causal_mask(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None) -> Any:
     from transformers.masking_utils import create_causal_mask
 
-    return create_causal_mask(
-        config=config, inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=position_ids
-    )
+    return create_causal_mask(**_mask_kwargs(config, embeds, documents))
 
 
 def attention_kernel(config: Any) -> str:
@@ -386,11 +434,12 @@ def layer_types(config: Any) -> list[str]:
     return types
 
 
-def _masks(config: Any, embeds: torch.Tensor, position_ids: torch.Tensor, types: set[str]) -> dict[str, Any]:
-    """The attention mask of each kind in ``types``, made by ``transformers``' own mask functions."""
+def _masks(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None, types: set[str]) -> dict[str, Any]:
+    """The attention mask of each kind in ``types``, made by ``transformers``' own mask functions
+    (``documents``: packed documents, ``MicroBatchContext.documents``)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    kw = dict(config=config, inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=position_ids)
+    kw = _mask_kwargs(config, embeds, documents)
     make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
     return {t: make[t](**kw) for t in types}
 
@@ -506,7 +555,8 @@ class LlamaLike(Adapter):
         if block == 0:
             embeds = m.embed_tokens(x)
             pos = _positions(x, ctx)
-            masks = _masks(self.config, embeds, pos, set(self.layer_types))
+            docs = ctx.documents if ctx is not None else None
+            masks = _masks(self.config, embeds, docs, set(self.layer_types))
             ctx = MicroBatchContext(pos, masks, self._rotary(embeds, pos))
             return embeds, ctx
         if block == len(self.blocks) - 1:
@@ -547,7 +597,8 @@ class GPT2Adapter(Adapter):
             pos = _positions(x, ctx)
             embeds = t.wte(x)
             hidden = embeds + t.wpe(pos)
-            ctx = MicroBatchContext(pos, _causal_mask(self.config, embeds, pos))
+            docs = ctx.documents if ctx is not None else None
+            ctx = MicroBatchContext(pos, _causal_mask(self.config, embeds, docs))
             return t.drop(hidden), ctx
         if block == len(self.blocks) - 1:
             return self.lm_head(t.ln_f(x)), ctx

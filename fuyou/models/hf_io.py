@@ -11,7 +11,7 @@ import copy
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -52,6 +52,19 @@ def load_config(model_dir: str) -> Any:
         return AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (ValueError, OSError, KeyError) as e:
         raise (os_limit_error(e, f"reading {path}", probe=path) or ModelFileError(f"cannot read {path}: {e}")) from e
+
+
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+"""safetensors' names of the floating-point dtypes a checkpoint's weights come in."""
+
+
+def widest_float(dtypes: Iterable[torch.dtype]) -> torch.dtype | None:
+    """The dtype that holds every floating-point value of ``dtypes`` exactly, capped at fp32 (a model's
+    "own dtype": fp32, fp16 or bf16; fp16 and bf16 together need fp32); None without any."""
+    floats = {d for d in dtypes if d.is_floating_point}
+    if len(floats) == 1 and torch.float64 not in floats:
+        return floats.pop()
+    return torch.float32 if floats else None
 
 
 class CheckpointReader:
@@ -101,6 +114,13 @@ class CheckpointReader:
     def close(self) -> None:
         """Drop the open shards (and their memory maps, whose touched pages count as resident)."""
         self._open.clear()
+
+    def dtype(self) -> torch.dtype | None:
+        """The checkpoint's dtype (``widest_float`` of its floating-point tensors, read from the files'
+        headers; None if it has none); raises ModelFileError / SystemLimitError as ``get``."""
+        found = {self._handle(fname).get_slice(k).get_dtype() for k, fname in self.where.items()}
+        self.close()
+        return widest_float(SAFETENSORS_DTYPES[d] for d in found if d in SAFETENSORS_DTYPES)
 
     def __contains__(self, key: str) -> bool:
         return key in self.where

@@ -10,7 +10,9 @@
 
 Parameters frozen by ``--freeze`` in a block that still trains (``frozen_params``) are stored apart, in
 a read-only extent ``f/<block>`` with the same layout rules: no optimizer state, no gradient, never
-rewritten. On the device the block's weights are one vector, the trained part then the frozen part
+rewritten. Where the checkpoint is wider than the compute dtype (fp32 weights computed in bf16), the
+frozen values are also kept as they came, in fp32 chunks ``o/<block>/<chunk>`` (``origin``), which only
+export reads: a weight that never trains leaves the run bit-identical. On the device the block's weights are one vector, the trained part then the frozen part
 (``device_numel``); its gradient covers the trained part only (``full_numel``).
 
 With data-parallel ranks (``world`` > 1) each rank stores only its shard of every block's flat vector
@@ -29,6 +31,13 @@ from fuyou.models.blocks import BlockSpec
 from fuyou.schedule import shards
 from fuyou.schedule.sizing import Footprint, staged_offset, state_chunks
 from fuyou.storage.extents import ExtentSpec, TensorSpec
+
+
+def origin_wanted(compute: torch.dtype, source: torch.dtype | None, any_frozen: bool) -> bool:
+    """Whether frozen parameters need their checkpoint values kept apart (``ModelLayout.origin``): some
+    parameter is frozen and the checkpoint's dtype (``source``; None: unknown, taken as fp32) is not the
+    compute dtype, so the compute copy would round them (fp32 computed in bf16)."""
+    return any_frozen and compute != torch.float32 and (source or torch.float32) != compute
 
 
 def elem_size(dtype: torch.dtype) -> int:
@@ -59,6 +68,10 @@ class ModelLayout:
     frozen_params: frozenset[str] = frozenset()
     """Keys of the parameters ``--freeze`` freezes (``fuyou.engine.export.frozen_keys``); in a block that
     trains they live in its read-only extent ``f(b)``."""
+    origin: bool = False
+    """Frozen parameters are also kept exactly as the checkpoint had them, in fp32 (``o(b, c)``): set when
+    the checkpoint's dtype is not the compute dtype (an fp32 model computed in bf16), so that a weight that
+    never trains comes out of export bit-identical (``origin_wanted``). Read by export only, never in a step."""
 
     def trains(self, b: int) -> bool:
         """Whether block ``b`` has optimizer state and is updated (not ``frozen``, not in ``frozen_blocks``)."""
@@ -150,6 +163,21 @@ class ModelLayout:
             ),
         )
 
+    def origin_chunks(self, b: int) -> list[tuple[int, int]]:
+        """Element ranges [lo, hi) of block ``b``'s ``o`` extents: its frozen vector (the whole block's ``w``
+        vector if it does not train, else its ``f`` part's; this rank's) in pieces of at most half of it, so
+        import stages each through a weights buffer; none without ``origin``."""
+        m = self.frozen_numel(b) if self.trains(b) else self.numel(b)
+        if not self.origin or not m:
+            return []
+        piece = max(32, m // 64 * 32)  # ≤ m/2 elements: in fp32 a piece fits the host buffer that stages m in bf16
+        return state_chunks(m, piece)
+
+    def o(self, b: int, c: int) -> ExtentSpec:
+        """Chunk ``c`` of block ``b``'s frozen values as the checkpoint had them, in fp32 (``origin``)."""
+        lo, hi = self.origin_chunks(b)[c]
+        return ExtentSpec(f"o/{self.blocks[b].name}/{c}", (TensorSpec("origin", (hi - lo,), torch.float32),))
+
     def footprint(self) -> Footprint:
         """What host-memory sizing (``fuyou.schedule.sizing``) needs of this layout."""
         nb = range(len(self.blocks))
@@ -176,6 +204,7 @@ class ModelLayout:
                 out.append(f)
             if self.trains(b):
                 out += [self.s(b, c) for c in range(len(self.chunks(b)))]
+            out += [self.o(b, c) for c in range(len(self.origin_chunks(b)))]
         return out
 
     def index(self, name: str) -> int:

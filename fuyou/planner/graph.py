@@ -4,11 +4,13 @@ The graph follows the step's own rules (``fuyou.schedule.rules``: the schedule, 
 gradients park and where, which RAM-tier blocks are held back) and the engine's phases (forward,
 turnaround, backward, finish: ``fuyou/engine/step.py``); what it adds is what each operation costs
 and which resource it occupies. Resources: ``ssd`` (reads and writes share one server), ``h2d``,
-``d2h``, ``compute``, ``adam`` and ``thread`` (the Python training thread); on a ``cpu`` device all
-but ``ssd`` are one server, the cores. Modelled beyond the rules:
+``d2h``, ``compute``, ``adam``, ``ram_copy`` (the RAM tier's copy thread) and ``thread`` (the Python
+training thread); on a ``cpu`` device all but ``ssd`` are one server, the cores. Modelled beyond the
+rules:
 
 * weights — a block's SSD read is issued once the copy ``prefetch_depth`` + 1 positions earlier is
-  done (that many host weight buffers); RAM-tier reads are memcpys done by the issuing thread.
+  done (that many host weight buffers); RAM-tier reads are memcpys on the RAM tier's copy thread
+  (``fuyou.transfer.ram_tier``), once the gate (last step's update of the block) allows.
 * activations — ``swap_cpu`` copies synchronously on the compute stream (pageable); ``swap_ssd`` also
   packs on the thread and writes, read back a block ahead; ``recompute`` runs forward again.
 * backward — the flat gradient buffer zeroed, the backward FLOPs, and for layers the add of fresh
@@ -80,7 +82,7 @@ class StepGraph:
         self.comm_bytes = 0.0
         """Bytes this rank's collectives moved in the last step built."""
         self.cpu = prof.device == "cpu"
-        merge = {r: "cpu" for r in ("h2d", "d2h", "compute", "adam", "thread", "comm")} if self.cpu else {}
+        merge = {r: "cpu" for r in ("h2d", "d2h", "compute", "adam", "thread", "comm", "ram_copy")} if self.cpu else {}
         self.sim = Sim(merge)
         H = len(shape.blocks) - 1
         self.H = H
@@ -193,13 +195,10 @@ class StepGraph:
             if self._f_bytes(b):  # the read-only part still comes from the SSD
                 frozen = self._ssd(self._f_bytes(b), "ssd_read", deps)
                 self.reads[pos] = self.sim.op(None, 0.0, (self.reads[pos], frozen))
-        elif b < self.p.ram_weight_blocks:  # RAM tier: a memcpy into the host buffer, no SSD read, done by
-            # the thread that issues it (training thread) or, gated on last step's update, the Adam worker
+        elif b < self.p.ram_weight_blocks:  # RAM tier: a memcpy into the host buffer on the tier's copy
+            # thread, no SSD read, once the gate (last step's update of the block) allows
             cp = (self._w_bytes(b) + self._f_bytes(b)) / self.hw.host_mem_Bps
-            if gate is None:
-                self.reads[pos] = self._t(self.sim.op("thread", cp, deps + (self.thread,), "ram_read"))
-            else:
-                self.reads[pos] = self.sim.op("adam", cp, deps + (gate,), "ram_read")
+            self.reads[pos] = self.sim.op("ram_copy", cp, deps + (gate,), "ram_read")
         else:
             self.reads[pos] = self._ssd(self._w_bytes(b) + self._f_bytes(b), "ssd_read", deps + (gate,))
 

@@ -31,7 +31,7 @@ def _checkpoint_entries(stripe: str) -> list[str]:
     root = os.path.join(stripe, CKPT)
     try:
         return sorted(os.listdir(root))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no store there (yet): --ssd itself is checked later
         return []
 
 

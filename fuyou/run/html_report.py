@@ -51,6 +51,7 @@ COLOURS = {
     "ssd_read": "#c44e52",
     "ssd_write": "#937860",
     "comm": "#da8bc3",
+    "ram_copy": "#8c8c8c",
 }
 """Colour of each resource (``fuyou.timeline.RESOURCES``) in the busy-fraction panel."""
 

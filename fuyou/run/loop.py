@@ -162,6 +162,8 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
         ranks.barrier()
     assert data is not None
     engine, state, chosen = _start(cfg, model_dir, config, ranks, stripes)
+    if ranks.root:
+        chosen.keep_profile()  # the run started: the profile it was planned with goes with it
     _say_precision(precision)
     metrics_path = cfg.metrics or os.path.join(out, "metrics.jsonl")
     try:
@@ -189,14 +191,15 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
 
 
 def _export(cfg: FinetuneConfig, engine: Any, out: str) -> str:
-    """Write the run's result; returns its path: OUTPUT/model (the trained model), or for LoRA
-    OUTPUT/adapter (a PEFT adapter directory), with ``--merge`` also OUTPUT/model (merged)."""
+    """Write the run's result; returns its path: OUTPUT/model (the trained model, in the dtype of the checkpoint
+    it started from, as Trainer saves a model), or for LoRA OUTPUT/adapter (a PEFT adapter directory), with
+    ``--merge`` also OUTPUT/model (merged)."""
     if cfg.lora is None:
-        engine.export(os.path.join(out, "model"), dtype=cfg.precision)
+        engine.export(os.path.join(out, "model"))
         return os.path.join(out, "model")
     engine.export_adapter(os.path.join(out, "adapter"), base=cfg.model)
     if cfg.merge:
-        engine.export(os.path.join(out, "model"), dtype=cfg.precision)
+        engine.export(os.path.join(out, "model"))
     return os.path.join(out, "adapter")
 
 

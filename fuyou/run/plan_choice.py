@@ -20,7 +20,8 @@ Without one, a quick profile is measured (seconds: a 64 MiB SSD test in the firs
 Adam, memcpy, one layer and the head at the run's micro-batch, in the run's compute dtype), cached per
 machine (``fuyou.machine``: the machine's figures per store filesystem, the model's per model shape,
 batch and dtype) so a re-run, a resumed run or another run on this machine does not measure again,
-and saved at ``PlanRequest.profile_out`` (the CLI: ``OUTPUT/profile.json``).
+and saved at ``PlanRequest.profile_out`` (the CLI: ``OUTPUT/profile.json``) once the run has started
+(``ChosenPlan.keep_profile``).
 """
 
 from __future__ import annotations
@@ -121,6 +122,18 @@ class ChosenPlan:
     plan: Plan
     info: dict[str, Any] = field(default_factory=dict)
     """For the run's record: source (planner|rules), profile, predicted step time and bottleneck."""
+    measured: Any = None
+    """A hardware profile measured for this run, to be saved at ``info["profile"]`` once the run starts
+    (``keep_profile``), so a run refused or failing before leaves no file behind."""
+
+    def keep_profile(self) -> None:
+        """Save the profile measured for this run (if any) where ``info["profile"]`` names it."""
+        from fuyou.planner.profile import save_profile
+
+        if self.measured is not None:
+            path = self.info["profile"]
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            save_profile(self.measured, path)
 
 
 def device_kind(device: str) -> str:
@@ -131,9 +144,9 @@ def device_kind(device: str) -> str:
 
 
 def _profile(req: PlanRequest, log: Callable[[str], None]) -> tuple[Any, str | None]:
-    """The hardware profile for this run and where it came from (None: measured, not saved); see the
-    module docstring."""
-    from fuyou.planner.profile import load_profile, save_profile
+    """The hardware profile for this run and where it came from (None: measured now); see the module
+    docstring."""
+    from fuyou.planner.profile import load_profile
 
     path = req.profile or os.environ.get("FUYOU_PROFILE")
     if path:
@@ -151,12 +164,7 @@ def _profile(req: PlanRequest, log: Callable[[str], None]) -> tuple[Any, str | N
 
     for d in req.store_dirs:
         check_dir(d)  # unusable directories get the store's one-line error before anything is measured
-    prof = quick_profile(req, kind, _stderr)  # said even without progress output: it explains a wait
-    if req.profile_out is None:
-        return prof, None
-    os.makedirs(os.path.dirname(os.path.abspath(req.profile_out)), exist_ok=True)
-    save_profile(prof, req.profile_out)
-    return prof, req.profile_out
+    return quick_profile(req, kind, _stderr), None  # said even without progress output: it explains a wait
 
 
 def quick_profile(req: PlanRequest, kind: str, log: Callable[[str], None]) -> Any:
@@ -225,7 +233,6 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
     from fuyou.planner.shapes import shape_from_config
 
     prof, where = _profile(req, log)
-    where = where or "measured now (not saved)"
     shape = shape_from_config(req.model_config.to_dict())
     if req.freeze:
         shape = shape.freeze(frozen_parts(req.model_config, req.freeze))
@@ -245,6 +252,8 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         lora_rank=req.lora_rank,
     )
     res = search(shape, prof, budgets, sreq)
+    measured = prof if where is None and req.profile_out is not None else None
+    where = where or req.profile_out or "measured now (not saved)"
     p = res.prediction
     plan = res.plan  # the state chunk rides inside the plan
     info = {
@@ -256,7 +265,7 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         "state_chunk": plan.state_chunk,
     }
     log(f"planner: {describe(plan)}; predicted {p.step_s:.2f} s/step, bottleneck {p.bottleneck} (profile {where})")
-    return ChosenPlan(plan, info)
+    return ChosenPlan(plan, info, measured)
 
 
 def frozen_parts(model_config: Any, patterns: tuple[str, ...]) -> Freezer:

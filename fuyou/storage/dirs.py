@@ -18,6 +18,14 @@ from fuyou.units import format_size
 DIRECT_MODES = ("auto", "on", "off")
 
 
+def _file_above(path: str) -> str | None:
+    """The nearest existing ancestor of the absolute ``path`` if it is not a directory (a plain file), else None."""
+    parent = os.path.dirname(path)
+    while parent != path and not os.path.exists(parent):
+        path, parent = parent, os.path.dirname(parent)
+    return parent if os.path.exists(parent) and not os.path.isdir(parent) else None
+
+
 def check_dir(path: str) -> str:
     """Return the absolute path of an existing, writable directory.
 
@@ -27,6 +35,11 @@ def check_dir(path: str) -> str:
     """
     path = os.path.abspath(path)
     if not os.path.exists(path):
+        blocker = _file_above(path)
+        if blocker:
+            raise StoreDirError(
+                f"SSD directory {path} cannot exist: {blocker} is a file, not a directory; pass a directory with --ssd"
+            )
         raise StoreDirError(f"SSD directory {path} does not exist; create it (mkdir -p {path}) or pass another --ssd")
     if not os.path.isdir(path):
         raise StoreDirError(f"SSD directory {path} is not a directory; pass a directory with --ssd")

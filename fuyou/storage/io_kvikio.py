@@ -8,6 +8,11 @@ pool (which also computes checksums); each block is one kvikio ``pread``/``pwrit
 ``CuFile`` objects, not descriptors (``io_pyfile.PyFileIO`` stands in for them in CPU tests);
 each may hold two descriptors (compat mode opens the file with and without O_DIRECT).
 
+kvikio reports failed system calls as ``RuntimeError`` whose text quotes the C library's message
+("No space left on device") or the errno's name; ``kvikio_os_error`` turns them back into ``OSError``
+with that errno, so the store's one-line hints (``io_base.os_error``: disk full, open-file limit, …)
+apply to kvikio as they do to the POSIX backend.
+
 kvikio's defaults would serialise everything: its thread pool has one thread, and it reads through
 the page cache (which then eats the host budget). ``KvikioIO`` sets, process-wide (``kvikio_settings``),
 a pool of at least Fuyou's own I/O threads and, for files the store opens with O_DIRECT, kvikio's
@@ -18,6 +23,8 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,6 +32,42 @@ import numpy as np
 from fuyou.errors import StoreError, error_number
 from fuyou.storage.dirs import fsync_path
 from fuyou.storage.io_base import FileHandle, IOBackend
+
+_KNOWN_ERRNOS = (
+    errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT,
+    errno.ENFILE, errno.EMFILE, errno.ENOMEM, errno.EFBIG, errno.EBADF, errno.EINVAL, errno.EFAULT,
+)  # fmt: skip
+"""The errnos ``kvikio_errno`` recognises by their message or name in kvikio's text."""
+
+
+def kvikio_errno(e: BaseException) -> int | None:
+    """The errno behind a kvikio ``RuntimeError``: one it carries or quotes as a number
+    (``fuyou.errors.error_number``), else the first of ``_KNOWN_ERRNOS`` whose C-library message
+    ("No space left on device") or name ("ENOSPC") its text contains; None if none."""
+    code = error_number(e)
+    if code is not None:
+        return code
+    text = str(e)
+    low = text.lower()
+    for code in _KNOWN_ERRNOS:
+        if os.strerror(code).lower() in low or errno.errorcode[code] in text:
+            return code
+    return None
+
+
+def kvikio_os_error(e: BaseException, what: str) -> OSError:
+    """``e`` (kvikio's RuntimeError from ``what``) as an OSError with its errno (EIO if none is
+    recognisable), for ``io_base.os_error`` to turn into a one-line hint."""
+    code = kvikio_errno(e) or errno.EIO
+    return OSError(code, f"{os.strerror(code)} ({what}: {e})")
+
+
+def _call(what: str, fn: Callable[[], int]) -> int:
+    """``fn()`` with kvikio's RuntimeError raised as OSError (``kvikio_os_error``)."""
+    try:
+        return fn()
+    except RuntimeError as e:
+        raise kvikio_os_error(e, what) from e
 
 
 def kvikio_settings(threads: int, direct: bool, current_threads: int = 1) -> dict[str, Any]:
@@ -98,18 +141,18 @@ class KvikioIO(IOBackend):
         try:
             return self._kvikio.CuFile(path, "r+")
         except RuntimeError as e:  # kvikio reports open failures as RuntimeError
-            raise OSError(error_number(e) or errno.EIO, f"kvikio cannot open the file: {e}") from e
+            raise kvikio_os_error(e, "kvikio cannot open the file") from e
 
     def _close_raw(self, raw: Any) -> None:
         raw.close()
 
     def _read_block(self, raw: Any, h: FileHandle, arr: np.ndarray, offset: int) -> None:
-        n = raw.pread(arr, arr.size, offset).get()
+        n = _call("kvikio pread", lambda: raw.pread(arr, arr.size, offset).get())
         if n != arr.size:
             raise StoreError(f"{h.path} is truncated: read {n} of {arr.size} bytes at byte {offset}")
 
     def _write_block(self, raw: Any, h: FileHandle, arr: np.ndarray, offset: int) -> None:
-        n = raw.pwrite(arr, arr.size, offset).get()
+        n = _call("kvikio pwrite", lambda: raw.pwrite(arr, arr.size, offset).get())
         if n != arr.size:
             raise StoreError(f"short write to {h.path}: {n} of {arr.size} bytes at byte {offset}")
 

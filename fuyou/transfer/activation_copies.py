@@ -8,6 +8,9 @@ handed out for that stream (the FSDP pattern, as the weights), started one micro
 Tensors that come back from SSD (``activation_files``) get their device memory when backward asks
 for them a micro-batch ahead (``reserve``), whatever the read's timing, so the device's peak does not
 depend on how fast the SSD answered; their copy back starts from host staging once the read landed.
+
+Each copy is timed by the device on the timeline (``d2h`` off, ``h2d`` back, labelled with what the
+caller names); compute's wait for a copy back is a ``gap`` in the compute span around it, not compute.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from fuyou.device.base import Backend, Event
+from fuyou.timeline import Timeline
 
 
 @dataclass(eq=False)
@@ -33,16 +37,18 @@ class HostCopy:
 class ActivationCopies:
     """Copies saved tensors off the device and back, on two copy streams; see the module docstring."""
 
-    def __init__(self, backend: Backend) -> None:
-        self.backend = backend
+    def __init__(self, backend: Backend, timeline: Timeline) -> None:
+        self.backend, self.timeline = backend, timeline
         self.d2h, self.h2d = backend.new_stream(), backend.new_stream()
         self.compute = backend.current_stream()
 
-    def off(self, t: torch.Tensor) -> HostCopy:
-        """Start copying device tensor ``t`` to host staging; ``t`` may be dropped at once."""
+    def off(self, t: torch.Tensor, what: str = "activation") -> HostCopy:
+        """Start copying device tensor ``t`` to host staging; ``t`` may be dropped at once. ``what``
+        labels the copy on the timeline."""
         host = self.backend.host_staging(tuple(t.shape), t.dtype)
         self.backend.record().wait(self.d2h)  # hazard: copying t before compute finished writing it
-        landed = self.backend.copy(host, t, self.d2h)
+        with self.timeline.device_span("d2h", what, self.backend, self.d2h, _nbytes(t)):
+            landed = self.backend.copy(host, t, self.d2h)
         self.backend.keep_alive(t, self.d2h)  # hazard: t's memory reused while the copy still reads it
         return HostCopy(host, landed)
 
@@ -68,13 +74,19 @@ class ActivationCopies:
         if c.landed is not None:
             c.landed.wait(self.h2d)  # hazard: copying back host memory the copy off is still filling
         assert c.back is not None  # allocated just now or reserved
-        c.ready = self.backend.copy(c.back, c.host, self.h2d)
+        with self.timeline.device_span("h2d", what, self.backend, self.h2d, _nbytes(c.host)):
+            c.ready = self.backend.copy(c.back, c.host, self.h2d)
 
     def take(self, c: HostCopy, what: str) -> torch.Tensor:
         """``c`` on the device, for compute (started now if ``upload`` was not called); the host copy
         is dropped."""
         self.upload(c, what)
         assert c.ready is not None and c.back is not None  # upload() started the copy back
-        c.ready.wait(self.compute)  # hazard: compute reads the activation before its copy back landed
+        with self.timeline.gap(self.compute):  # compute waiting for the copy is not compute
+            c.ready.wait(self.compute)  # hazard: compute reads the activation before its copy back landed
         t, c.back = c.back, None
         return t
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -45,7 +45,7 @@ class ActivationSpace:
         timeline: Timeline,
     ) -> None:
         self.backend, self.pool, self.io, self.timeline = backend, pool, io, timeline
-        self.copies = ActivationCopies(backend)
+        self.copies = ActivationCopies(backend, timeline)
         """Device ↔ host copies of swapped tensors, on their own streams."""
         self.dirs = [os.path.join(d, "activations") for d in dirs]
         self.direct = direct
@@ -115,7 +115,7 @@ class SSDRecord:
         off = align_up(self.metas[-1][3] + self.metas[-1][4], TENSOR_ALIGN) if self.metas else 0
         self._charge(n)
         self.metas.append((t.device, t.shape, t.dtype, off, n))
-        c = self.space.copies.off(t.detach())
+        c = self.space.copies.off(t.detach(), f"act b{self.block} k{self.micro}")
         self.pending.append(c.host)
         self.landed = c.landed
         return len(self.metas) - 1
@@ -197,8 +197,9 @@ class SSDRecord:
         filled = [f for f in (self.packed, self.io) if f is not None]
         if not wait and not all(f.done() for f in filled):
             return  # the read is still in flight: unpack issues the copies (the training thread never waits here)
-        for f in filled:  # hazard: copying staging before it was filled
-            f.result()
+        with self.space.timeline.gap(self.space.copies.compute):  # compute idles while the host waits
+            for f in filled:  # hazard: copying staging before it was filled
+                f.result()
         for c in self.back:
             self.space.copies.upload(c, what)
         self.started = True

@@ -17,7 +17,7 @@ order) keeps its buffer past the write until the first claim has copied it, so e
 handed over even when Adam runs ahead: at most the new-weights buffers' count of blocks wait, and
 the Adam stage, out of buffers, waits for the forward — which claims in the order Adam publishes, so
 it never waits for a block behind a held one. ``drop`` (``settle``, before waiting for the updates)
-gives back whatever is still held. Copies are timed as ``h2d`` spans (like the RAM tier's) and
+gives back whatever is still held. Copies are timed as ``ram_copy`` spans (like the RAM tier's) and
 charged to the CPU meter as stage ``ram_handoff``. Thread-safe: publish and retire run on the Adam
 stage's threads, claims on the loader's.
 """
@@ -127,7 +127,7 @@ class NewWeights:
         n = src.numel()
         t0, c0 = time.perf_counter(), time.thread_time()
         dst[:n].copy_(src[:n])
-        self.timeline.add("h2d", f"adam→host {name}", t0, time.perf_counter(), n)
+        self.timeline.add("ram_copy", f"adam→host {name}", t0, time.perf_counter(), n)
         meter = self.io.meter
         if meter is not None:
             meter.add("ram_handoff", "copy_out", time.thread_time() - c0, n)

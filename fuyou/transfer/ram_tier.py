@@ -3,11 +3,12 @@
 ``Plan.ram_weight_blocks`` = N puts ``w/<block>`` of blocks 0…N−1 in RAM, ``Plan.ram_state_blocks`` = M
 puts every ``s/<block>/<chunk>`` of blocks 0…M−1 there. ``RamTier`` has the ``read``/``write``/``commit``/
 ``abort`` interface the weight loader, the Adam stage and the step use: a RAM extent's read is a
-memcpy into the caller's buffer and its write a memcpy into the RAM copy, both done when the call
-returns (an already-completed future), timed on the timeline as ``h2d`` (reads, the way to the
-device) and ``d2h`` (writes, the way back) spans and never counted as SSD bytes. Optimizer state in
-RAM is not copied at all: the Adam stage updates it in place (``view`` + ``touch``). Every other
-extent goes to the store unchanged.
+memcpy into the caller's buffer on the tier's own copy thread (the future completes when it is done:
+a read of a layer's weights takes milliseconds, which the thread that launches the device's work must
+not spend), its write a memcpy into the RAM copy done when the call returns (its callers are the Adam
+stage's threads); both are timed on the timeline's ``ram_copy`` resource (host memory to host memory,
+not a device copy) and never counted as SSD bytes. Optimizer state in RAM is not copied at all: the
+Adam stage updates it in place (``view`` + ``touch``). Every other extent goes to the store unchanged.
 
 Memory: one page-aligned host buffer per tier class (weights, state), reserved in the engine's
 ``HostBufferPool`` (not pinned: it never crosses PCIe), so a ``--cpu-memory`` too small for the tier
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -81,6 +82,13 @@ class RamTier:
         ws, ss = ram_extents(layout, weight_blocks, state_blocks)
         for cls, exts in ((RAM_WEIGHTS, ws), (RAM_STATE, ss)):
             self._carve(pool, cls, exts)
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="fuyou-ram-tier") if self.ram else None
+        """The thread that copies RAM extents out (``read``): one, so reads run in the order issued."""
+
+    def close(self) -> None:
+        """Stop the copy thread once the reads in flight are done (the engine closes the tier, then the store)."""
+        if self._copier is not None:
+            self._copier.shutdown(wait=True)
 
     def _carve(self, pool: HostBufferPool, cls: str, exts: list[ExtentSpec]) -> None:
         """One pool buffer for ``exts``, sliced at 4 KiB boundaries."""
@@ -108,16 +116,24 @@ class RamTier:
     def read(self, name: str, buf: torch.Tensor) -> Future:
         """Latest data of extent ``name`` into ``buf`` (a contiguous uint8 CPU tensor of ≥ its bytes).
 
-        RAM extents: copied now, the returned future is already done; others: ``store.read``.
+        RAM extents: copied on the tier's copy thread, the future completes after the copy (raises
+        ConfigError at once if ``buf`` cannot hold the extent); others: ``store.read``. The RAM copy
+        must not change until then: its writers (the Adam stage's) are ordered after the reads of the
+        block's old weights by the step, the reads after the writes by the loader's gate.
         """
         src = self.ram.get(name)
         if src is None:
             return self.store.read(name, buf)
+        dst = _bytes(buf, src.numel(), name)
+        assert self._copier is not None  # made whenever the tier holds an extent
+        return self._copier.submit(self._copy_out, name, src, dst)
+
+    def _copy_out(self, name: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """(Copy thread.) ``dst`` ← ``src``, timed and charged."""
         t0, c0 = time.perf_counter(), time.thread_time()
-        _bytes(buf, src.numel(), name).copy_(src)
-        self.timeline.add("h2d", f"ram→host {name}", t0, time.perf_counter(), src.numel())
+        dst.copy_(src)
+        self.timeline.add("ram_copy", f"ram→host {name}", t0, time.perf_counter(), src.numel())
         self._charge(name, "copy_out", c0, src.numel())
-        return done_future()
 
     def write(self, name: str, buf: torch.Tensor) -> Future:
         """Write extent ``name`` from ``buf``. RAM extents: copied into RAM now (done future), no SSD
@@ -127,7 +143,7 @@ class RamTier:
             return self.store.write(name, buf)
         t0, c0 = time.perf_counter(), time.thread_time()
         dst.copy_(_bytes(buf, dst.numel(), name))
-        self.timeline.add("d2h", f"host→ram {name}", t0, time.perf_counter(), dst.numel())
+        self.timeline.add("ram_copy", f"host→ram {name}", t0, time.perf_counter(), dst.numel())
         self._charge(name, "copy_in", c0, dst.numel())
         self.dirty.add(name)
         self.uncommitted.add(name)

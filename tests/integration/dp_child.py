@@ -89,7 +89,13 @@ def main(spec_path: str, out: str) -> None:
     result |= {"start": start, "warnings": [str(w.message) for w in caught]}
     if rank == 0:
         result |= {"losses": losses, "norms": norms, "weights": weights}
+        result["frozen_exact"] = [torch.equal(weights[k], sd[k]) for k in eng.adapter.frozen_keys | _whole(eng)]
     torch.save(result, out)
+
+
+def _whole(eng: Engine) -> set[str]:
+    """Keys of the parameters of the blocks ``--freeze`` froze whole."""
+    return {p.key for b in eng.layout.frozen_blocks for p in eng.layout.blocks[b].params}
 
 
 def _die_at_commit(k: int) -> None:

@@ -161,8 +161,10 @@ def test_bad_inputs_give_one_line_errors(tmp_path, model_dir):
         ([model_dir, "--data", empty], "empty.jsonl"),
         ([model_dir, "--data", data, "--seq-len", "999999"], "--seq-len"),
         ([model_dir, "--data", data, "--cpu-memory", "1MiB"], "--cpu-memory"),
+        ([model_dir, "--data", data, "--gpu-memory", "64KiB"], "--gpu-memory"),  # the planner refuses
         ([model_dir, "--data", data, "--cpu-memory", "lots"], "--cpu-memory"),
         ([model_dir, "--data", data, "--ssd", str(tmp_path / "no-such-ssd")], "does not exist"),
+        ([model_dir, "--data", data, "--ssd", os.path.join(data, "x")], "is a file, not a directory"),
         ([model_dir, "--data", data, "--steps", "0"], "--steps"),
     ]
     for args, match in cases:
@@ -170,6 +172,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, model_dir):
         assert match in msg, (args, msg)
         assert len(msg.splitlines()) == 1 or msg.startswith("Usage"), msg
         assert not (out / "run.json").exists() and not (out / "model").exists()
+        assert not (out / "profile.json").exists(), args  # a refused run leaves nothing behind
     if os.geteuid() != 0:
         os.chmod(tmp_path, 0o500)
         assert "not writable" in cli_error(["finetune", model_dir, "--data", data, "--output", str(tmp_path / "x")])

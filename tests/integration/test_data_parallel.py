@@ -103,6 +103,16 @@ def test_ranks_train_what_one_process_trains(case: str, tmp_path) -> None:
 
 
 @SLOW
+def test_ranks_keep_frozen_weights_exact_in_bf16(tmp_path) -> None:
+    """An fp32 model computed in bf16 over 3 ranks: each rank keeps its shard of the frozen values in fp32
+    (``o/`` extents, sharded like the weights), so the gathered masters of what never trains are exact."""
+    freeze = ["model.embed_tokens.*", "*.q_proj.weight"]
+    spec = dict(steps=2, batch=6, K=1, world=3, clip=1.0, precision="bf16", freeze=freeze)
+    many = launch(spec, 3, tmp_path / "many")
+    assert many[0]["frozen_exact"] and all(many[0]["frozen_exact"])
+
+
+@SLOW
 @pytest.mark.parametrize("mode", ["arena", "resize"])
 def test_ranks_on_the_asynchronous_cpu_backend(mode: str, tmp_path) -> None:
     """The collectives' stream ordering, checked where a GPU would show its mistakes."""

@@ -121,7 +121,7 @@ def test_frozen_parameters_of_a_training_block_are_stored_apart(tmp_path):
     assert all(r.applied for r in results)
     assert frozen_files() == before and len(before) == 2  # the same files: never rewritten
     reads = {(s.resource, s.label) for s in spans if "f/" in s.label}
-    assert reads == {("ssd_read", "f/layer.1"), ("h2d", "ram→host f/layer.0")}, reads  # read, never written
+    assert reads == {("ssd_read", "f/layer.1"), ("ram_copy", "ram→host f/layer.0")}, reads  # read, never written
     ref, _ = frozen_reference(model, PARTIAL, data, 0.5)
     assert_same(model, ref, [r.loss for r in results], weights)
     export_store([str(tmp_path / "s")], str(tmp_path / "hf"), "fp32")
@@ -197,3 +197,47 @@ def test_fuyou_finetune_freezes_by_glob(tmp_path):
     bad = [*args[:3], "--output", str(tmp_path / "bad"), *args[5:]]
     r = CliRunner().invoke(main, ["finetune", *bad, "--freeze", "nope.*"])
     assert r.exit_code != 0 and "--freeze 'nope.*' matches no parameter" in r.output
+
+
+def test_frozen_weights_leave_a_bf16_run_exactly_as_they_came(tmp_path):
+    """An fp32 checkpoint computed in bf16: what never trains (a block frozen whole, frozen parameters of a
+    block that trains, a LoRA base) comes out of export, resumed or not, bit-identical to the checkpoint,
+    in its own dtype by default (the fp32 values kept apart in ``o/`` extents, which only export reads);
+    no such copy where the compute dtype holds them already."""
+    from fuyou.engine.export import export_store
+    from fuyou.engine.lora import LoraSettings
+    from fuyou.models.hf_io import CheckpointReader
+
+    cfg, model = tiny("llama", layers=2)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    patterns = ("model.embed_tokens.*", "*.self_attn.q_proj.weight")
+
+    def run(name, precision="bf16", source=sd, **kw):
+        (tmp_path / name).mkdir()
+        ec = EngineConfig(ssd_dirs=(str(tmp_path / name),), precision=precision, cpu_memory="256MiB", **kw)
+        with Engine.from_state_dict(cfg, source, ec) as eng:
+            for ids, labels in batches(2):
+                eng.train_step(ids, labels)
+            origin = [e.name for e in eng.store.extents if e.name.startswith("o/")]
+        if name == "freeze":  # the values are the store's, kept across a resume
+            with Engine.resume(ec) as eng:
+                eng.train_step(*batches(1)[0])
+        export_store([str(tmp_path / name)], str(tmp_path / f"{name}-hf"))
+        export_store([str(tmp_path / name)], str(tmp_path / f"{name}-bf16"), "bf16")
+        out = CheckpointReader(str(tmp_path / f"{name}-hf"), "llama")
+        return {k: out.get(k) for k in out.where}, origin
+
+    out, origin = run("freeze", freeze=patterns)
+    frozen = [k for k in out if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
+    assert frozen and all(out[k].dtype == torch.float32 and torch.equal(out[k], sd[k]) for k in frozen)
+    assert origin and any(not torch.equal(out[k], sd[k]) for k in out if k not in frozen)  # the rest trained
+    assert all(not torch.equal(sd[k].bfloat16().float(), sd[k]) for k in frozen)  # bf16 alone would round them
+    rounded = CheckpointReader(str(tmp_path / "freeze-bf16"), "llama")
+    assert all(torch.equal(rounded.get(k), sd[k].bfloat16()) for k in frozen)  # --dtype bf16: as asked
+    out, origin = run("lora", lora=LoraSettings(rank=4, alpha=8))
+    assert origin and all(torch.equal(out[k], sd[k]) for k in out)  # the base (adapters not merged by export_store)
+    _, origin = run("fp32", "fp32", freeze=patterns)
+    assert not origin  # fp32 compute holds the checkpoint exactly
+    half = {k: v.bfloat16() for k, v in sd.items()}
+    out, origin = run("bf16-source", source=half, freeze=patterns)
+    assert not origin and all(out[k].dtype == torch.bfloat16 and torch.equal(out[k], half[k]) for k in frozen)

@@ -57,13 +57,16 @@ def test_sharded_import_train_export_round_trip(tmp_path, family):
 def test_bf16_export_loads(tmp_path):
     _, model = tiny("llama")
     src = save(model, tmp_path / "src", shard="1GB")
-    with Engine.from_pretrained(src, cfg_for(tmp_path)) as eng:
-        eng.export(str(tmp_path / "out"))
+    with Engine.from_pretrained(src, cfg_for(tmp_path, precision="bf16")) as eng:
+        eng.export(str(tmp_path / "out"), dtype="bf16")
+        eng.export(str(tmp_path / "own"))  # by default in the checkpoint's own dtype (fp32 here)
         with pytest.raises(ConfigError, match="--dtype"):
             eng.export(str(tmp_path / "x"), dtype="int8")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert loaded.dtype == torch.bfloat16
     assert torch.equal(loaded.state_dict()["lm_head.weight"], model.state_dict()["lm_head.weight"].bfloat16())
+    own = AutoModelForCausalLM.from_pretrained(tmp_path / "own").state_dict()
+    assert all(torch.equal(own[k], v) for k, v in model.state_dict().items())  # untrained: the fp32 masters
 
 
 def test_bad_model_directories(tmp_path):

@@ -58,3 +58,88 @@ def test_packed_documents_train_as_the_documents_unpacked(tmp_path, family) -> N
     assert lp == pytest.approx(lu, rel=1e-5) and gp == pytest.approx(gu, rel=1e-5)
     lc, gc = train(family, tmp_path / "c", packed, 1, positions=False)  # concat: documents see each other
     assert lc[0] != pytest.approx(lu[0], rel=1e-4) and gc[0] != pytest.approx(gu[0], rel=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2_sw", "gpt2"])
+def test_masks_from_document_ids_equal_transformers_own_packed_masks(family) -> None:
+    """The masks Fuyou makes from the documents it found on the host (``seed_context``) are exactly the
+    ones ``transformers`` makes when it inspects ``position_ids`` itself (full and sliding windows,
+    sdpa and eager attention), and a row of one document gets the plain causal mask."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    from fuyou.models.adapters import _mask_kwargs, attention_kernel, seed_context
+
+    cfg, _ = tiny(family)
+    cfg._attn_implementation = attention_kernel(cfg)
+    pos = packed_batch(0)[2]
+    embeds = torch.zeros(*pos.shape, 8)
+    seed = seed_context(pos, torch.device("cpu"))
+    assert seed is not None and seed.documents is not None
+    for make in (create_causal_mask, create_sliding_window_causal_mask):
+        if make is create_sliding_window_causal_mask and getattr(cfg, "sliding_window", None) is None:
+            continue
+        theirs = make(config=cfg, inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=pos)
+        ours = make(**_mask_kwargs(cfg, embeds, seed.documents))
+        assert theirs is not None and torch.equal(ours, theirs)
+
+
+def test_seed_context_tells_plain_positions_from_packed_documents() -> None:
+    from fuyou.models.adapters import seed_context
+
+    cpu = torch.device("cpu")
+    assert seed_context(torch.arange(6).repeat(2, 1), cpu) is None  # plain 0…t−1: as without position_ids
+    cont = seed_context(torch.arange(3, 9).unsqueeze(0), cpu)  # one document continued from the last sequence
+    assert cont is not None and cont.documents is None and cont.position_ids.tolist() == [[3, 4, 5, 6, 7, 8]]
+    packed = seed_context(torch.tensor([[0, 1, 2, 0, 1, 0]]), cpu)
+    assert packed is not None and packed.documents is not None
+    assert packed.documents.tolist() == [[0, 0, 0, 1, 1, 2]]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_positions_cost_no_device_read_back_and_plain_ones_change_nothing(tmp_path, family, monkeypatch) -> None:
+    """``transformers``' mask functions, given ``position_ids``, test them for packed documents with a
+    device→host read (``find_packed_sequence_indices``: a sync per micro-batch on a GPU). Fuyou finds
+    the documents on the host: no call of it, and no tensor is read back (``item``/``bool``) while the
+    masks are made, with plain, packed or no positions; plain positions give the very same losses as
+    none."""
+    import transformers.masking_utils as mu
+
+    import fuyou.models.adapters as adapters
+
+    calls = {"find": 0, "read": 0}
+    find = mu.find_packed_sequence_indices
+
+    def counted_find(*a, **kw):
+        calls["find"] += 1
+        return find(*a, **kw)
+
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", counted_find)
+    making = [False]
+    for name in ("item", "__bool__"):
+        orig = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _orig=orig, **kw):
+            if making[0]:
+                calls["read"] += 1
+            return _orig(self, *a, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for name in ("_masks", "_causal_mask"):
+        orig = getattr(adapters, name)
+
+        def watched(*a, _orig=orig, **kw):
+            making[0] = True
+            try:
+                return _orig(*a, **kw)
+            finally:
+                making[0] = False
+
+        monkeypatch.setattr(adapters, name, watched)
+    ids, labels, pos = packed_batch(0)
+    plain = torch.arange(ids.shape[1]).expand_as(ids).clone()
+    (tmp_path / "n").mkdir(), (tmp_path / "a").mkdir(), (tmp_path / "p").mkdir()
+    none, _ = train(family, tmp_path / "n", [(ids, labels, None)] * 2, 2, positions=False)
+    arange, _ = train(family, tmp_path / "a", [(ids, labels, plain)] * 2, 2, positions=True)
+    train(family, tmp_path / "p", [(ids, labels, pos)], 2, positions=True)
+    assert calls == {"find": 0, "read": 0}
+    assert arange == none

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from fuyou.cli.main import main
 from fuyou.device import get_backend
-from fuyou.device.precision import SLOW_FACTOR, bf16_slowdown, choose_precision, measure_bf16_slowdown
+from fuyou.device.precision import AUTO_ENV, SLOW_FACTOR, bf16_slowdown, choose_precision, measure_bf16_slowdown
 from fuyou.errors import ConfigError, FuyouWarning
 from fuyou.machine import cache_get, cache_put, machine_key
 from fuyou.run.demo import _random_model
@@ -24,10 +24,25 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    """A fresh, empty per-machine cache for this test."""
+    """A fresh, empty per-machine cache for this test, and ``auto`` measured (not forced by ``--auto-precision``)."""
     d = tmp_path / "cache"
     monkeypatch.setenv("FUYOU_CACHE", str(d))
+    monkeypatch.delenv(AUTO_ENV, raising=False)
     return d
+
+
+def test_auto_precision_can_be_forced_either_way(monkeypatch):
+    """``$FUYOU_AUTO_PRECISION`` (the suite's ``--auto-precision``) decides ``auto`` without measuring, so the
+    tests run as either kind of CPU would; an explicit precision is never changed by it."""
+    backend = get_backend("cpu")
+    for forced in ("bf16", "fp32"):
+        monkeypatch.setenv(AUTO_ENV, forced)
+        choice = choose_precision("auto", backend)
+        assert (choice.precision, choice.bf16_slowdown) == (forced, None) and AUTO_ENV in choice.reason
+        assert choose_precision("fp32", backend).precision == "fp32"
+    monkeypatch.setenv(AUTO_ENV, "fp16")
+    with pytest.raises(ConfigError, match=f"{AUTO_ENV} must be bf16 or fp32"):
+        choose_precision("auto", backend)
 
 
 def _plant(factor: float) -> None:
@@ -95,12 +110,13 @@ def _data(tmp_path):
 
 
 def _assert_auto_precision(out, output: str, factor: float, expect: str) -> None:
-    """The decision is printed, recorded in run.json and is the dtype the model was trained and saved in."""
+    """The decision is printed and recorded in run.json; the model is saved in its checkpoint's own dtype
+    (fp32 here), whatever it computed in, as Trainer saves a model trained with bf16 autocast."""
     assert f"precision: {expect} (auto: bf16 matmul measured {factor:.1f}×" in output
     rec = json.loads((out / "run.json").read_text())["precision"]
     assert rec == {"precision": expect, "requested": "auto", "bf16_slowdown": factor, "reason": rec["reason"]}
     saved = json.loads((out / "model" / "config.json").read_text())
-    assert saved.get("dtype", saved.get("torch_dtype")) == ("float32" if expect == "fp32" else "bfloat16")
+    assert saved.get("dtype", saved.get("torch_dtype")) == "float32"
 
 
 def test_auto_precision_picks_bf16_where_it_is_fast(tmp_path, cache, model_dir):

@@ -91,6 +91,20 @@ def test_flush_then_resume_reproduces_the_next_step(tmp_path, clip):
         assert all(torch.equal(w_straight[k], w[k]) for k in w_straight)
 
 
+def test_close_without_persisting_keeps_the_last_committed_version(tmp_path):
+    """``close(persist=False)`` (a benchmark's): the updates in flight settle, the RAM tier is not written
+    back, and the store stays at its last committed version, refused for resume as after a crash."""
+    cfg, model = tiny("llama")
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ec = config(tmp_path / "s", 2, 2)
+    eng = Engine.from_state_dict(cfg, sd, ec)
+    eng.train_step(*batches(1)[0])
+    eng.close(persist=False)
+    assert eng.store.meta["ram_tier_stale"] is True
+    with pytest.raises(StoreError, match="resume from a checkpoint"):
+        Engine.resume(ec)
+
+
 def test_resume_and_export_of_a_stale_version_are_refused(tmp_path):
     cfg, model = tiny("llama")
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -208,3 +222,35 @@ def test_nonfinite_step_with_ram_tier_is_skipped_exactly(tmp_path, clip):
     for k, w in weights.items():
         ref = model.state_dict()[k]
         assert (w - ref).abs().max().item() <= 1e-5 * ref.abs().max().item() + 1e-12, k
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5])
+def test_ram_tier_reads_run_off_the_training_thread_and_are_ram_copies(tmp_path, clip, monkeypatch):
+    """A RAM-tier read is a memcpy of a layer's weights (milliseconds at scale): it runs on the tier's
+    copy thread, not on the thread that launches the device's work, and the timeline shows it on its
+    own ``ram_copy`` resource, not as a host→device copy. The swapped activations' copies off and back
+    are timed as ``d2h`` and ``h2d`` device spans."""
+    import threading
+
+    from fuyou.transfer.ram_tier import RamTier
+
+    where: list[str] = []
+    copy_out = RamTier._copy_out
+
+    def recorded(self, *a):
+        where.append(threading.current_thread().name)
+        return copy_out(self, *a)
+
+    monkeypatch.setattr(RamTier, "_copy_out", recorded)
+    cfg, model = tiny("llama")
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with Engine.from_state_dict(cfg, sd, config(tmp_path, 2, 1, clip=clip)) as eng:
+        eng.timeline.clear()
+        for d in batches(2):
+            eng.train_step(*d)
+        spans = list(eng.timeline.spans)
+    assert where and all(n.startswith("fuyou-ram-tier") for n in where), where
+    ram = [s for s in spans if s.label.startswith(("ram→host", "host→ram", "adam→host"))]
+    assert ram and {s.resource for s in ram} == {"ram_copy"}
+    acts = {s.resource for s in spans if s.label == "activations of block 2"}  # layer.1: swap_cpu
+    assert acts == {"d2h", "h2d"}

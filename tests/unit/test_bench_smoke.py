@@ -85,35 +85,185 @@ def test_gpu_bench_smoke_runs_on_any_device(tmp_path, plan):
         assert "predicted_step_s" not in rec and rec["plan"]["activation_policy"][1] == "recompute"
 
 
-@pytest.mark.slow  # ~45 s on 2 cores: pytest's collection of the whole suite, a store bench, three tiny runs
-def test_gpu_suite_rehearses_on_any_machine(tmp_path):
-    """bench/gpu_suite.sh (the GPU run in one command) runs its stages on a machine without a GPU too:
-    the GPU tests skip, kvikio is left out with a note, the benches run on the CPU backend."""
-    tiny = "--layers 2 --hidden 128 --ffn 256 --vocab 512 --seq 64 --micro-batch 1 --grad-accum 2 --steps 2"
-    env = {
-        **os.environ,
-        "OUT": str(tmp_path / "out"),
-        "FUYOU_SUITE_DIR": str(tmp_path / "work"),
-        "PYTHON": sys.executable,
-        "STORE_MIB": "128",
-        "P7_SHAPE": tiny,
-        "P7_BUDGETS": "512MiB 96MiB",
-    }
-    stages = ["env", "tests", "store", "p6-smoke", "p7"]
-    r = subprocess.run(
-        ["bash", "bench/gpu_suite.sh", *stages], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+def test_gpu_bench_refuses_to_fall_back_to_the_cpu(monkeypatch, capsys):
+    """Without CUDA, bench_gpu.py stops with one line naming ``--allow-cpu`` (which, like ``--smoke``,
+    lets it run on the CPU backend) instead of measuring the CPU as if it were the GPU."""
+    from bench import bench_gpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        bench_gpu.pick_device(bench_gpu.parse(["--layers", "2"]))
+    msg = str(e.value.code)
+    assert "\n" not in msg and "CUDA is not available" in msg and "--allow-cpu" in msg
+    assert bench_gpu.pick_device(bench_gpu.parse(["--allow-cpu"])) == "cpu"
+    assert bench_gpu.pick_device(bench_gpu.parse(["--smoke"])) == "cpu"
+
+
+def test_gpu_bench_writes_its_line_before_the_store_closes(tmp_path, monkeypatch):
+    """The result line is in ``--out`` before the engine closes (a close that fails, on a full disk say,
+    must not lose the measurement); the bench's store is thrown away, so close does not write it back."""
+    from bench import bench_gpu
+    from fuyou.engine import Engine
+
+    out, seen = tmp_path / "figures.jsonl", []
+    close = Engine.close
+
+    def spy(self, persist=True):
+        seen.append([json.loads(line)["bench"] for line in out.read_text().splitlines()] if out.exists() else [])
+        seen.append(persist)
+        close(self, persist)
+
+    monkeypatch.setattr(Engine, "close", spy)
+    bench_gpu.main(["--smoke", "--steps", "1", "--ssd", str(tmp_path), "--out", str(out)])
+    assert seen == [["gpu_throughput"], False]
+
+
+def test_junit_skips_other_than_a_missing_package_are_found(tmp_path):
+    """What the first-contact script's test stage fails on: a GPU test skipped for any reason but a
+    missing optional package."""
+    from bench.common import unexpected_skips
+
+    xml = tmp_path / "j.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.gpu.a" name="ok"/>'
+        '<testcase classname="tests.gpu.a" name="kv"><skipped type="pytest.skip" message="kvikio not installed"/>'
+        "</testcase>"
+        '<testcase classname="tests.gpu.a" name="gpu"><skipped type="pytest.skip" message="needs a CUDA GPU"/>'
+        "</testcase></testsuite></testsuites>"
     )
-    out = tmp_path / "out"
-    assert r.returncode == 0, (r.stdout, (out / "suite.log").read_text()[-3000:])
-    summary = (out / "summary.txt").read_text().splitlines()
-    assert [line.split(":")[0] for line in summary] == stages and all(": ok (" in line for line in summary)
-    recs = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert {(rec["io"], rec["op"]) for rec in recs if rec["bench"] == "store_vs_fio"} >= {("posix", "read")}
-    runs = [rec for rec in recs if rec["bench"] == "gpu_throughput"]
-    assert len(runs) == 3 and all(rec["predicted_over_measured"] > 0 for rec in runs[1:])
-    assert "kvikio usable" in (out / "env.txt").read_text() and (out / "trace-smoke.json.gz").stat().st_size > 0
-    if not torch.cuda.is_available():  # every GPU test collected, and skipped
-        assert 'skipped="0"' not in (out / "junit-gpu.xml").read_text()
+    assert unexpected_skips(str(xml)) == (3, 2, ["tests.gpu.a.gpu: needs a CUDA GPU"])
+    assert unexpected_skips(str(xml), ("not installed", "needs a CUDA GPU")) == (3, 2, [])
+
+
+FIRST_CONTACT = os.path.join(ROOT, "bench", "gpu_first_contact.sh")
+TINY = "--layers 2 --hidden 128 --ffn 256 --vocab 512 --seq 64 --micro-batch 2 --grad-accum 2"
+REHEARSAL_CAPS = {  # each stage's cap scaled down from the GPU run's (first: 480 s in all, second: 240 s)
+    "first": {"env": 15, "install": 30, "tests": 60, "p6": 60, "store": 30},
+    "second": {"env": 15, "install": 30, "ssd": 45, "profile": 45},
+}
+
+
+def tiny_wheel(d) -> str:
+    """A one-module wheel (``fc_rehearsal``): what the install stage puts in its ``--target``."""
+    import zipfile
+
+    d.mkdir()
+    path = d / "fc_rehearsal-0.1-py3-none-any.whl"
+    di = "fc_rehearsal-0.1.dist-info"
+    files = {
+        "fc_rehearsal.py": "VERSION = '0.1'\n",
+        f"{di}/METADATA": "Metadata-Version: 2.1\nName: fc-rehearsal\nVersion: 0.1\n",
+        f"{di}/WHEEL": "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr(f"{di}/RECORD", "".join(f"{n},," + "\n" for n in [*files, f"{di}/RECORD"]))
+    return str(d)
+
+
+def first_contact(tmp_path, mode: str, **env) -> tuple[subprocess.CompletedProcess, float]:
+    import time
+
+    full = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "OUT": str(tmp_path / f"out-{mode}"),
+        "FUYOU_SCRATCH": str(tmp_path / "scratch"),
+        "FC_SITE": str(tmp_path / "site"),
+        "FC_WHEELS": str(tmp_path / "no-wheels"),
+        "FC_SCRATCH_NEED_GIB": "0.1",
+        **env,
+    }
+    t0 = time.perf_counter()
+    r = subprocess.run(["bash", FIRST_CONTACT, mode], cwd=ROOT, env=full, capture_output=True, text=True, timeout=400)
+    return r, time.perf_counter() - t0
+
+
+def summary(out) -> dict[str, dict[str, str]]:
+    lines = (out / "summary.txt").read_text().splitlines()
+    rows = [dict(kv.split("=", 1) for kv in line.split() if "=" in kv) for line in lines]
+    return {row["stage"]: row for row in rows}
+
+
+@pytest.mark.slow  # ~65 s on 2 cores: both modes, tiny shapes; pytest of tests/gpu (all skip); 3 early stops
+def test_gpu_first_contact_rehearses_on_a_cpu(tmp_path):
+    """bench/gpu_first_contact.sh, the lent GPU's first call (and its second), on this CPU with tiny
+    shapes and every stage's cap scaled down: each stage ends inside its cap with exit code 0, the
+    figures are appended as measured, at most 8 files come back; without CUDA (no rehearsal variable)
+    or without room on the scratch disk it stops at once with one line; a stage whose cap no longer
+    fits the deadline is skipped with its summary line."""
+    if not torch.cuda.is_available():  # no CUDA and no FUYOU_REHEARSAL: the first stage stops the run
+        r, dt = first_contact(tmp_path, "first", FUYOU_REHEARSAL="0")
+        assert r.returncode == 3 and dt < 60, (r.returncode, dt, r.stderr)
+        (line,) = r.stderr.strip().splitlines()
+        assert "CUDA is not available" in line and "FUYOU_REHEARSAL=1" in line
+        assert list(summary(tmp_path / "out-first")) == ["env"]
+        shutil.rmtree(tmp_path / "out-first")
+    r, dt = first_contact(tmp_path, "first", FUYOU_REHEARSAL="1", FC_SCRATCH_NEED_GIB="1000000")
+    assert r.returncode == 3 and dt < 60, (r.returncode, dt, r.stderr)
+    (line,) = r.stderr.strip().splitlines()
+    assert "GiB free" in line and "FUYOU_SCRATCH" in line
+    shutil.rmtree(tmp_path / "out-first")
+    caps = dict(FC_DEADLINE_S="25", FC_CAP_ENV="10", FC_CAP_INSTALL="1")
+    r, dt = first_contact(tmp_path, "first", FUYOU_REHEARSAL="1", **caps)
+    rows = summary(tmp_path / "out-first")  # env fits; install is killed at its 1 s; the others no longer fit
+    assert r.returncode == 1 and rows.pop("env")["rc"] == "0" and dt < 45, (r.returncode, dt, r.stderr)
+    assert rows.pop("install")["rc"] == "124" and "timed_out" in (tmp_path / "out-first" / "summary.txt").read_text()
+    assert list(rows) == ["tests", "p6", "store"] and {row["rc"] for row in rows.values()} == {"skipped"}
+    shutil.rmtree(tmp_path / "out-first")
+
+    caps = {f"FC_CAP_{stage.upper()}": str(cap) for mode in REHEARSAL_CAPS.values() for stage, cap in mode.items()}
+    shapes = dict(
+        P6_SHAPE=TINY, P6_CPU="512MiB", P6_OOC_CPU="48MiB", P6_OOC_GPU="64MiB", P6_STEPS="2", P6_OOC_STEPS="1",
+        STORE_MIB="64", STORE_REPEATS="1", SSD_SHAPE=TINY, SSD_CPU="48MiB", SSD_GPU="64MiB", PROF_SHAPE=TINY,
+        PROF_CPU="512MiB",
+    )  # fmt: skip
+    wheels = tiny_wheel(tmp_path / "wheels")
+    for mode, deadline in (("first", 240), ("second", 160)):
+        env = dict(FUYOU_REHEARSAL="1", FC_DEADLINE_S=str(deadline), FC_WHEELS=wheels, **caps, **shapes)
+        r, dt = first_contact(tmp_path, mode, **env)
+        out = tmp_path / f"out-{mode}"
+        log = (out / f"{mode}.log").read_text()
+        assert r.returncode == 0 and r.stderr == "", (r.stderr[-2000:], log[-4000:])
+        rows = summary(out)
+        assert list(rows) == list(REHEARSAL_CAPS[mode]), rows
+        for stage, cap in REHEARSAL_CAPS[mode].items():
+            assert rows[stage]["rc"] == "0" and int(rows[stage]["cap"]) == cap, rows[stage]
+            assert int(rows[stage]["seconds"]) <= cap, rows[stage]
+        assert dt < deadline
+        files = [p for p in out.rglob("*") if p.is_file()]
+        assert len(files) <= 8 and {p.name for p in files} >= {"summary.txt", "figures.jsonl", f"{mode}.log"}
+        recs = [json.loads(line) for line in (out / "figures.jsonl").read_text().splitlines()]
+        by = {(rec["bench"], rec.get("run", rec.get("num"))): rec for rec in recs}
+        assert by["env", None]["rehearsal"] and by["env", None]["scratch"] == str(tmp_path / "scratch")
+        assert by["install", None]["fuyou"] == os.path.join(ROOT, "fuyou")
+        if mode == "first":
+            assert "installing 1 wheels" in log and (tmp_path / "site" / "fc_rehearsal.py").exists()
+            plain, fuyou, ooc = (
+                by["gpu_plain", "plain"],
+                by["gpu_throughput", "fuyou"],
+                by["gpu_throughput", "fuyou_ooc"],
+            )
+            assert plain["tokens_per_step"] == fuyou["tokens_per_step"] == 256 and plain["tflops"] > 0
+            assert plain["flop_formula"] == fuyou["flop_formula"] and fuyou["step_over_busiest"] >= 1.0
+            ratio = [rec for rec in recs if rec["bench"] == "gpu_ratio" and rec["num"] == "fuyou"]
+            assert ratio[0]["den"] == "plain"
+            assert ratio[0]["step_time_ratio"] == pytest.approx(fuyou["step_s_median"] / plain["step_s_median"])
+            assert ooc["cpu_memory"] == "48MiB" and ooc["backend_memory"]["capacity"] == 64 << 20
+            assert [rec["bench"] for rec in recs].index("gpu_ratio") < [rec["bench"] for rec in recs].index(
+                "store_vs_fio"
+            )
+            assert by["store_direct", None]["o_direct"] and ("store_vs_fio", None) in by
+            assert (out / "junit-gpu.xml").exists() and (out / "trace-p6.json.gz").stat().st_size > 0
+            assert "pytest-timeout" in log or "--timeout" not in log
+        else:
+            assert "installed in" in log and "already" in log  # the same wheels: no second pip run
+            assert by["gpu_throughput", "ssd_bound"]["predicted_over_measured"] > 0
+            check = by["gpu_profile_check", "profiled"]
+            assert check["timeline_compute_busy_s"] > 0 and check["step_s"] > 0
+            assert (out / "trace-profile.json.gz").stat().st_size > 0
 
 
 @pytest.mark.slow  # ~35 s: the peer script's plain run imports transformers in its own process

@@ -66,3 +66,79 @@ def test_bytes_count_once_in_the_summary_after_they_complete():
     third = tl.summary(t + 0.6, t + 0.7)
     assert (first["ssd_write_bytes"], second["ssd_write_bytes"], third["ssd_write_bytes"]) == (100, 10, 0)
     assert (first["ssd_read_bytes"], second["ssd_read_bytes"], third["ssd_read_bytes"]) == (0, 7, 0)
+
+
+def test_a_wait_inside_a_compute_span_is_not_compute():
+    """Compute waiting for another stream's copy (``gap``: an activation's copy back) is cut out of the
+    compute span: 0.1 s of work around a 0.15 s wait is 0.1 s busy, not 0.25 s."""
+    b, tl = CPUBackend(), Timeline()
+    t = time.perf_counter()
+    with tl.device_span("compute", "bwd", b, None):
+        time.sleep(0.05)
+        with tl.gap(None):
+            time.sleep(0.15)
+        time.sleep(0.05)
+    busy = tl.summary(t, time.perf_counter())["busy_s"]["compute"]
+    assert 0.1 <= busy < 0.2
+    assert len(tl.spans) == 2
+
+
+def test_a_copy_the_step_issued_that_lands_after_its_end_counts_in_that_step_only():
+    """The step's last device→host copy is still queued at step end: the summary waits for it and
+    counts it whole in the step that issued it; the next step does not count it again."""
+    b = AsyncCPUBackend(max_delay=0.0)
+    s = b.new_stream()
+    tl = Timeline()
+    gate = threading.Event()
+    t0 = time.perf_counter()
+    s.put(gate.wait)
+    host, dev = b.host_empty(1 << 20), b.device_empty((1 << 20,), torch.uint8, "g", stream=s)
+    with tl.device_span("d2h", "grad", b, s, 1 << 20):
+        b.copy(host, dev, s)
+    s.put(lambda: time.sleep(0.1))  # the copy's stream is busy past the step's end
+    with tl.device_span("d2h", "grad 2", b, s, 1 << 20):
+        b.copy(host, dev, s)
+    t1 = time.perf_counter()
+    threading.Timer(0.05, gate.set).start()
+    first = tl.summary(t0, t1)
+    assert [sp.label for sp in tl.spans] == ["grad", "grad 2"], "both resolved in the step that issued them"
+    assert all(sp.t1 > t1 for sp in tl.spans)
+    assert first["busy_s"]["d2h"] > 0
+    second = tl.summary(t1, time.perf_counter() + 1)
+    assert second["busy_s"]["d2h"] == 0.0
+
+
+def test_ram_copies_are_their_own_resource_in_summary_and_trace(tmp_path):
+    """A host-memory copy (the RAM tier) is neither h2d nor d2h: it has its own row and busy time."""
+    import json
+
+    from fuyou.timeline import RESOURCES
+
+    tl = Timeline()
+    t = time.perf_counter()
+    tl.add("ram_copy", "ram→host w/layer.0", t, t + 0.1, 100)
+    s = tl.summary(t, t + 0.2)
+    assert "ram_copy" in RESOURCES and s["busy_s"]["h2d"] == 0.0
+    assert abs(s["busy_s"]["ram_copy"] - 0.1) < 1e-9
+    tl.to_chrome_trace(str(tmp_path / "t.json"))
+    events = json.load(open(tmp_path / "t.json"))["traceEvents"]
+    rows = {e["args"]["name"]: e["tid"] for e in events if e["ph"] == "M"}
+    assert [e["tid"] for e in events if e["ph"] == "X"] == [rows["ram_copy"]]
+
+
+def test_a_wait_on_another_thread_is_cut_out_of_the_span_open_on_its_stream():
+    """On a GPU autograd runs backward's unpack hooks (where compute waits for an activation's copy
+    back) on its own device thread: the gap applies to the compute span whichever thread opened it."""
+    b, tl = CPUBackend(), Timeline()
+    t = time.perf_counter()
+
+    def hook() -> None:
+        with tl.gap(None):
+            time.sleep(0.15)
+
+    with tl.device_span("compute", "bwd", b, None):
+        time.sleep(0.05)
+        th = threading.Thread(target=hook)
+        th.start()
+        th.join()
+    assert 0.05 <= tl.summary(t, time.perf_counter())["busy_s"]["compute"] < 0.12

@@ -66,16 +66,18 @@ def test_per_element_gradient_work_is_charged_per_block():
     assert two - p.step_s == pytest.approx(F + 3e-3 + 3 * F + N1 / 1e9, rel=1e-6)
 
 
-def test_ram_tier_weight_reads_are_memcpys_on_the_training_thread():
-    # every block in the RAM tier: reads (forward 3 blocks, backward 2) are memcpys at 1 GB/s that the
-    # issuing thread performs, so they add to the step rather than hide behind compute
+def test_ram_tier_weight_reads_are_memcpys_on_the_tiers_copy_thread():
+    # every block in the RAM tier: reads (forward 3 blocks, backward 2) are memcpys at 1 GB/s on the RAM
+    # tier's copy thread (fuyou.transfer.ram_tier), one after the other, overlapping compute: slower than
+    # compute here, they bound the step with the new weights' copies, but no longer add compute to it
     hw = profile(device_peak_flops=1e12, host_mem_Bps=1e9)
     compute = predict(toy_shape(), Plan(), CFG, profile(device_peak_flops=1e12)).step_s
     p = predict(toy_shape(), Plan(ram_weight_blocks=3, ram_state_blocks=3), CFG, hw)
     reads = 2 * (2 * N0 + 2 * N1 + N2) / 1e9
     writes = 2 * (N0 + N1 + N2) / 1e9  # new weights copied back into RAM
     assert p.ssd_read_bytes == 0 and p.ssd_write_bytes == 0
-    assert p.step_s == pytest.approx(compute + reads + writes, rel=1e-6)
+    assert reads + writes <= p.step_s < compute + reads + writes
+    assert p.busy_s["ram_read"] == pytest.approx(reads, rel=1e-6)
 
 
 def test_state_chunks_pipeline_read_adam_write():

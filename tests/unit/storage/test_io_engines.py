@@ -1,5 +1,6 @@
 """I/O backend selection, the non-descriptor ``pyfile`` engine, and the bounded open-file cache."""
 
+import errno
 import os
 import threading
 
@@ -205,3 +206,67 @@ def test_kvikio_settings_give_it_threads_and_o_direct():
     assert kvikio_settings(16, True) == {"num_threads": 16, "auto_direct_io_read": True, "auto_direct_io_write": True}
     assert kvikio_settings(16, False, current_threads=32)["num_threads"] == 32
     assert not kvikio_settings(4, False)["auto_direct_io_read"]
+
+
+@pytest.mark.parametrize(
+    "text, code",
+    [
+        ("KvikIO failure at: posix_io.hpp:141: Cannot write to file: No space left on device", errno.ENOSPC),
+        ("KvikIO failure at: posix_io.hpp:141: pwrite failed: Disk quota exceeded", errno.EDQUOT),
+        ("KvikIO failure: pread() failed (ENOSPC)", errno.ENOSPC),
+        ("KvikIO failure: pread() failed: errno 5", errno.EIO),
+        ("KvikIO failure at: file_handle.hpp:88: Too many open files", errno.EMFILE),
+        ("KvikIO failure: something nobody expected", errno.EIO),
+    ],
+)
+def test_kvikio_runtime_errors_become_the_stores_one_line_hints(text, code):
+    """kvikio raises RuntimeError for failed system calls (it cannot do I/O here without a CUDA driver,
+    so the mapper is fed its exceptions directly): each comes out as an OSError with the errno its text
+    names, which ``io_base.os_error`` turns into the same hint the POSIX backend gives."""
+    from fuyou.errors import StoreSpaceError, SystemLimitError
+    from fuyou.storage.io_base import os_error
+    from fuyou.storage.io_kvikio import kvikio_os_error
+
+    e = kvikio_os_error(RuntimeError(text), "kvikio pwrite")
+    assert isinstance(e, OSError) and e.errno == code and text in str(e)
+    hint = os_error(e, "/ssd/w.bin", "writing")
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        assert isinstance(hint, StoreSpaceError) and "disk full" in str(hint) and "\n" not in str(hint)
+    elif code == errno.EMFILE:
+        assert isinstance(hint, SystemLimitError)
+    else:
+        assert "check the disk" in str(hint)
+
+
+def test_a_kvikio_write_that_fails_reaches_the_caller_as_a_disk_full_store_error(tmp_path):
+    """Through the backend's own block write (kvikio's ``pwrite`` future raising as it does on a full
+    disk): the store's write future fails with StoreSpaceError, not kvikio's RuntimeError."""
+    from fuyou.errors import StoreSpaceError
+    from fuyou.storage.io_kvikio import KvikioIO
+    from fuyou.storage.io_pyfile import PyFileIO
+
+    class FullDisk:
+        def pwrite(self, arr, n, offset):
+            raise RuntimeError("KvikIO failure at: posix_io.hpp:141: Cannot write to file: No space left on device")
+
+        def close(self):
+            pass
+
+    class FakeKvikio(PyFileIO):  # PyFileIO's pool and files, kvikio's block write
+        _write_block = KvikioIO._write_block
+
+        def _open_raw(self, path, direct):
+            return FullDisk()
+
+        def _close_raw(self, raw):
+            raw.close()
+
+    path = tmp_path / "w.bin"
+    path.write_bytes(b"\0" * 8192)
+    io = FakeKvikio(threads=1)
+    try:
+        h = io.open(str(path), False)
+        with pytest.raises(StoreSpaceError, match="disk full"):
+            io.write(h, np.zeros(8192, np.uint8)).result()
+    finally:
+        io.shutdown()

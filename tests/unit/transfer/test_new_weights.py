@@ -34,7 +34,7 @@ def test_claims_wait_for_publish_and_stop_at_retire():
     nw.retire(3, None, lambda: released.append(3))
     assert released == [3]  # not held: the buffer goes back at its write
     assert nw.claim(3, torch.zeros(64, dtype=torch.uint8)) is None
-    assert [s.label for s in tl.spans] == ["adam→host w/layer3"] * 2 and all(s.resource == "h2d" for s in tl.spans)
+    assert [s.label for s in tl.spans] == ["adam→host w/layer3"] * 2 and all(s.resource == "ram_copy" for s in tl.spans)
     cost = meter.snapshot()[("ram_handoff", "copy_out")]
     assert cost.nbytes == 128 and cost.tasks == 2
 
