@@ -88,6 +88,22 @@ def cache_put(name: str, key: str, value: Any) -> None:
         pass
 
 
+def cache_drop(name: str, key: str) -> None:
+    """Forget the value cached under ``key`` in cache file ``name`` (measured again when next asked for);
+    errors are ignored, as ``cache_put``'s."""
+    try:
+        with open(_path(name)) as f:
+            doc = json.load(f)
+        if not isinstance(doc, dict) or doc.pop(key, None) is None:
+            return
+        fd, tmp = tempfile.mkstemp(prefix=f".{name}-", dir=cache_dir())
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, _path(name))
+    except (OSError, ValueError):
+        pass
+
+
 def cached(name: str, key: str, measure: Callable[[], Any]) -> tuple[Any, bool]:
     """``(value, was_cached)``: the cached value for ``key`` in ``name``, else ``measure()`` stored there."""
     value = cache_get(name, key)

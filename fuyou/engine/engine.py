@@ -86,13 +86,14 @@ class Engine:
         self.comm = Collectives.join(self.backend, self.timeline)
         """The data-parallel ranks' collectives (``torchrun``), or None for one process."""
         rank, world = (self.comm.rank, self.comm.world) if self.comm is not None else (0, 1)
+        vocab = int(store.meta.get("vocab_groups", 1)) if store is not None else cfg.plan.vocab_groups
         if store is not None:
             groups = int(store.meta.get("expert_groups", 1))
         else:
             groups = cfg.plan.expert_groups or expert_groups_for(
                 config, DTYPES[cfg.precision], world, self.backend.memory().capacity, self.backend.name
             )
-        self.adapter = make_adapter(config, cfg.lora, groups)
+        self.adapter = make_adapter(config, cfg.lora, groups, vocab)
         self.adapter.prepare(self.backend.device)
         self.adapter.frozen_keys = frozen_keys(tuple(self.adapter.blocks), cfg.freeze)
         self.lora = (
@@ -111,6 +112,7 @@ class Engine:
         plan = dataclasses.replace(
             rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0),
             expert_groups=groups,
+            vocab_groups=vocab,
             activation_policy=spread_policies(cfg.plan.activation_policy, [b.name for b in blocks]),
         )
         if cfg.lora is not None:  # the base only streams in: no state, no gradient or weight traffic out
@@ -350,6 +352,7 @@ class Engine:
             | ({"rank": lay.rank, "world": lay.world} if lay.world > 1 else {})
             | ({"frozen": True} if lay.frozen else {})
             | ({"expert_groups": self.plan.expert_groups} if self.plan.expert_groups > 1 else {})
+            | ({"vocab_groups": self.plan.vocab_groups} if self.plan.vocab_groups > 1 else {})
             | ({"freeze": list(self.cfg.freeze)} if self.cfg.freeze else {})
         )
 

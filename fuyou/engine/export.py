@@ -233,7 +233,8 @@ def _store_layout(store: TensorStore, first: str, ranked: bool) -> tuple[ModelLa
         )
     refuse_stale(meta, first)
     config = load_config(files)
-    blocks = tuple(make_adapter(config, expert_groups=int(meta.get("expert_groups", 1))).blocks)
+    groups, vocab = int(meta.get("expert_groups", 1)), int(meta.get("vocab_groups", 1))
+    blocks = tuple(make_adapter(config, expert_groups=groups, vocab_groups=vocab).blocks)
     frozen = frozen_blocks(blocks, tuple(meta.get("freeze", ())))
     keys = frozen_keys(blocks, tuple(meta.get("freeze", ())))
     layout = ModelLayout(

@@ -170,7 +170,7 @@ class FuyouTrainer(Trainer):
         lora, state, config = _peft_parts(model)
         # parameters the model does not train (requires_grad False) are frozen (``--freeze``)
         freeze = () if lora is not None else tuple(n for n, p in model.named_parameters() if not p.requires_grad)
-        req, seq_from = plan_request(args, config, lora.rank if lora is not None else 0)
+        req, seq_from = plan_request(args, config, lora)
         req = dataclasses.replace(req, freeze=freeze)
         self._ranks = join(device_kind(req.device))  # torchrun: Trainer's process group, and Fuyou's shards
         if self._ranks.world > 1:  # Fuyou synchronizes the ranks itself: accelerate must not wrap the model in DDP
@@ -460,9 +460,9 @@ def _peft_parts(model: Any) -> tuple[LoraSettings | None, dict[str, torch.Tensor
     return settings, state, base.config
 
 
-def plan_request(args: FuyouTrainingArguments, config: Any, lora_rank: int = 0) -> tuple[PlanRequest, str]:
-    """The plan chooser's request for a Trainer run of a model with ``config`` (LoRA adapters of
-    ``lora_rank`` on a frozen base when > 0), and where its sequence length came from (``seq_len``,
+def plan_request(args: FuyouTrainingArguments, config: Any, lora: Any = None) -> tuple[PlanRequest, str]:
+    """The plan chooser's request for a Trainer run of a model with ``config`` (``lora``: the
+    ``LoraSettings`` of adapters on a frozen base), and where its sequence length came from (``seq_len``,
     else the model's maximum positions capped: see the module docstring)."""
     if args.seq_len is not None:
         seq_len, seq_from = args.seq_len, "FuyouTrainingArguments.seq_len"
@@ -488,8 +488,9 @@ def plan_request(args: FuyouTrainingArguments, config: Any, lora_rank: int = 0) 
         profile=args.profile,
         profile_out=os.path.join(str(args.output_dir), FUYOU_PROFILE),
         ranks=max(1, args.world_size),
-        frozen=lora_rank > 0,
-        lora_rank=lora_rank,
+        frozen=lora is not None,
+        lora_rank=lora.rank if lora is not None else 0,
+        lora=lora,
     )
     return req, seq_from
 

@@ -25,9 +25,10 @@ import torch
 from torch import nn
 
 from fuyou.errors import ConfigError
-from fuyou.models.blocks import EXPERTS_PART, BlockSpec, ParamSpec, slice_key, split_experts
+from fuyou.models.blocks import EXPERTS_PART, BlockSpec, ParamSpec, slice_key, split_experts, split_vocab
 from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
 from fuyou.schedule.experts import group_ranges
+from fuyou.schedule.vocab import row_ranges
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -55,6 +56,9 @@ class MicroBatchContext:
     """Packed documents: each token's document index in its row (``[b, t]``, ``document_ids``), from
     which the embed block makes the block-diagonal masks; None: each row is one document (plain causal
     masks). Only in the seed the embed block starts from (``seed_context``)."""
+    input_ids: torch.Tensor | None = None
+    """The micro-batch's token ids (``[b, t]``), kept by the first block of an embedding split by
+    vocabulary rows for the groups after it, which add their rows' embeddings (``VocabRows``)."""
 
 
 @dataclass
@@ -68,6 +72,33 @@ class Route:
     hn: torch.Tensor
     idx: torch.Tensor
     w: torch.Tensor
+
+
+class VocabRows(nn.Module):
+    """Rows [lo, hi) of an embedding matrix as a block of their own (``fuyou.schedule.vocab``): the
+    embeddings of the tokens whose ids fall in its rows, exact zeros for the others, scaled as the
+    family's embedding scales (Gemma: ``scalar_embed_scale``). Summed over the groups, it is the
+    unsplit lookup bit for bit; the gradient of its weight is the unsplit gradient's rows, sparse
+    (a scatter of its tokens' rows into the preset ``.grad``, as ``nn.Embedding.sparse``)."""
+
+    def __init__(self, whole: nn.Embedding, lo: int, hi: int) -> None:
+        super().__init__()
+        self.lo, self.hi = lo, hi
+        pad = whole.padding_idx
+        self.padding_idx = pad - lo if pad is not None and lo <= pad < hi else None
+        """The padding row, if in these rows: its gradient stays zero, as ``nn.Embedding``'s."""
+        self.scale: float | None = getattr(whole, "scalar_embed_scale", None)
+        with torch.device("meta"):
+            self.weight = nn.Parameter(torch.empty(hi - lo, whole.embedding_dim, dtype=whole.weight.dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        inside = (ids >= self.lo) & (ids < self.hi)
+        local = torch.where(inside, ids - self.lo, 0)  # tokens of other rows look up row 0, then masked
+        rows = nn.functional.embedding(local, self.weight, self.padding_idx, sparse=True)
+        out = torch.where(inside.unsqueeze(-1), rows, 0.0)  # their gradient: exactly zero
+        if self.scale is not None:  # as the family's scaled embedding: × scale in the weight's dtype
+            out = out * torch.tensor(self.scale, device=out.device).to(self.weight.dtype)
+        return out
 
 
 class RouteCapture(nn.Module):
@@ -125,11 +156,14 @@ def architecture_of(config: Any) -> str:
 class Adapter:
     """Base adapter: meta-device skeleton, block list, parameter binding. Subclasses run blocks."""
 
-    def __init__(self, config: Any, lora: LoraSettings | None = None, expert_groups: int = 1) -> None:
+    def __init__(
+        self, config: Any, lora: LoraSettings | None = None, expert_groups: int = 1, vocab_groups: int = 1
+    ) -> None:
         """The skeleton of ``config``'s model; with ``lora``, ``peft``'s LoRA layers injected and the
         base frozen (``frozen``): its parameters bind without gradients. ``expert_groups`` > 1 splits
         every mixture-of-experts layer into a core block and that many expert-group blocks
-        (``fuyou.models.blocks.split_experts``)."""
+        (``fuyou.models.blocks.split_experts``); ``vocab_groups`` > 1 the embedding into that many
+        blocks of vocabulary rows (``fuyou.schedule.vocab``)."""
         from transformers import AutoModelForCausalLM
 
         self.config = config
@@ -154,6 +188,11 @@ class Adapter:
         self.expert_groups = expert_groups
         if expert_groups > 1:
             self._split_experts(expert_groups)
+        self.rows: dict[int, tuple[int, int]] = {}
+        """Vocabulary-group block → the embedding rows [lo, hi) it owns (``fuyou.schedule.vocab``)."""
+        self.vocab_groups = vocab_groups
+        if vocab_groups > 1:
+            self._split_vocab(vocab_groups)
         self._routed: list[torch.Tensor] | None = None
         self._tap_routers()
         self._meta = [
@@ -203,10 +242,14 @@ class Adapter:
     def _split_experts(self, groups: int) -> None:
         raise ConfigError(f"{type(self.model).__name__} has no experts to split into {groups} groups")
 
+    def _split_vocab(self, groups: int) -> None:
+        raise ConfigError(f"{type(self.model).__name__}'s embedding cannot be split into {groups} vocabulary groups")
+
     def additive(self, block: int) -> bool:
-        """Whether ``block`` adds to its input a term that does not depend on it (an expert group:
-        ``delta``), so backward needs neither the input nor its forward graph to pass ``dy`` on."""
-        return block in self.slices
+        """Whether ``block`` adds to its input a term that does not depend on it (an expert group, a
+        vocabulary group after the first: ``delta``), so backward needs neither the input nor its
+        forward graph to pass ``dy`` on."""
+        return block in self.slices or self.rows.get(block, (0, 0))[0] > 0
 
     def delta(self, block: int, ctx: MicroBatchContext) -> torch.Tensor:
         """What an ``additive`` block adds to its input (flattened to ``[tokens, hidden]``)."""
@@ -272,6 +315,8 @@ class Adapter:
                 key = base_key(f"{prefix}.{pname}")
                 if block in self.slices:
                     key = slice_key(key, *self.slices[block])
+                elif block in self.rows and key == self.embed_key:
+                    key = slice_key(key, *self.rows[block])
                 if self.tied and key == self.lm_head_key:
                     key = self.embed_key
                 owner, attr = _owner(mod, pname)
@@ -492,6 +537,29 @@ class LlamaLike(Adapter):
             layer_of.append(i)
         self.modules, self.layer_of = modules, layer_of
 
+    def _split_vocab(self, groups: int) -> None:
+        """Cut the embedding into ``groups`` blocks of vocabulary rows, each running a ``VocabRows``
+        (``fuyou.schedule.vocab``). Raises ConfigError for tied embeddings: the head borrows the whole
+        matrix for its logits."""
+        vocab = self.config.vocab_size
+        if self.tied:
+            raise ConfigError(
+                "an embedding tied to the LM head (tie_word_embeddings) cannot be split into vocabulary groups: "
+                "the head borrows the whole matrix; use vocab_groups 1"
+            )
+        if not 1 <= groups <= vocab:
+            raise ConfigError(f"cannot split a vocabulary of {vocab} rows into {groups} groups")
+        whole = self.model.model.embed_tokens
+        self.blocks = list(split_vocab(tuple(self.blocks), groups, self.embed_key, vocab))
+        parts: list[tuple[str, list[tuple[str, nn.Module]]]] = []
+        for g, (lo, hi) in enumerate(row_ranges(vocab, groups)):
+            self.rows[g] = (lo, hi)
+            parts.append((self.blocks[g].name, [("model.embed_tokens", VocabRows(whole, lo, hi))]))
+        shift = groups - 1
+        self.modules = parts + self.modules[1:]
+        self.layer_of = [-1] * shift + self.layer_of
+        self.slices = {b + shift: r for b, r in self.slices.items()}
+
     def _experts_module(self, n: int) -> nn.Module:
         """The family's experts module for ``n`` experts, on the meta device."""
         sub = copy.copy(self.config)
@@ -518,9 +586,13 @@ class LlamaLike(Adapter):
         return getattr(self.model.model.layers[i].mlp, "experts", None)
 
     def delta(self, block: int, ctx: MicroBatchContext) -> torch.Tensor:
-        """An expert group's share of its layer's routed experts: the family's experts module over the
+        """A later vocabulary group's embeddings of its tokens (``VocabRows`` over ``ctx.input_ids``),
+        or an expert group's share of its layer's routed experts: the family's experts module over the
         ``Route`` the layer's core left in ``ctx``, tokens routed to other groups' experts mapped to
         the module's skip index (its expert count)."""
+        if block in self.rows:
+            assert ctx.input_ids is not None  # kept by the first vocabulary group
+            return self.modules[block][1][0][1](ctx.input_ids)
         lo, hi = self.slices[block]
         route = ctx.routes[self.layer_of[block]]
         local = route.idx - lo
@@ -553,16 +625,18 @@ class LlamaLike(Adapter):
     def forward(self, block: int, x: torch.Tensor, ctx: MicroBatchContext | None) -> tuple[torch.Tensor, Any]:
         m = self.model.model
         if block == 0:
-            embeds = m.embed_tokens(x)
+            embeds = self.modules[0][1][0][1](x)  # the embedding, or its first vocabulary group
             pos = _positions(x, ctx)
             docs = ctx.documents if ctx is not None else None
             masks = _masks(self.config, embeds, docs, set(self.layer_types))
             ctx = MicroBatchContext(pos, masks, self._rotary(embeds, pos))
+            if self.rows:  # the later vocabulary groups look up the same tokens
+                ctx.input_ids = x
             return embeds, ctx
         if block == len(self.blocks) - 1:
             return self.lm_head(m.norm(x)), ctx
         assert ctx is not None  # block 0 made it
-        if block in self.slices:
+        if self.additive(block):
             return x + self.delta(block, ctx).view(x.shape).to(x.dtype), ctx
         i = self.layer_of[block]
         kind = self.layer_types[i]
@@ -606,11 +680,17 @@ class GPT2Adapter(Adapter):
         return t.h[block - 1](x, None, ctx.mask, None, position_ids=ctx.position_ids), ctx
 
 
-def make_adapter(config: Any, lora: LoraSettings | None = None, expert_groups: int = 1) -> Adapter:
+def make_adapter(
+    config: Any, lora: LoraSettings | None = None, expert_groups: int = 1, vocab_groups: int = 1
+) -> Adapter:
     """The adapter for ``config``'s architecture (with ``lora``: LoRA layers injected, the base frozen;
-    ``expert_groups`` > 1: a mixture of experts' layers split into that many expert groups); raises
-    ConfigError for unsupported ones, or groups that do not divide the experts into non-empty sets."""
+    ``expert_groups`` > 1: a mixture of experts' layers split into that many expert groups;
+    ``vocab_groups`` > 1: the embedding split into that many blocks of vocabulary rows); raises
+    ConfigError for unsupported ones, or groups that do not divide the experts (or rows) into non-empty
+    sets, or a tied embedding to split."""
     arch = architecture_of(config)
     if lora is not None and arch in MOE:  # peft wraps fused expert tensors and routers, which Fuyou does not merge yet
         raise ConfigError(f"LoRA on a mixture of experts ({arch}) is not supported yet; train it in full")
-    return GPT2Adapter(config, lora, expert_groups) if arch in GPT2 else LlamaLike(config, lora, expert_groups)
+    if arch in GPT2:
+        return GPT2Adapter(config, lora, expert_groups, vocab_groups)
+    return LlamaLike(config, lora, expert_groups, vocab_groups)

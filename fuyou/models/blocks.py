@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fuyou.schedule.experts import EXPERTS_PART, group_ranges
+from fuyou.schedule.vocab import row_ranges, vocab_block_name
 from fuyou.storage.extents import ExtentSpec, TensorSpec
 
 
@@ -50,7 +51,8 @@ class BlockSpec:
 
 
 def slice_key(key: str, lo: int, hi: int) -> str:
-    """The store key of experts ``lo…hi−1`` (rows of dim 0) of the fused expert tensor ``key``."""
+    """The store key of rows ``lo…hi−1`` of dim 0 of ``key``: experts of a fused expert tensor, or
+    vocabulary rows of an embedding matrix."""
     return f"{key}[{lo}:{hi}]"
 
 
@@ -90,3 +92,28 @@ def split_experts(blocks: tuple[BlockSpec, ...], groups: int, experts: int, top_
             flops = routed * hi // experts - routed * lo // experts  # the groups' sum is the layer's
             out.append(BlockSpec(f"{blk.name}{EXPERTS_PART}{g}", params, (), flops))
     return tuple(out)
+
+
+def split_vocab(blocks: tuple[BlockSpec, ...], groups: int, embed_key: str, vocab: int) -> tuple[BlockSpec, ...]:
+    """``blocks`` with the embedding (block 0, parameter ``embed_key`` of ``[vocab, hidden]``) cut by
+    vocabulary rows into ``groups`` blocks (``fuyou.schedule.vocab``): ``embed`` owning rows [0, hi)
+    and any other parameter of the embedding block, then ``embed.vocab.<g>`` each owning its rows
+    (keys ``slice_key``). ``groups`` == 1: ``blocks`` unchanged.
+
+    Raises ValueError if ``groups`` is not in 1…``vocab`` or the embedding block has no ``embed_key``.
+    """
+    if groups == 1:
+        return blocks
+    if not 1 <= groups <= vocab:
+        raise ValueError(f"cannot split a vocabulary of {vocab} rows into {groups} groups")
+    embed, rest = blocks[0], blocks[1:]
+    matrix = [p for p in embed.params if p.key == embed_key]
+    if not matrix:
+        raise ValueError(f"the embedding block holds no {embed_key!r} to split")
+    hidden = matrix[0].shape[1:]
+    out = []
+    for g, (lo, hi) in enumerate(row_ranges(vocab, groups)):
+        rows = ParamSpec(slice_key(embed_key, lo, hi), (hi - lo, *hidden))
+        others = tuple(p for p in embed.params if p.key != embed_key) if g == 0 else ()
+        out.append(BlockSpec(vocab_block_name(g), (rows, *others), embed.borrows if g == 0 else (), 0))
+    return (*out, *rest)

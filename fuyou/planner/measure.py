@@ -200,6 +200,7 @@ def block_compute(
     flops_per_token: int,
     repeats: int = 3,
     precision: str = "bf16",
+    lora: Any = None,
 ) -> tuple[ComputePoint, float]:
     """Forward and backward speed of one block of ``config``'s model on the device, with random
     weights of the block's shapes in the compute dtype (``precision``), at ``micro_batch × seq_len``
@@ -207,14 +208,23 @@ def block_compute(
     block saved for backward per token).
 
     ``flops_per_token`` is the block's forward FLOPs per token (``shapes.BlockShape.fwd_flops_per_token``).
+    With ``lora`` (``LoraSettings``) the block runs as a LoRA run's does: its base frozen, peft's adapters
+    (fp32) trained beside it; its backward rate is then its forward FLOPs ÷ the backward's time, the
+    rate the cost model divides a frozen block's backward by (``graph.StepGraph._bwd_s``). The backward of
+    a frozen base does not take half a trained one's time: the adapters' own matmuls and casts, and every
+    element-wise op's backward, remain.
     """
     import torch
 
     from fuyou.models.adapters import make_adapter
     from fuyou.models.blocks import BlockSpec
 
-    ad = make_adapter(config)
+    ad = make_adapter(config, lora)
     ad.prepare(backend.device)
+    if lora is not None:
+        from fuyou.engine.lora import LoraState
+
+        LoraState(ad.model, lora, backend.device, {}, {"betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0})
     dev = backend.device
     specs: list[BlockSpec] = ad.blocks
 
@@ -268,7 +278,7 @@ def block_compute(
     tokens = micro_batch * seq_len
     flops = flops_per_token * tokens
     t_b = max(t_fb - t_f, 1e-9)
-    return ComputePoint(tokens, flops / t_f, 2 * flops / t_b, seq_len), saved[0] / tokens
+    return ComputePoint(tokens, flops / t_f, (1 if lora is not None else 2) * flops / t_b, seq_len), saved[0] / tokens
 
 
 QUICK = {
@@ -279,7 +289,7 @@ QUICK = {
     "matmul_n": 1024,
     "matmul_max_s": 0.25,
     "repeats": 3,
-    "compute_repeats": 1,
+    "compute_repeats": 3,  # a median of three: one busy moment does not set the profile every later run inherits
     "head_tokens": 256,
 }
 """Sizes of the quick profile ``fuyou finetune`` measures when it has none (seconds on any CPU)."""
@@ -365,11 +375,13 @@ def model_figures(
     precision: str = "bf16",
     sizes: dict | None = None,
     log: Callable[[str], None] = lambda s: None,
+    lora: Any = None,
 ) -> dict[str, Any]:
     """The model-dependent ``HardwareProfile`` fields as plain data: decoder-layer and head compute
     points at ``micro_batches`` × ``seq_len`` in the compute dtype, and the layer's activation bytes.
     With ``sizes["head_tokens"]`` (``QUICK``) the head is timed at no more than that many tokens (its
-    speed there stands for larger micro-batches: the planner holds the nearest point)."""
+    speed there stands for larger micro-batches: the planner holds the nearest point). With ``lora``
+    (``LoraSettings``) the blocks are timed as a LoRA run computes them (``block_compute``)."""
     from fuyou.planner.shapes import shape_from_config
 
     z = {**FULL, **(sizes or {})}
@@ -387,6 +399,7 @@ def model_figures(
             shape.blocks[1].fwd_flops_per_token(shape.hidden, seq_len),
             z["compute_repeats"],
             precision,
+            lora,
         )
         compute.append(dataclasses.asdict(pt))
         hmb = mb if not z["head_tokens"] else max(1, min(mb, z["head_tokens"] // seq_len))
@@ -399,6 +412,7 @@ def model_figures(
             shape.blocks[H].fwd_flops_per_token(shape.hidden, seq_len),
             z["compute_repeats"],
             precision,
+            lora,
         )
         head.append(dataclasses.asdict(hp))
     return {

@@ -119,7 +119,7 @@ class _Search:
         self.park: int | None = None
         """``Plan.park_ram_blocks`` of every candidate with the clipping schedule (None: all in RAM)."""
         self.evals = 0
-        layers = [b for b in range(1, self.H) if shape.blocks[b].kind != "experts"]
+        layers = [b for b in range(1, self.H) if shape.blocks[b].kind not in ("experts", "embed")]
         self.members = {b: [b] for b in layers}
         """Layer → its blocks: itself and, split into expert groups, the groups, which share its policy."""
         for b in range(1, self.H):
@@ -150,6 +150,7 @@ class _Search:
             state_chunk=chunk,
             frozen=self.r.frozen,
             expert_groups=self.m.expert_groups,
+            vocab_groups=self.m.vocab_groups,
         )
 
     def cfg(self, mb: int) -> StepConfig:
@@ -163,9 +164,9 @@ class _Search:
         self, mb: int, n: int, depth: int, bufs: int, sched: str, chunk: int, cfg: StepConfig
     ) -> tuple[str, ...] | None:
         """Policies with the first ``n`` layers (benefit order) saved in the cheapest tier that fits."""
-        pol = ["keep"] + [self.rc] * (self.H - 1) + ["keep"]
+        pol = self.base_policies()
         if self.r.activations:
-            pol[1 : self.H] = [self.r.activations] * (self.H - 1)
+            pol = [p if p == "keep" else self.r.activations for p in pol]
             return tuple(pol) if self.fits(self.plan(mb, tuple(pol), depth, bufs, sched, chunk), cfg) else None
         if not self.fits(self.plan(mb, tuple(pol), depth, bufs, sched, chunk), cfg):
             return None
@@ -179,6 +180,10 @@ class _Search:
                 for m in self.members[b]:
                     pol[m] = self.rc
         return tuple(pol)
+
+    def base_policies(self) -> list[str]:
+        """``keep`` for the embedding (each vocabulary group) and the head, ``self.rc`` for the rest."""
+        return ["keep" if blk.kind in ("embed", "head") else self.rc for blk in self.m.blocks]
 
     def score(self, plan: Plan, cfg: StepConfig) -> Prediction:
         self.evals += 1
@@ -306,7 +311,7 @@ class _Search:
         return f"Lower --tokens-per-step to ≤ {seqs * self.r.seq_len * self.r.cluster.world} (or --seq-len)"
 
     def _device_error(self, mb: int, depth: int, bufs: int, sched: str, chunk: int) -> NoReturn:
-        pol = ("keep",) + (self.rc,) * (self.H - 1) + ("keep",)
+        pol = tuple(self.base_policies())
         plan, cfg = self.plan(mb, pol, depth, bufs, sched, chunk), self.cfg(mb)
         mem = memory(self.m, plan, cfg, self.hw)
         holders = set(self.m.route_holders())

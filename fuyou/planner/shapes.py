@@ -21,6 +21,7 @@ from fuyou.errors import ConfigError
 from fuyou.schedule.experts import group_ranges
 from fuyou.schedule.shards import shard_len
 from fuyou.schedule.sizing import Footprint
+from fuyou.schedule.vocab import row_ranges, vocab_block_name
 
 TENSOR_ALIGN_ELEMS = 32
 """The store packs each tensor at 64-byte alignment: 32 bf16 elements."""
@@ -139,7 +140,8 @@ class BlockShape:
 
     name: str
     kind: str
-    """``embed`` | ``layer`` | ``experts`` (an expert group of a split mixture-of-experts layer) | ``head``."""
+    """``embed`` (the embedding, or one of its vocabulary groups: ``fuyou.schedule.vocab``) | ``layer`` |
+    ``experts`` (an expert group of a split mixture-of-experts layer) | ``head``."""
     numel: int
     """Elements of the block's flat vectors (as ``ModelLayout.numel``)."""
     matmul_flops_per_token: int
@@ -183,6 +185,8 @@ class ModelShape:
     """Experts per mixture-of-experts layer (0: a dense model)."""
     expert_groups: int = 1
     """Expert-group blocks each mixture-of-experts layer is split into (``Plan.expert_groups``)."""
+    vocab_groups: int = 1
+    """Blocks the embedding is split into by vocabulary rows (``Plan.vocab_groups``)."""
     source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """The config the shape was made from (``split``)."""
     freezer: Freezer | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -224,7 +228,18 @@ class ModelShape:
             return self
         if not self.experts:
             raise ConfigError(f"{self.name} has no experts to split into {groups} groups")
-        split = _llama(self.source, self.name, groups)
+        split = _llama(self.source, self.name, groups, self.vocab_groups)
+        return split.freeze(self.freezer) if self.freezer is not None else split
+
+    def split_vocab(self, groups: int) -> ModelShape:
+        """This model with its embedding split into ``groups`` blocks of vocabulary rows (the engine's
+        ``fuyou.models.blocks.split_vocab``). Raises ConfigError for a tied embedding (the head borrows
+        the whole matrix) or a family the engine does not split (GPT-2)."""
+        if groups == self.vocab_groups:
+            return self
+        if self.blocks[-1].borrows or not self.source or self.source.get("model_type") == "gpt2":
+            raise ConfigError(f"{self.name}'s embedding (tied, or GPT-2's) cannot be split into vocabulary groups")
+        split = _llama(self.source, self.name, self.expert_groups, groups)
         return split.freeze(self.freezer) if self.freezer is not None else split
 
     @property
@@ -308,7 +323,7 @@ def _prod(s: tuple[int, ...]) -> int:
     return out
 
 
-def _llama(cfg: dict, name: str, groups: int = 1) -> ModelShape:
+def _llama(cfg: dict, name: str, groups: int = 1, vocab_groups: int = 1) -> ModelShape:
     h, L, v = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     i = cfg.get("intermediate_size", 4 * h)
     nh = cfg.get("num_attention_heads", max(1, h // 128))
@@ -337,7 +352,14 @@ def _llama(cfg: dict, name: str, groups: int = 1) -> ModelShape:
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
     if not 1 <= groups <= max(1, experts):
         raise ConfigError(f"cannot split {experts} experts into {groups} groups")
-    blocks = [BlockShape("embed", "embed", v * h, 0, 0)]
+    if not 1 <= vocab_groups <= v or (vocab_groups > 1 and tied):
+        raise ConfigError(
+            f"cannot split {name}'s embedding ({'tied, ' if tied else ''}{v} rows) into {vocab_groups} groups"
+        )
+    blocks = [  # the later vocabulary groups add to their input: backward needs none of it
+        BlockShape(vocab_block_name(g), "embed", (hi - lo) * h, 0, 0, keeps_input=g == 0)
+        for g, (lo, hi) in enumerate(row_ranges(v, vocab_groups))
+    ]
     for k in range(L):
         moe = _moe_layer(cfg, k, attn, attn_mm, h, kv, groups)
         numel, mm, act = moe[0] if moe else dense
@@ -349,7 +371,7 @@ def _llama(cfg: dict, name: str, groups: int = 1) -> ModelShape:
             blocks.append(BlockShape(f"layer.{k}.experts.{g}", "experts", numel, mm, act, keeps_input=False))
     head = _aligned((h,)) if tied else _aligned((h,), (v, h))
     blocks.append(BlockShape("head", "head", head, 2 * v * h, 0, ("embed",) if tied else ()))
-    return ModelShape(name, tuple(blocks), h, L, v, experts, groups, cfg)
+    return ModelShape(name, tuple(blocks), h, L, v, experts, groups, vocab_groups, cfg)
 
 
 def _moe_layer(
@@ -408,10 +430,13 @@ LLAMA_TYPES = (
 """``model_type``s of the Llama-like families (dense and mixture-of-experts) the planner shapes."""
 
 
-def shape_from_config(cfg: dict[str, Any], name: str = "model", expert_groups: int = 1) -> ModelShape:
+def shape_from_config(
+    cfg: dict[str, Any], name: str = "model", expert_groups: int = 1, vocab_groups: int = 1
+) -> ModelShape:
     """The ModelShape of a Hugging Face config dict (Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1/2/3,
     Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-2), its mixture-of-experts layers split into
-    ``expert_groups`` expert groups.
+    ``expert_groups`` expert groups, its embedding into ``vocab_groups`` blocks of vocabulary rows
+    (Llama-like families, untied).
 
     Raises ConfigError for another architecture, a config missing its dimensions, or groups that do
     not split its experts.
@@ -424,7 +449,7 @@ def shape_from_config(cfg: dict[str, Any], name: str = "model", expert_groups: i
         if mt in LLAMA_TYPES or any(
             a.startswith(("Llama", "Mistral", "Mixtral", "Qwen", "Phi3", "Gemma")) for a in archs
         ):
-            return _llama(cfg, name, expert_groups)
+            return _llama(cfg, name, expert_groups, vocab_groups)
     except KeyError as e:
         raise ConfigError(
             f"model config {name!r} lacks {e.args[0]!r}; pass a complete Hugging Face config.json"

@@ -13,16 +13,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
 from fuyou.engine import Engine, EngineConfig
-from fuyou.errors import ConfigError
+from fuyou.errors import ConfigError, FuyouWarning
 from fuyou.planner.cost import FLOP_FORMULA
 from fuyou.run.config import FinetuneConfig
 from fuyou.run.lr import lr_at
-from fuyou.run.plan_choice import ChosenPlan, PlanRequest, choose_plan, device_kind
+from fuyou.run.plan_choice import ChosenPlan, PlanRequest, check_profile, choose_plan, device_kind
 from fuyou.run.report import Progress, peak_rss, summary_table
 from fuyou.run.tensorboard import TensorBoardLog, require_tensorboard
 from fuyou.units import parse_size
@@ -76,6 +78,7 @@ def plan_request(cfg: FinetuneConfig, config: Any, stripes: list[str] | None = N
         ranks=ranks,
         frozen=cfg.lora_rank is not None,
         lora_rank=cfg.lora_rank or 0,
+        lora=cfg.lora,
         freeze=tuple(cfg.freeze),
     )
 
@@ -171,7 +174,13 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
         result = _export(cfg, engine, out)
     finally:
         engine.close()
+    log = _log if cfg.progress else lambda s: None
+    req = plan_request(cfg, config, stripes, ranks.world)
+    check = check_profile(chosen, req, summary.pop("steady_step_s"), log) if ranks.root else None
+    if check and check["verdict"] == "re-measured":
+        warnings.warn(check["note"], FuyouWarning, stacklevel=2)
     summary.update(
+        profile_check=check,
         model=model_dir,
         pretrained=pretrained,
         output=result,
@@ -388,6 +397,7 @@ def _train(
         "loss": None,
         "wall": 0.0,
         "stall": 0.0,
+        "step_times": [],
         "eval_before": None,
     }
     start = 0
@@ -427,6 +437,7 @@ def _train(
             c["first_loss"] = st["loss"] if c["first_loss"] is None else c["first_loss"]
             c["loss"] = st["loss"]
             c["wall"] += time.perf_counter() - t0
+            c["step_times"].append(st["step_time_s"])
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total:
                 c["stall"] += _checkpoint(cfg, engine, data, step + 1, c, ranks)
             progress.update(rec)
@@ -453,7 +464,12 @@ def _train(
         "flop_formula": FLOP_FORMULA,
         "store_dirs": list(_store_template(cfg, ranks.world)),
         "tensorboard": tb.log_dir if tb else None,
+        "steady_step_s": statistics.median(c["step_times"][WARMUP_STEPS:]) if c["step_times"][WARMUP_STEPS:] else None,
     }
+
+
+WARMUP_STEPS = 2
+"""Steps a run's steady step time (``profile_check`` in run.json) leaves out: the first pays for warm-up."""
 
 
 def _record(step: int, st: dict, fpt: int, world: int = 1) -> dict:

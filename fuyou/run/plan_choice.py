@@ -87,6 +87,8 @@ class PlanRequest:
     frozen: bool = False
     """LoRA on a frozen base: the plan streams weights only (``Plan.frozen``)."""
     lora_rank: int = 0
+    lora: Any = None
+    """With ``frozen``: the run's ``LoraSettings``, so a quick profile times the blocks as LoRA computes them."""
     """With ``frozen``: the adapters' rank (their device memory)."""
     freeze: tuple[str, ...] = ()
     """``--freeze`` globs: the blocks they freeze whole are planned without state or writes."""
@@ -143,9 +145,9 @@ def device_kind(device: str) -> str:
     return kind(device)
 
 
-def _profile(req: PlanRequest, log: Callable[[str], None]) -> tuple[Any, str | None]:
-    """The hardware profile for this run and where it came from (None: measured now); see the module
-    docstring."""
+def _profile(req: PlanRequest, log: Callable[[str], None]) -> tuple[Any, str | dict[str, Any]]:
+    """The hardware profile for this run and where it came from: a file's path, or for a quick profile its
+    cache keys and whether it came from the cache (``quick_profile``); see the module docstring."""
     from fuyou.planner.profile import load_profile
 
     path = req.profile or os.environ.get("FUYOU_PROFILE")
@@ -164,41 +166,116 @@ def _profile(req: PlanRequest, log: Callable[[str], None]) -> tuple[Any, str | N
 
     for d in req.store_dirs:
         check_dir(d)  # unusable directories get the store's one-line error before anything is measured
-    return quick_profile(req, kind, _stderr), None  # said even without progress output: it explains a wait
+    return quick_profile(req, kind, _stderr)  # said even without progress output: it explains a wait
 
 
-def quick_profile(req: PlanRequest, kind: str, log: Callable[[str], None]) -> Any:
+def quick_profile(
+    req: PlanRequest, kind: str, log: Callable[[str], None], again: bool = False
+) -> tuple[Any, dict[str, Any]]:
     """The quick profile for this run, from the per-machine cache where measured before (see the
-    module docstring)."""
+    module docstring), and ``{"keys": its cache keys, "cached": whether it all came from the cache}``.
+    ``again``: measured anew whatever the cache holds, which then keeps the new figures."""
     from fuyou.device import get_backend
-    from fuyou.machine import cached, machine_key
+    from fuyou.machine import cache_put, cached, machine_key
     from fuyou.planner.measure import QUICK, machine_figures, model_figures, profile_from
     from fuyou.planner.shapes import shape_from_config
 
     backend = get_backend(kind)
     ssd = os.path.abspath(req.store_dirs[0])
     base = f"{machine_key(kind + ':' + backend.describe())}/{req.precision}"
+    lora = req.lora if req.frozen else None
+    tag = f"/lora{lora.rank}-{'+'.join(lora.targets)}" if lora is not None else ""
+    sig = shape_from_config(req.model_config.to_dict()).signature
+    keys = [f"{base}/fs{os.stat(ssd).st_dev}", f"{base}/{sig}/{req.micro_batch_size}x{req.seq_len}{tag}"]
     said: list[int] = []
 
-    def measuring(what: str) -> Callable[[], Any]:
+    def measure(what: str) -> Callable[[], Any]:
         def run() -> Any:
-            if not said:
+            if not said and not again:
                 log("planner: measuring a quick hardware profile of this machine (once; seconds) …")
                 said.append(1)
-            return (
-                machine_figures(backend, [ssd], req.precision, QUICK)
-                if what == "machine"
-                else model_figures(
-                    req.model_config, backend, (req.micro_batch_size,), req.seq_len, req.precision, QUICK
-                )
-            )
+            if what == "machine":
+                return machine_figures(backend, [ssd], req.precision, QUICK)
+            mb = (req.micro_batch_size,)
+            return model_figures(req.model_config, backend, mb, req.seq_len, req.precision, QUICK, lora=lora)
 
         return run
 
-    machine, _ = cached("quick-profile", f"{base}/fs{os.stat(ssd).st_dev}", measuring("machine"))
-    sig = shape_from_config(req.model_config.to_dict()).signature
-    model, _ = cached("quick-profile", f"{base}/{sig}/{req.micro_batch_size}x{req.seq_len}", measuring("model"))
-    return profile_from(machine, model, "quick (measured for a run)")
+    if again:
+        machine, model = measure("machine")(), measure("model")()
+        cache_put(QUICK_CACHE, keys[0], machine)
+        cache_put(QUICK_CACHE, keys[1], model)
+        return profile_from(machine, model, "quick (measured again for a run)"), {"keys": keys, "cached": False}
+    (machine, hit), (model, hit_model) = (
+        cached(QUICK_CACHE, k, measure(w)) for k, w in zip(keys, ("machine", "model"))
+    )
+    return profile_from(machine, model, "quick (measured for a run)"), {"keys": keys, "cached": hit and hit_model}
+
+
+QUICK_CACHE = "quick-profile"
+"""The per-machine cache file of quick profiles (``fuyou.machine``)."""
+PROFILE_TOLERANCE = 1.3
+"""Predicted ÷ measured step time outside [1/this, this] makes a run measure the cached quick profile it was
+planned with again (``check_profile``)."""
+
+
+def check_profile(
+    chosen: ChosenPlan, req: PlanRequest, measured_s: float | None, log: Callable[[str], None] = lambda s: None
+) -> dict[str, Any] | None:
+    """The run's verdict on the profile it was planned with, for run.json: its predicted step time ÷ the
+    median measured one (None without either). Where a quick profile taken from the per-machine cache is
+    off by more than ``PROFILE_TOLERANCE``, it is measured again (seconds) and the new figures replace the
+    cached ones; the verdict gives both predictions for the plan that ran: ``re-measured`` when they
+    differ by more than the tolerance (the cached figures were stale: measured while the machine was busy,
+    say; the caller warns with ``note``), else ``cost model`` (the figures hold: the model misses
+    something of this setting)."""
+    pred = chosen.info.get("predicted_step_s")
+    if not pred or not measured_s:
+        return None
+    rec: dict[str, Any] = {
+        "predicted_step_s": pred,
+        "measured_step_s": measured_s,
+        "predicted_over_measured": pred / measured_s,
+    }
+    cache = chosen.info.get("profile_cache")
+    if 1 / PROFILE_TOLERANCE <= pred / measured_s <= PROFILE_TOLERANCE:
+        return rec | {"verdict": "ok"}
+    if not cache or not cache["cached"]:
+        return rec | {"verdict": "cost model (profile measured for this run)"}
+    log("planner: the run's steps disagree with the cached quick profile; profiling again (seconds) …")
+    fresh, _ = quick_profile(req, device_kind(req.device), log, again=True)
+    again = _predicted_step_s(req, fresh, chosen.plan)
+    rec |= {"remeasured_step_s": again, "remeasured_over_measured": again / measured_s}
+    if 1 / PROFILE_TOLERANCE <= again / pred <= PROFILE_TOLERANCE:
+        return rec | {"verdict": "cost model (the profile measured again predicts the same)"}
+    return rec | {
+        "verdict": "re-measured",
+        "note": f"the cached quick profile predicted {pred:.2f} s/step, the run measured {measured_s:.2f} s and "
+        f"a profile measured again predicts {again:.2f} s: the cached one was stale (measured on a busy "
+        "machine?) and is replaced in the per-machine cache",
+    }
+
+
+def _predicted_step_s(req: PlanRequest, prof: Any, plan: Plan) -> float:
+    """The cost model's step time of ``plan`` for the run ``req`` on ``prof``."""
+    from fuyou.planner.cluster import Cluster
+    from fuyou.planner.cost import predict
+    from fuyou.planner.graph import StepConfig
+
+    shape = _shape(req)
+    cfg = StepConfig(
+        req.micro_batch_size, req.seq_len, 12 if req.state_precision == "fp32" else 8,
+        4 if req.precision == "fp32" else 2, Cluster(req.ranks), shape.lora_params(req.lora_rank),
+    )  # fmt: skip
+    return predict(shape, plan, cfg, prof).step_s
+
+
+def _shape(req: PlanRequest) -> Any:
+    """The planner's shape of ``req``'s model (its ``--freeze`` parts frozen)."""
+    from fuyou.planner.shapes import shape_from_config
+
+    shape = shape_from_config(req.model_config.to_dict())
+    return shape.freeze(frozen_parts(req.model_config, req.freeze)) if req.freeze else shape
 
 
 def _stderr(msg: str) -> None:
@@ -230,12 +307,9 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
     from fuyou.planner.cluster import Cluster
     from fuyou.planner.result import Budgets
     from fuyou.planner.search import Request, search
-    from fuyou.planner.shapes import shape_from_config
 
     prof, where = _profile(req, log)
-    shape = shape_from_config(req.model_config.to_dict())
-    if req.freeze:
-        shape = shape.freeze(frozen_parts(req.model_config, req.freeze))
+    shape = _shape(req)
     gpu = parse_size(req.gpu_memory, "--gpu-memory") if req.gpu_memory is not None else prof.device_memory_bytes
     budgets = Budgets(cpu_memory=parse_size(req.cpu_memory, "--cpu-memory"), gpu_memory=gpu)
     sreq = Request(
@@ -252,10 +326,10 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         lora_rank=req.lora_rank,
     )
     res = search(shape, prof, budgets, sreq)
-    measured = prof if where is None and req.profile_out is not None else None
-    where = where or req.profile_out or "measured now (not saved)"
-    p = res.prediction
-    plan = res.plan  # the state chunk rides inside the plan
+    quick = where if isinstance(where, dict) else None
+    measured = prof if quick is not None and req.profile_out is not None else None
+    where = (req.profile_out or "quick (not saved)") if quick is not None else where
+    p, plan = res.prediction, res.plan  # the state chunk rides inside the plan
     info = {
         "source": "planner",
         "profile": where,
@@ -263,7 +337,7 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         "predicted_bottleneck": p.bottleneck,
         "plan": plan.to_json(),
         "state_chunk": plan.state_chunk,
-    }
+    } | ({"profile_cache": quick} if quick is not None else {})
     log(f"planner: {describe(plan)}; predicted {p.step_s:.2f} s/step, bottleneck {p.bottleneck} (profile {where})")
     return ChosenPlan(plan, info, measured)
 

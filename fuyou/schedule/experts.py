@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+VOCAB_PART = ".vocab."
+"""Infix of a later vocabulary group's block name (``fuyou.schedule.vocab``, which re-exports it)."""
 EXPERTS_PART = ".experts."
 """Infix of an expert-group block's name: ``layer.3.experts.1`` is group 1 of decoder layer 3."""
 
@@ -28,9 +30,10 @@ def expert_group_options(experts: int) -> list[int]:
 
 def spread_policies(policies: tuple[str, ...], names: list[str]) -> tuple[str, ...]:
     """Per-block activation policies given for the blocks of the unsplit model (``policies``: one per
-    block, the expert groups left out), spread over the blocks ``names``: each expert group takes its
-    layer's. Policies given for ``names`` already, or none, come back unchanged."""
-    if len(policies) != sum(EXPERTS_PART not in n for n in names) or len(policies) == len(names):
+    block, the expert groups and later vocabulary groups left out), spread over the blocks ``names``:
+    each expert group takes its layer's, each vocabulary group the embedding's. Policies given for
+    ``names`` already, or none, come back unchanged."""
+    if len(policies) != sum(not _part(n) for n in names) or len(policies) == len(names):
         return policies  # none, already per block, or a count ``Plan.policy`` refuses by name
     given = iter(policies)
     return tuple(_spread(given, names))
@@ -39,5 +42,11 @@ def spread_policies(policies: tuple[str, ...], names: list[str]) -> tuple[str, .
 def _spread(given: Iterator[str], names: list[str]) -> Iterator[str]:
     last = ""
     for name in names:
-        last = last if EXPERTS_PART in name else next(given)
+        last = last if _part(name) else next(given)
         yield last
+
+
+def _part(name: str) -> bool:
+    """Whether block ``name`` is a part split off a block before it (an expert group, a later
+    vocabulary group: ``fuyou.schedule.vocab``)."""
+    return EXPERTS_PART in name or VOCAB_PART in name

@@ -159,3 +159,52 @@ def test_quick_profile_is_measured_once_and_reused(tmp_path, cache, model_dir, m
     p_b = json.loads((tmp_path / "b" / "profile.json").read_text())
     assert p_a == p_b and p_a["compute_bytes"] == 4  # measured in the run's precision (fp32 here)
     assert cache_get("quick-profile", sorted(keys)[0]) is not None
+
+
+def test_a_cached_profile_the_run_disproves_is_dropped_and_measured_again(tmp_path, cache, model_dir, monkeypatch):
+    """A quick profile cached while the machine was busy (here: its compute rates planted 20× too slow)
+    predicts a step far from the one the run measures: the run measures it again, says so (a warning,
+    ``profile_check`` in run.json) and the new figures replace the cached ones, which the next run
+    reuses."""
+    import fuyou.run.plan_choice as fp
+
+    monkeypatch.setattr(fp, "default_profile", lambda: str(tmp_path / "no-profile-here.json"))
+    monkeypatch.delenv("FUYOU_PROFILE", raising=False)
+    data = _data(tmp_path)
+    assert _finetune(model_dir, data, tmp_path / "a", "--precision", "fp32").exit_code == 0  # measured, cached
+    doc = json.loads((cache / "quick-profile.json").read_text())
+    for entry in doc.values():
+        for point in entry.get("compute", []) + entry.get("head_compute", []):
+            point["fwd_flops_per_s"] /= 20
+            point["bwd_flops_per_s"] /= 20
+    (cache / "quick-profile.json").write_text(json.dumps(doc))
+    with pytest.warns(FuyouWarning, match="the cached one was stale"):
+        busy = _finetune(model_dir, data, tmp_path / "b", "--precision", "fp32", "--steps", "4")
+    assert busy.exit_code == 0 and "measuring a quick" not in busy.output, busy.output
+    check = json.loads((tmp_path / "b" / "run.json").read_text())["profile_check"]
+    assert check["verdict"] == "re-measured" and check["predicted_over_measured"] > fp.PROFILE_TOLERANCE
+    assert check["remeasured_step_s"] < check["predicted_step_s"] / fp.PROFILE_TOLERANCE
+    fresh = json.loads((cache / "quick-profile.json").read_text())
+    assert fresh.keys() == doc.keys() and fresh != doc
+    again = _finetune(model_dir, data, tmp_path / "c", "--precision", "fp32", "--steps", "4")
+    assert again.exit_code == 0 and "measuring a quick" not in again.output  # the new figures, from the cache
+    assert json.loads((tmp_path / "c" / "run.json").read_text())["profile_check"]["verdict"] != "re-measured"
+
+
+def test_a_lora_run_times_its_blocks_as_lora_computes_them(tmp_path, cache, model_dir, monkeypatch):
+    """LoRA's backward is not half a trained block's (the adapters' matmuls and casts, every element-wise
+    op's backward remain): its quick profile times the blocks with the run's adapters on the frozen base,
+    cached apart from full fine-tuning's, and its backward rate is the frozen backward's own."""
+    import fuyou.run.plan_choice as fp
+
+    monkeypatch.setattr(fp, "default_profile", lambda: str(tmp_path / "no-profile-here.json"))
+    monkeypatch.delenv("FUYOU_PROFILE", raising=False)
+    data = _data(tmp_path)
+    assert _finetune(model_dir, data, tmp_path / "full", "--precision", "fp32").exit_code == 0
+    r = _finetune(model_dir, data, tmp_path / "lora", "--precision", "fp32", "--lora-rank", "4")
+    assert r.exit_code == 0 and "measuring a quick hardware profile" in r.output, r.output
+    doc = json.loads((cache / "quick-profile.json").read_text())
+    model_keys = sorted(k for k, v in doc.items() if "compute" in v)
+    assert len(model_keys) == 2 and model_keys[1] == model_keys[0] + "/lora4-all-linear"
+    full, lora = (doc[k]["compute"][0] for k in model_keys)
+    assert lora["bwd_flops_per_s"] < full["bwd_flops_per_s"]  # the same FLOPs counted once, not twice

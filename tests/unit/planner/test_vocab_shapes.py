@@ -1,0 +1,80 @@
+"""The planner's shapes of an embedding split by vocabulary rows (``Plan.vocab_groups``) agree with
+the engine's layout, the planner plans them, and what remains of the issue's host floor is said."""
+
+from __future__ import annotations
+
+import pytest
+
+from fuyou.errors import ConfigError
+from fuyou.planner.search import Budgets, Request, search
+from fuyou.planner.shapes import shape_from_config
+from fuyou.schedule import sizing
+from fuyou.schedule.plan import Plan
+from tests.unit.planner.helpers import profile
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def test_split_shapes_match_the_engines_layout():
+    import torch
+
+    from fuyou.models.adapters import make_adapter
+    from fuyou.models.store_layout import ModelLayout
+    from tests.integration.tiny_models import tiny
+
+    for fam in ("llama", "qwen2", "phi3", "mixtral"):
+        cfg, _ = tiny(fam, hidden=72)
+        s = shape_from_config(cfg.to_dict())
+        for g in (2, 3, 5):
+            ad, split = make_adapter(cfg, vocab_groups=g), s.split_vocab(g)
+            lay = ModelLayout(tuple(ad.blocks))
+            assert [b.name for b in split.blocks] == [b.name for b in ad.blocks]
+            assert [b.numel for b in split.blocks] == [lay.numel(b) for b in range(len(ad.blocks))]
+            assert [b.matmul_flops_per_token for b in split.blocks] == [b.flops_per_token for b in ad.blocks]
+            assert [b.keeps_input for b in split.blocks[:g]] == [True] + [False] * (g - 1)
+            assert [ad.additive(b) for b in range(g)] == [False] + [True] * (g - 1)
+            assert ModelLayout(tuple(ad.blocks)).footprint() == split.footprint(2, 12)
+            fp32 = ModelLayout(tuple(ad.blocks), torch.float32).footprint()
+            assert all(e <= p for e, p in zip(fp32.weight_bytes, split.footprint(4, 12).weight_bytes))
+        if fam == "mixtral":  # expert groups and vocabulary groups together, either order
+            both = make_adapter(cfg, expert_groups=2, vocab_groups=3)
+            assert [b.name for b in s.split(2).split_vocab(3).blocks] == [b.name for b in both.blocks]
+            assert [b.name for b in s.split_vocab(3).split(2).blocks] == [b.name for b in both.blocks]
+
+
+def test_a_tied_embedding_is_not_split():
+    from tests.integration.tiny_models import tiny
+
+    for fam in ("llama_tied", "gpt2"):
+        with pytest.raises(ConfigError):
+            shape_from_config(tiny(fam)[0].to_dict()).split_vocab(2)
+
+
+LLAMA_550M = dict(
+    model_type="llama", hidden_size=1536, num_hidden_layers=16, vocab_size=49152, intermediate_size=4096,
+    num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False,
+)  # fmt: skip
+"""The issue's 550 M-parameter Llama with a 49 k vocabulary, untied."""
+
+
+def test_the_planner_plans_a_split_embedding():
+    s = shape_from_config(LLAMA_550M, "llama-550m").split_vocab(3)
+    r = search(s, profile(), Budgets(cpu_memory=2 * GiB, gpu_memory=8 * GiB), Request(512, 4096, clip=True))
+    assert r.plan.vocab_groups == 3
+    assert r.plan.activation_policy[:3] == ("keep",) * 3 and len(r.plan.activation_policy) == len(s.blocks)
+
+
+def test_the_embedding_no_longer_sets_the_host_floor_but_the_untied_head_still_does():
+    """Split by vocabulary rows, the embedding's blocks are each no larger than a decoder layer; the
+    head of an untied model is as large as the whole embedding and is not split yet, so the 550 M
+    model's smallest buffer set stays the head's (6 × 144 MiB + state ≈ 888 MiB > 768 MiB)."""
+    s = shape_from_config(LLAMA_550M)
+    layer = max(b.numel for b in s.blocks if b.kind == "layer")
+    split = s.split_vocab(3)
+    assert max(b.numel for b in split.blocks if b.kind == "embed") <= layer
+    plan = Plan(schedule="overlap_next_forward", vocab_groups=3)
+    fp = split.footprint(2, 12)
+    small = sizing.fit_host(fp, plan, 768 * MiB)
+    head = fp.weight_bytes[-1]
+    assert max(fp.weight_bytes) == head and head > 140 * MiB
+    assert sizing.host_need(fp, small) > 768 * MiB  # what remains: the head's vocabulary split
