@@ -287,3 +287,18 @@ def test_io_cpu_bench_smoke(tmp_path):
         assert 1.0 <= rec["ratios"]["cpu_floor_over_plain"] <= rec["ratios"]["fuyou_over_plain"] * 1.1
     else:
         assert rec["references"] == {} and rec["ratios"] == {}
+
+
+@pytest.mark.slow  # ~30 s: two real CLI runs of a tiny model, the first measuring a quick profile
+def test_plan_truth_bench_smoke(tmp_path):
+    """Predicted ÷ measured through the CLI: one record per setting, each with both step times and the
+    run's own verdict on its profile."""
+    out = tmp_path / "truth.jsonl"
+    r = subprocess.run(
+        [sys.executable, "bench/bench_plan_truth.py", "--smoke", "--dir", str(tmp_path), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [rec["setting"] for rec in recs] == ["ssd_noclip_fp32", "lora8"]
+    assert all(rec["predicted_over_measured"] > 0 and rec["profile_check"]["verdict"] for rec in recs), recs
