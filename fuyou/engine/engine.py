@@ -10,6 +10,7 @@ compute copy + fp32 master + zeroed m/v) and never sit whole in RAM.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -428,14 +429,8 @@ class Engine:
             num_items=num_items,
             balance=None if self.balance is None else StepBalance(self.balance, len(input_ids), dev, self.comm),
         )
-        try:
+        with _device_memory("a step"):
             applied, t0, t1 = self.runner.run(st)
-        except torch.OutOfMemoryError as e:  # the device's own allocator: what Fuyou's budget does not count
-            raise DeviceMemoryError(
-                f"the device ran out of memory during a step ({str(e).splitlines()[0][:160]}); lower "
-                "--micro-batch-size or --seq-len, choose --activations recompute, or give the planner the "
-                "real --gpu-memory (it keeps activations and logits within it)"
-            ) from None
         tokens = sum(x.numel() for x in input_ids)
         return StepResult(
             step=self.step,
@@ -457,8 +452,16 @@ class Engine:
         """Mean loss over the labelled tokens of a ``[B, T]`` batch, forward only (no update);
         ``position_ids`` as for ``train_step``.
 
-        Streams the weights block by block like a training step; pending updates are committed first.
+        Streams the weights block by block like a training step; pending updates are committed first. The
+        head's logits are made and reduced ``sizing.loss_chunk_tokens`` tokens at a time, as in training.
+        Raises DeviceMemoryError (one line) if the device's allocator runs out.
         """
+        with _device_memory("an evaluation"):
+            return self._evaluate(input_ids, labels, position_ids)
+
+    def _evaluate(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None, position_ids: torch.Tensor | None
+    ) -> float:
         self.flush()
         labels = input_ids if labels is None else labels
         dev = self.backend.device
@@ -484,13 +487,25 @@ class Engine:
                 tensors.update(self.layout.unflatten(o, self.loader.next(o).view(self.layout.compute_dtype)))
             self.loader.ready_event().wait(self.compute_stream)  # hazard: compute reading weights mid-copy
             self.adapter.bind(H, tensors)
-            logits, _ = self.adapter.forward(H, x, ctx)
+            loss = self._chunked_loss(x, ctx, labels)
             self.adapter.unbind(H)
         finally:
             self.loader.drain()
+        return loss
+
+    def _chunked_loss(self, x: torch.Tensor, ctx: Any, labels: torch.Tensor) -> float:
+        """Mean loss of the head (bound) over ``x``'s labelled tokens, ``sizing.loss_chunk_tokens`` at a time."""
         from transformers.loss.loss_utils import ForCausalLMLoss
 
-        return ForCausalLMLoss(logits, labels.to(dev), self.adapter.config.vocab_size).item()
+        vocab = self.adapter.config.vocab_size
+        shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # token i predicts label i + 1
+        n_items: Any = int((shift != -100).sum())  # counted on the host
+        step = max(1, sizing.loss_chunk_tokens(vocab, elem_size(self.layout.compute_dtype)) // x.shape[0])
+        total = torch.zeros((), dtype=torch.float64, device=x.device)
+        for piece, lab in zip(x.split(step, dim=1), shift.to(x.device).split(step, dim=1)):
+            logits, _ = self.adapter.forward(len(self.layout.blocks) - 1, piece, ctx)
+            total += ForCausalLMLoss(logits, None, vocab, num_items_in_batch=n_items, shift_labels=lab.contiguous())
+        return float(total) if n_items else float("nan")
 
     def flush(self) -> None:
         """Wait for pending updates (clipping schedule) and commit them; then write the RAM tier's
@@ -607,6 +622,20 @@ def expert_groups_for(config: Any, compute_dtype: torch.dtype, world: int, capac
         if sizing.device_floor(ModelLayout(blocks, compute_dtype, world=world).footprint(), device) <= capacity:
             return g
     return options[-1]
+
+
+@contextlib.contextmanager
+def _device_memory(what: str) -> Iterator[None]:
+    """Turn the device allocator's out-of-memory error (what Fuyou's budget does not count) during ``what``
+    into the one-line DeviceMemoryError with the ways out."""
+    try:
+        yield
+    except torch.OutOfMemoryError as e:
+        raise DeviceMemoryError(
+            f"the device ran out of memory during {what} ({str(e).splitlines()[0][:160]}); lower "
+            "--micro-batch-size or --seq-len, choose --activations recompute, or give the planner the "
+            "real --gpu-memory (it keeps activations and logits within it)"
+        ) from None
 
 
 def _entry(state_dict: dict[str, torch.Tensor], key: str) -> torch.Tensor:

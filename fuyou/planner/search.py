@@ -330,8 +330,15 @@ class _Search:
         big = max(self.m.blocks, key=lambda b: 2 * b.numel + b.frozen_numel)
         alone = (2 * big.numel + big.frozen_numel) * self.cb  # its weights and its trained part's gradient
         if work > self.b.gpu_memory and alone >= self.b.gpu_memory:
-            split = (
-                f" (its experts in {self.m.expert_groups} groups)" if self.m.expert_groups > 1 else " (a decoder layer)"
+            kinds = {
+                "embed": "the embedding",
+                "head": "the LM head",
+                "experts": "an expert group",
+                "layer": "a decoder layer",
+            }
+            grouped = self.m.expert_groups > 1 and big.kind in ("layer", "experts")
+            split = f" ({kinds.get(big.kind, big.kind)}" + (
+                f", its layer's experts in {self.m.expert_groups} groups)" if grouped else ")"
             )
             raise BlockTooLargeError(
                 f"device memory: block {big.name}{split} ({(big.numel + big.frozen_numel) / 1e9:.2f} B params) needs "

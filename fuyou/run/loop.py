@@ -47,6 +47,16 @@ def prepare_output(path: str) -> str:
     return path
 
 
+def _remove_empty(path: str) -> None:
+    """Remove ``path`` and the directories below it that hold no file (what a run that stopped before
+    writing anything made); any file keeps it and its parents."""
+    for root, _dirs, _files in os.walk(path, topdown=False):
+        try:
+            os.rmdir(root)
+        except OSError:  # not empty (a file, or another rank's), or gone
+            pass
+
+
 def _model(cfg: FinetuneConfig) -> tuple[str, bool]:
     if cfg.model:
         return cfg.model, True
@@ -116,9 +126,12 @@ def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
     from fuyou.run.ranks import join, lost
 
     ranks = join(device_kind(cfg.device))  # before the output directory is touched
+    fresh = not os.path.exists(cfg.output)
     try:
         summary = _finetune(cfg, ranks)
     except Exception as e:
+        if fresh:  # a run refused or failed before it wrote anything leaves no directories behind
+            _remove_empty(os.path.abspath(cfg.output))
         err = lost(e)
         if err is not None:
             raise err from e

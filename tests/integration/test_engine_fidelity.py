@@ -219,16 +219,45 @@ def test_bf16_mixed_precision_matches_reference_mixed_precision_loop(tmp_path):
     assert_bf16_close(losses, weights, *reference_bf16_steps(model, data))
 
 
-@pytest.mark.parametrize("family", ["llama_tied", "gpt2"])
-def test_evaluate_matches_model_loss_and_does_not_update(tmp_path, family):
+@pytest.mark.parametrize("family, chunk", [("llama_tied", None), ("gpt2", None), ("llama_tied", 5)])
+def test_evaluate_matches_model_loss_and_does_not_update(tmp_path, monkeypatch, family, chunk):
+    """The held-out loss equals the model's; its logits are made ``loss_chunk_tokens`` at a time (``chunk``:
+    5 tokens, uneven pieces of each sequence), as in training; the device allocator running out is the
+    one-line DeviceMemoryError."""
+    from fuyou.errors import DeviceMemoryError
+    from fuyou.schedule import sizing
+    from tests.integration.tiny_models import VOCAB
+
+    if chunk:
+        monkeypatch.setattr(sizing, "LOSS_CHUNK_BYTES", chunk * 2 * (8 + 2 * 4) * VOCAB)  # 2 sequences a batch
     cfg, model = tiny(family)
     ids, labels = batches(1)[0]
+    labels = labels.clone()
+    labels[0, :3] = -100  # unlabelled positions count in neither the sum nor the mean
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", cpu_memory="64MiB")
     with Engine.from_state_dict(cfg, sd, ec) as eng:
         version = eng.store.version
+        forward, heads = eng.adapter.forward, []
+        H = len(eng.layout.blocks) - 1
+
+        def counting(b, x, ctx):
+            heads.extend([x.shape[1]] if b == H else [])
+            return forward(b, x, ctx)
+
+        monkeypatch.setattr(eng.adapter, "forward", counting)
         loss = eng.evaluate(ids, labels)
         assert eng.store.version == version and eng.step == 0
+        assert heads == ([2] * 8 if chunk else [16])  # 4 sequences × 2 positions: 8 ≤ the 10 tokens a chunk holds
+        if chunk:
+
+            def oom(*_a, **_k):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+            monkeypatch.setattr(eng.adapter, "forward", oom)
+            with pytest.raises(DeviceMemoryError, match=r"ran out of memory during an evaluation \(CUDA out") as e:
+                eng.evaluate(ids, labels)
+            assert "\n" not in str(e.value)
     with torch.no_grad():
         ref = model(input_ids=ids, labels=labels).loss.item()
     assert loss == pytest.approx(ref, rel=1e-6)

@@ -15,6 +15,7 @@ from fuyou.engine.export import export_store
 from fuyou.errors import ConfigError
 from fuyou.models.adapters import make_adapter
 from tests.integration.test_engine_fidelity import LR, STEPS, WD, assert_same
+from tests.integration.test_moe_split import train
 from tests.integration.tiny_models import VOCAB, batches, reference_steps, tiny
 
 CLIP = 0.5
@@ -28,15 +29,6 @@ def config(tmp_path, cfg, groups: int, policy: str = "recompute", **kw) -> Engin
         ssd_dirs=(str(tmp_path),), precision="fp32", lr=LR, weight_decay=WD, cpu_memory="256MiB",
         max_grad_norm=CLIP, plan=plan, **kw,
     )  # fmt: skip
-
-
-def train(cfg, model, ec: EngineConfig, data) -> tuple[list[float], dict, Engine]:
-    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    with Engine.from_state_dict(cfg, sd, ec) as eng:
-        results = [eng.train_step(ids, labels) for ids, labels in data]
-        weights = dict(eng.master_weights())
-    assert all(r.applied for r in results)
-    return [r.loss for r in results], weights, eng
 
 
 def gemma_untied():

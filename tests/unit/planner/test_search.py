@@ -124,7 +124,10 @@ def test_a_layer_too_big_for_the_device_is_split_into_expert_groups():
     with pytest.raises(InfeasibleError) as e:
         search(load_shape("mixtral-8x22b"), HW, Budgets(cpu_memory=128 * GiB, gpu_memory=GiB), REQ)
     msg = str(e.value)
-    assert "block layer.0.experts.0 (its experts in 8 groups) (0.30 B params)" in msg and "--seq-len" not in msg, msg
+    assert (
+        "block layer.0.experts.0 (an expert group, its layer's experts in 8 groups) (0.30 B params)" in msg
+        and "--seq-len" not in msg
+    ), msg
 
 
 def test_split_layers_keep_their_routes_where_the_policy_says():
