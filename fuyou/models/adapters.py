@@ -423,14 +423,13 @@ def seed_context(position_ids: torch.Tensor, device: torch.device) -> MicroBatch
     return MicroBatchContext(position_ids.to(device), documents=docs.to(device))
 
 
-def _mask_kwargs(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None) -> dict[str, Any]:
-    """Arguments of ``transformers``' mask functions: never ``position_ids`` (their packed-sequence test
-    syncs with the device: ``seed_context``); packed ``documents`` as a mask function keeping each
-    token's attention within its document."""
-    kw: dict[str, Any] = dict(config=config, inputs_embeds=embeds, attention_mask=None, past_key_values=None)
-    if documents is not None:
-        kw["and_mask_function"] = _same_document(documents)
-    return kw
+def _make_mask(make: Callable, config: Any, embeds: torch.Tensor, documents: torch.Tensor | None) -> Any:
+    """A ``transformers`` mask function's mask for ``embeds`` (no attention mask, no cache): never given
+    ``position_ids`` (their packed-sequence test syncs with the device: ``seed_context``); packed
+    ``documents`` as a mask function keeping each token's attention within its document. The cache goes
+    by position: ``past_key_values`` before transformers 5.24, ``cache`` since."""
+    extra = {"and_mask_function": _same_document(documents)} if documents is not None else {}
+    return make(config, embeds, None, None, **extra)
 
 
 def _same_document(documents: torch.Tensor) -> Callable:
@@ -445,7 +444,7 @@ def _same_document(documents: torch.Tensor) -> Callable:
 def _causal_mask(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None) -> Any:
     from transformers.masking_utils import create_causal_mask
 
-    return create_causal_mask(**_mask_kwargs(config, embeds, documents))
+    return _make_mask(create_causal_mask, config, embeds, documents)
 
 
 def attention_kernel(config: Any) -> str:
@@ -484,9 +483,8 @@ def _masks(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None, ty
     (``documents``: packed documents, ``MicroBatchContext.documents``)."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    kw = _mask_kwargs(config, embeds, documents)
     make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
-    return {t: make[t](**kw) for t in types}
+    return {t: _make_mask(make[t], config, embeds, documents) for t in types}
 
 
 class LlamaLike(Adapter):

@@ -191,7 +191,10 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     req = plan_request(cfg, config, stripes, ranks.world)
     check = check_profile(chosen, req, summary.pop("steady_step_s"), log) if ranks.root else None
     if check and check["verdict"] == "re-measured":
-        warnings.warn(check["note"], FuyouWarning, stacklevel=2)
+        if check["cached"]:  # a cache every later run would have inherited
+            warnings.warn(check["note"], FuyouWarning, stacklevel=2)
+        else:
+            log(f"planner: {check['note']}")
     summary.update(
         profile_check=check,
         model=model_dir,

@@ -67,7 +67,7 @@ def test_masks_from_document_ids_equal_transformers_own_packed_masks(family) -> 
     sdpa and eager attention), and a row of one document gets the plain causal mask."""
     from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-    from fuyou.models.adapters import _mask_kwargs, attention_kernel, seed_context
+    from fuyou.models.adapters import _make_mask, attention_kernel, seed_context
 
     cfg, _ = tiny(family)
     cfg._attn_implementation = attention_kernel(cfg)
@@ -78,8 +78,8 @@ def test_masks_from_document_ids_equal_transformers_own_packed_masks(family) -> 
     for make in (create_causal_mask, create_sliding_window_causal_mask):
         if make is create_sliding_window_causal_mask and getattr(cfg, "sliding_window", None) is None:
             continue
-        theirs = make(config=cfg, inputs_embeds=embeds, attention_mask=None, past_key_values=None, position_ids=pos)
-        ours = make(**_mask_kwargs(cfg, embeds, seed.documents))
+        theirs = make(cfg, embeds, None, None, position_ids=pos)
+        ours = _make_mask(make, cfg, embeds, seed.documents)
         assert theirs is not None and torch.equal(ours, theirs)
 
 

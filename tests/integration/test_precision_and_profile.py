@@ -178,7 +178,7 @@ def test_a_cached_profile_the_run_disproves_is_dropped_and_measured_again(tmp_pa
             point["fwd_flops_per_s"] /= 20
             point["bwd_flops_per_s"] /= 20
     (cache / "quick-profile.json").write_text(json.dumps(doc))
-    with pytest.warns(FuyouWarning, match="the cached one was stale"):
+    with pytest.warns(FuyouWarning, match="the cached ones were stale"):
         busy = _finetune(model_dir, data, tmp_path / "b", "--precision", "fp32", "--steps", "4")
     assert busy.exit_code == 0 and "measuring a quick" not in busy.output, busy.output
     check = json.loads((tmp_path / "b" / "run.json").read_text())["profile_check"]
