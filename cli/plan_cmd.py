@@ -206,6 +206,12 @@ def print_result(res: object, params: int) -> None:
             f"device {fs(m.device)}, host {fs(m.host)} (buffers {fs(m.host_buffers)}, activations "
             f"{fs(m.host_activations)}, RAM tiers {fs(m.host_ram_tiers)}), SSD {fs(m.ssd)}",
         )
+        if m.device_by_kind:
+            t.add_row(
+                "device peak",
+                f"{fs(m.device)} in {m.device_phase}; by block kind: "
+                + ", ".join(f"{k} {fs(v)}" for k, v in m.device_by_kind.items()),
+            )
         if world > 1:
             t.add_row(
                 "ranks",

@@ -16,7 +16,7 @@ import mmap
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,6 +122,18 @@ class _DeviceAccounting:
         self._held[id(storage)] = nbytes
         weakref.finalize(storage, self._release, id(storage))
 
+    def adopt(self, storage: torch.UntypedStorage, what: str) -> None:
+        """Charge ``storage`` (allocated by torch during compute) until it is freed; DeviceMemoryError
+        naming ``what`` past the capacity. Idempotent."""
+        key = id(storage)
+        with self._lock:
+            if key in self._held:
+                return
+        n = storage.nbytes()
+        self.charge(n, what)
+        self._held[key] = n
+        weakref.finalize(storage, self._release, key)
+
     def _release(self, key: int) -> None:
         self.refund(self._held.pop(key, 0))
 
@@ -198,6 +210,14 @@ class Backend(ABC):
 
     def _account_resize(self, tensor: torch.Tensor, nbytes: int, what: str) -> None:  # noqa: B027 (optional hook)
         """Hook for backends that count device memory themselves (the CPU backend)."""
+
+    def counting(self, what: str) -> AbstractContextManager[Any]:
+        """Context around compute (forward, backward, the loss, an on-device optimizer step) in which
+        every tensor torch allocates on the calling thread is device memory counted against the
+        capacity, raising DeviceMemoryError naming ``what`` past it. Nothing to do where the
+        allocator sees every tensor itself (CUDA); the CPU backend counts them
+        (``cpu_allocations``)."""
+        return nullcontext()
 
     def rng_state(self) -> Any:
         """Random-generator state of host and device (dropout replay for recomputation)."""

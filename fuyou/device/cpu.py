@@ -16,6 +16,7 @@ import torch
 
 from fuyou.device import cpu_arena, cpu_malloc
 from fuyou.device.base import Backend, Event, MemoryStats, _DeviceAccounting, host_aligned_empty
+from fuyou.device.cpu_allocations import Allocations, paused
 
 
 class CompletedEvent(Event):
@@ -49,7 +50,27 @@ class CPUBackend(Backend):
 
     def host_empty(self, nbytes: int, pinned: bool = True) -> torch.Tensor:
         """A page-aligned uint8 host tensor of exactly ``nbytes``; ``pinned`` changes nothing (no GPU)."""
-        return host_aligned_empty(nbytes)
+        with paused():
+            return host_aligned_empty(nbytes)
+
+    def host_staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor for a transient copy (host memory, not counted as the device's)."""
+        with paused():
+            return torch.empty(shape, dtype=dtype)
+
+    def host_staging_aligned(self, nbytes: int) -> torch.Tensor:
+        """Page-aligned host staging (host memory, not counted as the device's)."""
+        with paused():
+            return host_aligned_empty(nbytes)
+
+    def counting(self, what: str) -> AbstractContextManager[Any]:
+        """Count every storage torch allocates on this thread inside against the fake capacity, as a
+        GPU's allocator would (``cpu_allocations.Allocations``); DeviceMemoryError naming ``what``
+        past it."""
+        return Allocations(self._adopt, what)
+
+    def _adopt(self, storage: torch.UntypedStorage, what: str) -> None:
+        (self._arena if self._arena is not None else self._acct).adopt(storage, what)
 
     def device_empty(
         self, shape: tuple[int, ...], dtype: torch.dtype, what: str = "a tensor", stream: Any | None = None
@@ -61,7 +82,8 @@ class CPUBackend(Backend):
             return self._arena.empty(tuple(shape), dtype, nbytes, what)
         self._acct.charge(nbytes, what)
         try:
-            t = torch.empty(shape, dtype=dtype)
+            with paused():  # charged here, not again by the allocation meter
+                t = torch.empty(shape, dtype=dtype)
         except BaseException:
             self._acct.refund(nbytes)
             raise

@@ -19,6 +19,7 @@ views, parameters and autograd's saved tensors.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -50,6 +51,9 @@ class CachingArena:
         self._lent: dict[int, tuple[torch.UntypedStorage, int]] = {}
         self._free: OrderedDict[int, torch.UntypedStorage] = OrderedDict()  # id → storage, oldest first
         self._free_bytes = 0
+        self._foreign: dict[int, int] = {}
+        """Storages torch allocated during compute (``adopt``): id → bytes charged."""
+        self._foreign_refs: dict[int, weakref.ref[torch.UntypedStorage]] = {}
         self._lock = threading.RLock()
 
     # ---------------------------------------------------------------- public
@@ -99,6 +103,25 @@ class CachingArena:
             self._lent[id(s)] = (s, s.nbytes())
             self._trim()
         return torch.empty(0, dtype=torch.uint8).set_(s, 0, (nbytes,))  # type: ignore[call-overload]  # torch's stubs lack set_(source, offset, size) (stride optional at runtime)
+
+    def adopt(self, s: torch.UntypedStorage, what: str) -> None:
+        """Charge ``s``, a storage torch allocated outside the arena (an op's output during compute:
+        ``cpu_allocations``), until it is freed; DeviceMemoryError naming ``what`` past the capacity
+        (``s`` is then not charged). Idempotent; the arena's own storages are already charged."""
+        with self._lock:
+            key = id(s)
+            if key in self._lent or key in self._foreign:
+                return
+            n = s.nbytes()
+            self._charge(n, what)
+            self._foreign[key] = n
+            self._foreign_refs[key] = weakref.ref(s)
+        weakref.finalize(s, self._refund_foreign, key)
+
+    def _refund_foreign(self, key: int) -> None:
+        with self._lock:
+            self.allocated -= self._foreign.pop(key, 0)
+            self._foreign_refs.pop(key, None)
 
     def stats(self) -> tuple[int, int, int]:
         """(allocated, peak, cached free) bytes, after noticing storages freed since the last call."""

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from fuyou.device import cpu_arena
-from fuyou.device.base import Event, MemoryStats, host_aligned_empty
+from fuyou.device.base import Event, MemoryStats
 from fuyou.device.cpu import CPUBackend
 from fuyou.errors import ConfigError, FuyouError
 
@@ -195,6 +195,11 @@ class _AsyncArena(cpu_arena.CachingArena):
                     self._deferred[key] = s  # keep_alive: reused once the stream's copies are done
                 else:
                     self._put(s)  # a queued copy still touching it now sees poison (or the next user)
+            for key, ref in list(self._foreign_refs.items()):  # compute's tensors only queued copies hold
+                s = ref()
+                if s is not None and cpu_arena._use_count(s) == 1 + p.refs[s._cdata]:
+                    self._refund_foreign(key)
+                del s
             for key, s in list(self._deferred.items()):
                 if cpu_arena._use_count(s) == 1:
                     del self._deferred[key]
@@ -322,19 +327,19 @@ class AsyncCPUBackend(CPUBackend):
     # ---------------------------------------------------------------- memory
     def host_empty(self, nbytes: int, pinned: bool = True) -> torch.Tensor:
         """A page-aligned host buffer, poisoned until written (``pinned`` changes nothing)."""
-        t = host_aligned_empty(nbytes)
+        t = super().host_empty(nbytes, pinned)
         _poison_tensor(t)
         return t
 
     def host_staging(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A host tensor for a transient copy, poisoned until written."""
-        t = torch.empty(shape, dtype=dtype)
+        t = super().host_staging(shape, dtype)
         _poison_tensor(t)
         return t
 
     def host_staging_aligned(self, nbytes: int) -> torch.Tensor:
         """Page-aligned host staging, poisoned until written."""
-        t = host_aligned_empty(nbytes)
+        t = super().host_staging_aligned(nbytes)
         _poison_tensor(t)
         return t
 
@@ -407,6 +412,17 @@ class AsyncCPUBackend(CPUBackend):
                     _poison_storage(s)
             elif not p.refs[c]:
                 del self._watch[c]  # its copies have run; it is live: accounted as usual
+
+    def _adopt(self, storage: torch.UntypedStorage, what: str) -> None:
+        """Charge a storage compute allocated; without the arena, watch it like ``device_empty``'s, so
+        it counts as freed once only queued copies hold it (as CUDA counts it)."""
+        with self._pending.lock:
+            super()._adopt(storage, what)
+            if self._arena is None:
+                c = storage._cdata
+                if c not in self._stamps:
+                    weakref.finalize(storage, self._stamps.pop, c, None)
+                self._stamps[c] = (self._epoch, what, None)
 
     def _watch_device(self, aliases: tuple[torch.Tensor, ...]) -> None:
         """Without the arena: watch the device storages among ``aliases`` (held by queued work)."""

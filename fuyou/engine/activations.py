@@ -28,6 +28,7 @@ which makes it a leaf again.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -122,25 +123,45 @@ class _Swap:
         self.weights, self.pool, self.record, self.charged = weight_storages, pool, record, 0
         self.copies, self.what = copies, what
         self.packed: list[HostCopy] = []
+        self._seen: dict[tuple, tuple[weakref.ref, Any]] = {}
+        """A saved tensor's (address, offset, shape, strides, dtype) → (its storage, what ``pack`` made of
+        it): a tensor autograd saves several times (a norm's output feeding the q, k and v projections)
+        moves once. The storage is checked: memory freed and reused at the same address is new data."""
+        self._back: dict[int, weakref.ref[torch.Tensor]] = {}
+        """``id`` of a packed copy → the device tensor ``unpack`` made of it, while it lives."""
 
     def pack(self, t: torch.Tensor) -> Any:
         if t.untyped_storage().data_ptr() in self.weights or t.numel() == 0:
             return t
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        seen = self._seen.get(key)
+        if seen is not None and seen[0]() is storage:  # the same tensor again (not new memory at its address)
+            return seen[1]
         if self.record is not None:
-            return self.record.pack(t)
-        n = t.numel() * t.element_size()
-        self.pool.charge(n, "activations swapped to host memory")
-        self.charged += n
-        self.packed.append(self.copies.off(t, self.what))
-        return self.packed[-1]
+            packed: Any = self.record.pack(t)
+        else:
+            n = t.numel() * t.element_size()
+            self.pool.charge(n, "activations swapped to host memory")
+            self.charged += n
+            self.packed.append(self.copies.off(t, self.what))
+            packed = self.packed[-1]
+        self._seen[key] = (weakref.ref(storage), packed)
+        return packed
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
             return packed
-        if isinstance(packed, int):
-            assert self.record is not None  # pack() gives ints only into an SSD record
-            return self.record.unpack(packed)
-        return self.copies.take(packed, self.what)
+        ref = self._back.get(id(packed))
+        t = ref() if ref is not None else None
+        if t is None:
+            if isinstance(packed, int):
+                assert self.record is not None  # pack() gives ints only into an SSD record
+                t = self.record.unpack(packed)
+            else:
+                t = self.copies.take(packed, self.what)
+            self._back[id(packed)] = weakref.ref(t)
+        return t
 
     def upload(self) -> None:
         """Start copying the swapped tensors back onto the device (before backward; swap_ssd: once
@@ -152,6 +173,8 @@ class _Swap:
 
     def release(self) -> None:
         self.packed.clear()
+        self._seen.clear()
+        self._back.clear()
         if self.record is not None:
             self.record.release()
         self.pool.refund(self.charged)

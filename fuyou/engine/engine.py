@@ -25,6 +25,7 @@ from fuyou.device import get_backend
 from fuyou.engine.adam_stage import AdamStage
 from fuyou.engine.balance import StepBalance, balance_rule
 from fuyou.engine.config import EngineConfig
+from fuyou.engine.device_admission import admit_batch, batch_peak
 from fuyou.engine.export import HF_FILES, export_dtype, export_layout, frozen_blocks, frozen_keys, iter_master
 from fuyou.engine.lora import LoraState
 from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
@@ -36,6 +37,7 @@ from fuyou.models.lora import is_lora
 from fuyou.models.store_layout import ModelLayout, elem_size, origin_wanted
 from fuyou.optim import AdamWHyper
 from fuyou.schedule import rules, sizing
+from fuyou.schedule.device_memory import DevicePeak
 from fuyou.schedule.experts import expert_group_options, spread_policies
 from fuyou.schedule.plan import Plan
 from fuyou.storage.dirs import rank_dirs
@@ -150,6 +152,10 @@ class Engine:
         )
         """The plan this engine runs: ``cfg.plan`` with its schedule resolved, fitted to the host budget."""
         self.layout = dataclasses.replace(layout, state_chunk=self.plan.state_chunk)
+        self._admitted: set[tuple[int, int, int]] = set()
+        """Batch shapes (micro-batch, tokens, micro-batches) the device-memory model admitted."""
+        self.predicted_peak: DevicePeak | None = None
+        """The largest device peak the model predicted for a step admitted so far (None: none yet)."""
         self.pool = HostBufferPool(self.backend, cfg.cpu_bytes)
         for c in sizing.buffer_classes(self.layout.footprint(), self.plan):
             self.pool.reserve(c.name, c.nbytes, c.count)
@@ -429,6 +435,7 @@ class Engine:
             num_items=num_items,
             balance=None if self.balance is None else StepBalance(self.balance, len(input_ids), dev, self.comm),
         )
+        self._admit_batch(input_ids)
         with _device_memory("a step"):
             applied, t0, t1 = self.runner.run(st)
         tokens = sum(x.numel() for x in input_ids)
@@ -445,6 +452,22 @@ class Engine:
             **self.timeline.summary(t0, t1),
         )
 
+    def _admit_batch(self, input_ids: list[torch.Tensor]) -> None:
+        """Refuse, before it allocates, a step whose micro-batches' shape (the largest of each
+        dimension) the device-memory model says cannot fit (``device_admission``); each shape is
+        checked once."""
+        mb, seq = max(x.shape[0] for x in input_ids), max(x.shape[-1] for x in input_ids)
+        key = (mb, seq, len(input_ids))
+        if key in self._admitted:
+            return
+        adapters = self.lora.numel if self.lora is not None else 0
+        cap = self.backend.memory().capacity
+        peak = batch_peak(self.adapter.config, self.layout, self.plan, *key, adapters, self.backend.name, cap)
+        admit_batch(peak, cap, *key)
+        self._admitted.add(key)
+        if peak is not None and (self.predicted_peak is None or peak.nbytes > self.predicted_peak.nbytes):
+            self.predicted_peak = peak
+
     @torch.no_grad()
     def evaluate(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
@@ -457,12 +480,13 @@ class Engine:
         Raises DeviceMemoryError (one line) if the device's allocator runs out.
         """
         with _device_memory("an evaluation"):
-            return self._evaluate(input_ids, labels, position_ids)
+            self.flush()
+            with self.backend.counting("an evaluation"):
+                return self._evaluate(input_ids, labels, position_ids)
 
     def _evaluate(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None, position_ids: torch.Tensor | None
     ) -> float:
-        self.flush()
         labels = input_ids if labels is None else labels
         dev = self.backend.device
         seed = _seeds(None if position_ids is None else [position_ids], 1, dev)[0]
@@ -500,7 +524,8 @@ class Engine:
         vocab = self.adapter.config.vocab_size
         shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # token i predicts label i + 1
         n_items: Any = int((shift != -100).sum())  # counted on the host
-        step = max(1, sizing.loss_chunk_tokens(vocab, elem_size(self.layout.compute_dtype)) // x.shape[0])
+        cap = self.backend.memory().capacity
+        step = max(1, sizing.loss_chunk_tokens(vocab, elem_size(self.layout.compute_dtype), cap) // x.shape[0])
         total = torch.zeros((), dtype=torch.float64, device=x.device)
         for piece, lab in zip(x.split(step, dim=1), shift.to(x.device).split(step, dim=1)):
             logits, _ = self.adapter.forward(len(self.layout.blocks) - 1, piece, ctx)

@@ -273,7 +273,11 @@ class StepRunner:
             policy = c.plan.policy(b, H + 1)
             st.weights[b] = self._load(st, b)
             st.params[b] = self._bind(st, b)
-            with c.timeline.device_span("compute", f"fwd {c.layout.blocks[b].name}", c.backend, c.compute_stream):
+            name = c.layout.blocks[b].name
+            with (
+                c.timeline.device_span("compute", f"fwd {name}", c.backend, c.compute_stream),
+                c.backend.counting(f"forward of {name}"),
+            ):
                 out = [
                     activations.forward(
                         c.adapter,
@@ -310,7 +314,10 @@ class StepRunner:
         st.params[H] = self._bind(st, H, borrowed)
         if self.trains(H):
             self._attach_grads(st, H)
-        with c.timeline.device_span("compute", "head fwd+bwd", c.backend, c.compute_stream):
+        with (
+            c.timeline.device_span("compute", "head fwd+bwd", c.backend, c.compute_stream),
+            c.backend.counting("the head's loss"),
+        ):
             st.xs = [self._head(st, k, x) for k, x in enumerate(st.xs)]
         self._drop_params(st, H)
         del borrowed
@@ -326,7 +333,7 @@ class StepRunner:
 
         c, H = self.c, len(self.c.layout.blocks) - 1
         vocab = c.adapter.config.vocab_size
-        tokens = loss_chunk_tokens(vocab, elem_size(c.layout.compute_dtype))
+        tokens = loss_chunk_tokens(vocab, elem_size(c.layout.compute_dtype), c.backend.memory().capacity)
         shift = torch.nn.functional.pad(st.labels[k], (0, 1), value=-100)[:, 1:]  # token i predicts label i + 1
         n_items: Any = st.num_items  # transformers annotates it as a Tensor; it divides by it, an int works
         pieces = [p.requires_grad_() for p in x.detach().split(max(1, tokens // x.shape[0]), dim=1)]
@@ -355,17 +362,27 @@ class StepRunner:
                 st.params[b] = self._bind(st, b)
             if self.trains(b):
                 self._attach_grads(st, b)
-            saved, ahead = st.saved.pop(b), st.saved.get(b - 1, [None])[0]
-            with c.timeline.device_span("compute", f"bwd {c.layout.blocks[b].name}", c.backend, c.compute_stream):
-                xs = []
-                for k, (s, dy) in enumerate(zip(saved, st.xs)):
-                    activations.upload(saved[k + 1] if k + 1 < len(saved) else ahead)  # host-swapped: one ahead
-                    xs.append(activations.backward(c.adapter, b, s, dy, c.backend, k, st.balance))
-                st.xs = xs
+            name = c.layout.blocks[b].name
+            with (
+                c.timeline.device_span("compute", f"bwd {name}", c.backend, c.compute_stream),
+                c.backend.counting(f"backward of {name}"),
+            ):
+                st.xs = self._backward_block(st, b)
             self._drop_params(st, b)
             st.weights.pop(b)
             if self.trains(b):
                 self.hand_off(st, b)
+
+    def _backward_block(self, st: StepState, b: int) -> list[torch.Tensor | None]:
+        """Backward of block ``b`` over the micro-batches; returns the gradients of its inputs. What it
+        saved goes with this call: the graphs' leaves are the block's parameters, so a graph still
+        referenced would keep the block's weights on the device through the next block's backward."""
+        saved, ahead = st.saved.pop(b), st.saved.get(b - 1, [None])[0]
+        xs = []
+        for k, (s, dy) in enumerate(zip(saved, st.xs)):
+            activations.upload(saved[k + 1] if k + 1 < len(saved) else ahead)  # host-swapped: one ahead
+            xs.append(activations.backward(self.c.adapter, b, s, dy, self.c.backend, k, st.balance))
+        return xs
 
     # ---------------------------------------------------------------- optimizer hand-off
     def _update(self, b: int, grad: Any, ready: Any, scale: float, hold: bool = False) -> Future:
@@ -462,7 +479,8 @@ class StepRunner:
             return False
         norm = math.sqrt(st.norm_sq)
         scale = min(1.0, c.max_grad_norm / (norm + 1e-6)) if c.max_grad_norm else 1.0
-        c.lora.step(c.progress.lr, scale)
+        with c.backend.counting("the LoRA adapters' AdamW step"):
+            c.lora.step(c.progress.lr, scale)
         c.progress.step += 1
         return True
 

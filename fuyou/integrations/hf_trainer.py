@@ -36,6 +36,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import statistics
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -43,9 +45,9 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from fuyou.engine import Engine, EngineConfig
-from fuyou.errors import ConfigError
+from fuyou.errors import ConfigError, FuyouWarning
 from fuyou.models.lora import ADAPTER, LoraSettings, base_key, is_lora
-from fuyou.run.plan_choice import ChosenPlan, PlanRequest, choose_plan
+from fuyou.run.plan_choice import WARMUP_STEPS, ChosenPlan, PlanRequest, check_profile, choose_plan
 
 SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 FUYOU_CKPT = "fuyou_checkpoint.json"
@@ -208,6 +210,11 @@ class FuyouTrainer(Trainer):
         if args.bf16:
             _warn_if_bf16_is_slow(self.engine.backend)
         self._planned_seq_len = req.seq_len
+        self._plan_req = req
+        self._step_times: list[float] = []
+        self.profile_check: dict[str, Any] | None = None
+        """After ``train``: the run's verdict on the profile it was planned with, as ``fuyou finetune``
+        records it in run.json (``plan_choice.check_profile``; None without a prediction or steps)."""
         self._warned_longer = False
         self._pending: list[dict[str, torch.Tensor]] = []
         self._last: Any = {}  # the last engine step's result (loss, grad_norm, …)
@@ -258,6 +265,7 @@ class FuyouTrainer(Trainer):
         self._last = self.engine.train_micro_batches(
             [b["input_ids"] for b in batch], [b["labels"] for b in batch], n, position_ids=pos
         )
+        self._step_times.append(self._last["step_time_s"])
         return torch.tensor(self._last["loss"], device=self.args.device)
 
     def _warn_longer(self, seq_len: int) -> None:
@@ -304,6 +312,7 @@ class FuyouTrainer(Trainer):
         """Train, then load the final weights into ``self.model`` so it can be used right away."""
         out = super().train(*args, **kwargs)
         self.engine.flush()
+        self._check_profile()
         if self.engine.lora is not None:  # a PEFT model: its base stayed frozen, its adapters trained
             trained = self.engine.lora.state_dict()
             peft_model: Any = self._model()
@@ -318,6 +327,22 @@ class FuyouTrainer(Trainer):
                 if name in trained:
                     p.copy_(trained[name])
         return out
+
+    def _check_profile(self) -> None:
+        """Hold the plan's predicted step time against the steady steps measured (``profile_check``), as
+        ``fuyou finetune`` does: a quick profile off by more than the tolerance is measured again and
+        replaced, with a FuyouWarning when the cached one was stale."""
+        steady = self._step_times[WARMUP_STEPS:]
+        if not self._ranks.root or not steady:
+            return
+        log = _stderr if self.args.should_log else lambda s: None
+        self.profile_check = check_profile(self.plan_choice, self._plan_req, statistics.median(steady), log)
+        check = self.profile_check
+        if check and check["verdict"] == "re-measured":
+            if check["cached"]:
+                warnings.warn(check["note"], FuyouWarning, stacklevel=3)
+            else:
+                log(f"planner: {check['note']}")
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Trainer's checkpoint (and its ``save_total_limit`` rotation), then the same rotation for

@@ -30,7 +30,8 @@ from dataclasses import asdict, dataclass, field
 from fuyou.planner.graph import StepConfig, StepGraph, simulate
 from fuyou.planner.profile import HardwareProfile
 from fuyou.planner.shapes import ModelShape
-from fuyou.schedule import rules, sizing
+from fuyou.schedule import device_memory, rules, sizing
+from fuyou.schedule.device_memory import DevicePeak, DeviceRun
 from fuyou.schedule.plan import Plan
 
 DAY_S = 86400.0
@@ -59,6 +60,10 @@ class Memory:
     """Weights/state kept in host RAM instead of on SSD (``fuyou.transfer.ram_tier``)."""
     ssd: int = 0
     """Store (two versions) plus activation and parked-gradient scratch files."""
+    device_phase: str = ""
+    """The step's phase the device peak falls in (``fuyou.schedule.device_memory``)."""
+    device_by_kind: dict[str, int] = field(default_factory=dict)
+    """Block kind (embed, layer, experts, head) → the largest device peak of its phases."""
 
     @property
     def host(self) -> int:
@@ -116,6 +121,23 @@ def ram_tier_bytes(shape: ModelShape, plan: Plan, cfg: StepConfig) -> int:
     return sizing.ram_tier_bytes(footprint(shape, cfg), plan)
 
 
+def device_peak(shape: ModelShape, plan: Plan, cfg: StepConfig, device: str = "cpu") -> DevicePeak:
+    """The step's device peak (``fuyou.schedule.device_memory``) on a ``device`` backend: the blocks
+    at ``cfg``'s element size and sequence length, LoRA adapters (fp32 weights, gradients, m and v:
+    ``ADAPTER_BYTES_PER_PARAM``), the reduce-scattered gradient shard with several ranks, and what the
+    backend's libraries take (``sizing.library_bytes``)."""
+    cb, world = cfg.compute_bytes, cfg.cluster.world
+    shard_grad = cb * max(blk.numel for blk in shape.sharded(world).blocks) if world > 1 else 0
+    run = DeviceRun(
+        cfg.micro_batch_size, cfg.seq_len, plan.grad_accum, shape.hidden, cb, shape.vocab,
+        sizing.loss_chunk_tokens(shape.vocab, cb, cfg.device_memory),
+        ADAPTER_BYTES_PER_PARAM * cfg.adapter_params + shard_grad + sizing.library_bytes(device),
+    )  # fmt: skip
+    H = len(shape.blocks) - 1
+    pol = ["keep" if b == H else plan.policy(b, H + 1) for b in range(H + 1)]
+    return device_memory.device_peak(shape.device_blocks(cb, cfg.seq_len, world, plan.frozen), pol, run)
+
+
 def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile) -> Memory:
     """Peak bytes per tier (see the module docstring)."""
     g = StepGraph(shape, plan, cfg, prof)
@@ -125,19 +147,9 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     cb = cfg.compute_bytes
     kept = [blk.keeps_input or b in g.route_holders for b, blk in enumerate(shape.blocks[:H])]
     offloaded = sum(p == "recompute_cpu" and k for p, k in zip(pol, kept))
-    boundary = (sum(kept) - offloaded) * T * shape.hidden * cb
-    keep = sum(g.act_bytes(b) for b in range(1, H) if pol[b] == "keep")
-    # a block's weights (its read-only part too) and the gradient of its trained part
-    ws = [cb * (2 * blk.numel + blk.frozen_numel) for blk in shape.blocks]
-    layer_ws = max(ws[b] + 2 * g.act_bytes(b) / K for b in range(H))
-    head = shape.blocks[H]
-    tied = sum(ws[b] for b, blk in enumerate(shape.blocks) if blk.name in head.borrows)
-    logit_tokens = min(mbt, sizing.loss_chunk_tokens(shape.vocab, cb))  # the loss runs in token chunks
-    head_ws = ws[H] + tied + (8 + 2 * cb) * logit_tokens * shape.vocab
+    peak = device_peak(shape, plan, cfg, prof.device)
+    device = peak.nbytes
     own = g.own.blocks
-    shard_grad = cb * max(blk.numel for blk in own) if g.world > 1 else 0  # reduce-scatter's output
-    adapters = ADAPTER_BYTES_PER_PARAM * cfg.adapter_params  # LoRA: weights, gradients, m and v in fp32
-    device = int(boundary + keep + max(layer_ws, head_ws) + shard_grad + adapters)
     swap_cpu = sum(g.act_bytes(b) for b in range(H) if pol[b] == "swap_cpu")
     ssd_blocks = [b for b in range(H) if pol[b] == "swap_ssd"]
     staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)
@@ -152,6 +164,8 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
         host_activations=int(swap_cpu + staging),
         host_ram_tiers=ram_tier_bytes(shape, plan, cfg),
         ssd=int(2 * store + parked + sum(g.act_bytes(b) for b in ssd_blocks)),
+        device_phase=peak.phase,
+        device_by_kind=peak.by_kind,
     )
 
 

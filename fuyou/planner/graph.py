@@ -68,6 +68,9 @@ class StepConfig:
     adapter_params: int = 0
     """LoRA: the adapters' parameters, resident on the device in fp32 with their gradients and AdamW
     moments (16 B each: ``fuyou.engine.lora``)."""
+    device_memory: int = 0
+    """The device budget (bytes; 0: none given), which bounds the loss's logit chunk
+    (``sizing.loss_chunk_tokens``)."""
 
 
 class StepGraph:

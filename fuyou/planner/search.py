@@ -31,7 +31,7 @@ from typing import NoReturn, TypeVar
 
 from fuyou.errors import ConfigError
 from fuyou.planner.cluster import Cluster
-from fuyou.planner.cost import Prediction, footprint, host_buffers, memory, predict
+from fuyou.planner.cost import Memory, Prediction, footprint, host_buffers, memory, predict
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.profile import HardwareProfile
 from fuyou.planner.result import Budgets, PlannerResult
@@ -154,7 +154,15 @@ class _Search:
         )
 
     def cfg(self, mb: int) -> StepConfig:
-        return StepConfig(mb, self.r.seq_len, self.spp, self.cb, self.r.cluster, self.m.lora_params(self.r.lora_rank))
+        return StepConfig(
+            mb,
+            self.r.seq_len,
+            self.spp,
+            self.cb,
+            self.r.cluster,
+            self.m.lora_params(self.r.lora_rank),
+            self.b.gpu_memory,
+        )
 
     def fits(self, plan: Plan, cfg: StepConfig) -> bool:
         mem = memory(self.m, plan, cfg, self.hw)
@@ -301,14 +309,34 @@ class _Search:
                 f"{fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(need)}"
             )
 
-    def _fewer_tokens(self, room: int, per_tok: int) -> str:
-        """What to lower so the block inputs (``per_tok`` bytes per token) fit ``room`` bytes: the step's
-        tokens (all ranks'), or, when not even one sequence fits, the sequence length."""
-        seqs = max(0, room) // (per_tok * self.r.seq_len)
+    def _fewer_tokens(self, seqs: int, room: int, per_tok: int) -> str:
+        """What to lower so the step fits: the step's tokens (all ranks') to ``seqs`` sequences
+        (``_seqs_fitting``), or, when not even one fits, the sequence length (one sequence's block
+        inputs, ``per_tok`` bytes per token, fit ``room`` bytes)."""
         if seqs == 0:
             fit = max(0, room) // per_tok
             return f"Lower --seq-len (one sequence's inputs fit up to {fit} tokens)"
         return f"Lower --tokens-per-step to ≤ {seqs * self.r.seq_len * self.r.cluster.world} (or --seq-len)"
+
+    def _at(self, plan: Plan, cfg: StepConfig, seqs: int) -> Memory:
+        """Memory of ``plan`` over ``seqs`` sequences of ``cfg``'s micro-batches (the accumulation follows)."""
+        return memory(self.m, dataclasses.replace(plan, grad_accum=max(1, seqs // cfg.micro_batch_size)), cfg, self.hw)
+
+    def _seqs_fitting(self, plan: Plan, cfg: StepConfig, host: bool) -> int:
+        """The most sequences (a multiple of the micro-batch, at most the step's) whose step fits the
+        device budget, and with ``host`` the host budget too; 0 if not even one micro-batch does. The
+        device peak grows with the step's tokens (kept inputs, every micro-batch's hidden states)."""
+        mb = cfg.micro_batch_size
+
+        def ok(k: int) -> bool:
+            m = self._at(plan, cfg, k * mb)
+            return m.device <= self.b.gpu_memory and (not host or m.host <= self.b.cpu_memory)
+
+        lo, hi = 0, self.seqs // mb
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if ok(mid) else (lo, mid - 1)
+        return lo * mb
 
     def _device_error(self, mb: int, depth: int, bufs: int, sched: str, chunk: int) -> NoReturn:
         pol = tuple(self.base_policies())
@@ -319,12 +347,15 @@ class _Search:
         per_tok = kept * self.m.hidden * self.cb
         inputs = per_tok * self.seqs * self.r.seq_len
         boundary = 0 if self.rc == "recompute_cpu" else inputs
-        work = mem.device - boundary
+        work = self._at(plan, cfg, mb).device - (
+            0 if not boundary else per_tok * mb * self.r.seq_len
+        )  # one micro-batch's
         rank = " per rank" if self.r.cluster.world > 1 else ""
+        fewer = self._fewer_tokens(self._seqs_fitting(plan, cfg, host=False), self.b.gpu_memory - work, per_tok)
         msg = (
             f"device memory: block inputs kept for backward need {fs(boundary)} ({kept} blocks × "
-            f"{self.seqs * self.r.seq_len} tokens{rank} × {self.m.hidden} × {self.cb} B) plus a working set of {fs(work)} at "
-            f"micro-batch {mb}; --gpu-memory is {fs(self.b.gpu_memory)}. {self._fewer_tokens(self.b.gpu_memory - work, per_tok)}"
+            f"{self.seqs * self.r.seq_len} tokens{rank} × {self.m.hidden} × {self.cb} B) plus a working set of "
+            f"{fs(mem.device - boundary)} at micro-batch {mb}; --gpu-memory is {fs(self.b.gpu_memory)}. {fewer}"
             f", or raise --gpu-memory to ≥ {fs(mem.device)}"
         )
         big = max(self.m.blocks, key=lambda b: 2 * b.numel + b.frozen_numel)
@@ -355,7 +386,7 @@ class _Search:
             raise InfeasibleError(
                 f"host memory: with block inputs in host RAM (recompute_cpu, {fs(inputs)}) the host needs "
                 f"{fs(mem.host)}; --cpu-memory is {fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(mem.host)}, "
-                f"or {self._fewer_tokens(self.b.cpu_memory - (mem.host - inputs), per_tok).lower()}"
+                f"or {self._fewer_tokens(self._seqs_fitting(plan, cfg, host=True), self.b.cpu_memory - (mem.host - inputs), per_tok).lower()}"
             )
         raise InfeasibleError(msg)
 

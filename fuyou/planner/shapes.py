@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fuyou.errors import ConfigError
+from fuyou.schedule.device_memory import DeviceBlock
 from fuyou.schedule.experts import group_ranges
 from fuyou.schedule.shards import shard_len
 from fuyou.schedule.sizing import Footprint
@@ -166,6 +167,24 @@ class BlockShape:
     (``ModelLayout.frozen_numel``): read like weights, no state, gradient or writes; ``numel`` is the rest."""
     frozen_matmul_flops_per_token: int = 0
     """The part of ``matmul_flops_per_token`` whose weights that read-only part holds (no weight gradient)."""
+    work_elems_per_token: int = 0
+    """Elements per token of the block's widest intermediate (a gated MLP's intermediate size): what
+    its forward and backward transients scale with (``fuyou.schedule.device_memory``)."""
+    bwd_fixed_elems: int = 0
+    """Elements of a transient backward makes whatever the tokens: each weight's gradient is made
+    fresh, then added into the block's gradient buffer, so the largest weight tensor's size (an MLP
+    matrix; a mixture of experts' fused ``[E, 2I, h]`` gate_up_proj)."""
+    act_fp32_bytes_per_token: int = 0
+    """Saved bytes per token in fp32 where not twice the bf16 figure (0: twice it). A Llama-like layer
+    saves its norms' fp32 upcasts in bf16 too: 4·(7h + 2kv + 4i) in fp32, 2·(10h + 2kv + 4i) in bf16,
+    both measured exactly on SmolLM2 with the CPU backend's allocation meter."""
+
+    def saved_bytes_per_token(self, compute_bytes: int, seq_len: int) -> float:
+        """Bytes the block saves for backward per token at ``compute_bytes`` per element and ``seq_len``."""
+        per_key = self.act_bytes_per_token_per_key * seq_len * compute_bytes / 2
+        if compute_bytes == 4 and self.act_fp32_bytes_per_token:
+            return self.act_fp32_bytes_per_token + per_key
+        return self.act_bytes_per_token * compute_bytes / 2 + per_key
 
     def fwd_flops_per_token(self, hidden: int, seq_len: int) -> int:
         """Forward FLOPs per token including attention scores for layers (4·d·T, no causal halving)."""
@@ -292,6 +311,39 @@ class ModelShape:
         )
         return dataclasses.replace(self, blocks=blocks)
 
+    def device_blocks(
+        self, compute_bytes: int, seq_len: int, world: int = 1, frozen: bool = False
+    ) -> list[DeviceBlock]:
+        """Each block as device memory sees it (``fuyou.schedule.device_memory``) at ``compute_bytes``
+        per element and ``seq_len``: its weights (the head's with the blocks it borrows; with
+        ``world`` ranks gathered, plus the shard they come from), its gradients (none for a block
+        frozen whole, or any with ``frozen``: a LoRA run's base), saved bytes and widest
+        intermediate per token."""
+        cb, own = compute_bytes, self.sharded(world).blocks
+        names = [b.name for b in self.blocks]
+
+        def wg(i: int) -> tuple[int, int]:
+            blk, sh = self.blocks[i], own[i]
+            grad = 0 if frozen or blk.frozen else cb * (sh.numel if world > 1 else blk.numel)
+            if world == 1:
+                return cb * (blk.numel + blk.frozen_numel), grad
+            return (world + 1) * (cb * sh.numel + cb * sh.frozen_numel), (world + 1) * grad
+
+        out, holders = [], set(self.route_holders())
+        lenders = set(self.blocks[-1].borrows)
+        for i, blk in enumerate(self.blocks):
+            w, g = wg(i)
+            for o in blk.borrows:
+                bw, bg = wg(names.index(o))
+                w, g = w + bw, g + bg
+            out.append(
+                DeviceBlock(
+                    blk.name, blk.kind, w, g, blk.saved_bytes_per_token(cb, seq_len), cb * blk.work_elems_per_token,
+                    blk.keeps_input or i in holders, blk.name in lenders, cb * blk.bwd_fixed_elems,
+                )
+            )  # fmt: skip
+        return out
+
     def footprint(self, compute_bytes: int, state_bytes_per_param: int) -> Footprint:
         """What host-memory sizing (``fuyou.schedule.sizing``) needs: weights of ``compute_bytes`` per
         element (the store's 64-byte tensor gaps counted at bf16's 32 elements: exact for bf16, a few
@@ -347,6 +399,8 @@ def _llama(cfg: dict, name: str, groups: int = 1, vocab_groups: int = 1) -> Mode
         attn, mlp = [(q + 2 * kv, h), (h, q)], [(2 * i, h), (h, i)]
     attn_mm = 2 * (2 * q * h + 2 * kv * h)
     dense = (_aligned(*attn, *mlp, *norms), attn_mm + 2 * 3 * i * h, 2 * (10 * h + 2 * kv + 4 * i))
+    fp32_act = 4 * (7 * h + 2 * kv + 4 * i)  # no fp32 upcasts of the norms to save: fewer bytes than 2 × bf16's
+    moe_i, shared = cfg.get("moe_intermediate_size") or i, cfg.get("shared_expert_intermediate_size") or 0
     attn_dims = sum(s[0] + s[1] for s in attn if len(s) == 2)
     mlp_dims = sum(s[0] + s[1] for s in mlp if len(s) == 2)
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
@@ -364,11 +418,33 @@ def _llama(cfg: dict, name: str, groups: int = 1, vocab_groups: int = 1) -> Mode
         moe = _moe_layer(cfg, k, attn, attn_mm, h, kv, groups)
         numel, mm, act = moe[0] if moe else dense
         dims = attn_dims + (0 if moe else mlp_dims)  # LoRA on a mixture of experts is refused (adapters)
+        top_k = cfg.get("num_experts_per_tok", 2)
+        work = top_k * moe_i + shared if moe else i  # routed tokens' intermediates
+        if moe and groups > 1:  # the core: attention, router, a shared expert; the groups run the experts
+            work = max(shared, h)
+        experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+        # backward makes each weight's gradient fresh before adding it into the block's buffer: the largest
+        # matrix's (an MLP's; a mixture of experts' fused gate_up_proj; a split layer's core: attention's)
+        largest = i * h if not moe else experts * 2 * moe_i * h if groups == 1 else max(q, shared) * h
         blocks.append(
-            BlockShape(f"layer.{k}", "layer", numel, mm, act, act_bytes_per_token_per_key=per_key, linear_dims=dims)
-        )
-        for g, (numel, mm, act) in enumerate(moe[1:] if moe else []):
-            blocks.append(BlockShape(f"layer.{k}.experts.{g}", "experts", numel, mm, act, keeps_input=False))
+            BlockShape(
+                f"layer.{k}", "layer", numel, mm, act, act_bytes_per_token_per_key=per_key, linear_dims=dims,
+                work_elems_per_token=work, act_fp32_bytes_per_token=4 * (9 * h + 2 * kv + 4 * top_k * moe_i) if moe and groups == 1 else 0 if moe else fp32_act, bwd_fixed_elems=largest,
+            )
+        )  # fmt: skip
+        for g, ((numel, mm, act), (lo, hi)) in enumerate(zip(moe[1:], group_ranges(experts, groups)) if moe else []):
+            blocks.append(
+                BlockShape(
+                    f"layer.{k}.experts.{g}",
+                    "experts",
+                    numel,
+                    mm,
+                    act,
+                    keeps_input=False,
+                    work_elems_per_token=top_k * moe_i,  # every token's choices, other groups' masked
+                    bwd_fixed_elems=(hi - lo) * 2 * moe_i * h,  # its gate_up_proj's gradient, made whole
+                )
+            )
     head = _aligned((h,)) if tied else _aligned((h,), (v, h))
     blocks.append(BlockShape("head", "head", head, 2 * v * h, 0, ("embed",) if tied else ()))
     return ModelShape(name, tuple(blocks), h, L, v, experts, groups, vocab_groups, cfg)
@@ -392,7 +468,7 @@ def _moe_layer(
     core: list[tuple[int, ...]] = [(experts, h)]
     routed: list[tuple[int, ...]] = [(experts, 2 * i, h), (experts, h, i)]
     mm, routed_mm = attn_mm + 2 * experts * h, 2 * top * 3 * i * h
-    act, routed_act = 2 * (10 * h + 2 * kv), 2 * 4 * top * i
+    act, routed_act = 2 * (15 * h + 2 * kv), 2 * 4 * top * i  # 15h: a dense layer's 10h + the router's (measured)
     shared = cfg.get("shared_expert_intermediate_size") or 0
     if shared:
         core += [(shared, h), (shared, h), (h, shared), (1, h)]
@@ -405,7 +481,13 @@ def _moe_layer(
         n = hi - lo
         routed_here = top * n / experts  # this group's routed tokens per token, on average
         out.append(
-            (_aligned((n, 2 * i, h), (n, h, i)), int(routed_mm * n // experts), int(2 * (h + 4 * i) * routed_here))
+            (
+                _aligned((n, 2 * i, h), (n, h, i)),
+                int(routed_mm * n // experts),
+                # the family's experts module sorts every token's top-k choices, other groups' masked:
+                # (2i + 2h) per choice whatever the group, 4i per token routed here, 2i + h (measured)
+                int(2 * (top * (2 * i + 2 * h) + 4 * i * routed_here + 2 * i + h)),
+            )
         )
     return out
 
@@ -416,10 +498,17 @@ def _gpt2(cfg: dict, name: str) -> ModelShape:
     npos = cfg.get("n_positions", 1024)
     layer = _aligned((h,), (h,), (h, 3 * h), (3 * h,), (h, h), (h,), (h,), (h,), (h, i), (i,), (i, h), (h,))
     mm = 2 * (4 * h * h + 2 * h * i)
-    act = 2 * (13 * h + 2 * i) + 2 * h  # ≈ 34·h bytes at i = 4h (Korthikanti et al., no attention scores)
+    act = 2 * (11 * h + 4 * i)  # 54·h bytes at i = 4h: measured exactly in bf16 and fp32 (CPU allocation meter)
     blocks = [BlockShape("embed", "embed", _aligned((v, h), (npos, h)), 0, 0)]
     dims = 4 * h + 2 * h + (h + i) + (i + h)  # c_attn, attn c_proj, c_fc, mlp c_proj
-    blocks += [BlockShape(f"layer.{k}", "layer", layer, mm, act, linear_dims=dims) for k in range(L)]
+    fp32_act = 4 * (11 * h + 4 * i)  # measured exactly (CPU backend's allocation meter, torch 2.13)
+    blocks += [
+        BlockShape(
+            f"layer.{k}", "layer", layer, mm, act, linear_dims=dims, work_elems_per_token=i,
+            act_fp32_bytes_per_token=fp32_act, bwd_fixed_elems=i * h,
+        )
+        for k in range(L)
+    ]  # fmt: skip
     blocks.append(BlockShape("head", "head", _aligned((h,), (h,)), 2 * v * h, 0, ("embed",)))
     return ModelShape(name, tuple(blocks), h, L, v)
 

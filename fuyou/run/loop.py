@@ -24,7 +24,7 @@ from fuyou.errors import ConfigError, FuyouWarning
 from fuyou.planner.cost import FLOP_FORMULA
 from fuyou.run.config import FinetuneConfig
 from fuyou.run.lr import lr_at
-from fuyou.run.plan_choice import ChosenPlan, PlanRequest, check_profile, choose_plan, device_kind
+from fuyou.run.plan_choice import WARMUP_STEPS, ChosenPlan, PlanRequest, check_profile, choose_plan, device_kind
 from fuyou.run.report import Progress, peak_rss, summary_table
 from fuyou.run.tensorboard import TensorBoardLog, require_tensorboard
 from fuyou.units import parse_size
@@ -472,6 +472,7 @@ def _train(
         "eval_loss_before": c["eval_before"],
         "eval_loss_after": eval_after,
         "peak_rss_bytes": peak_rss(),
+        **_device_figures(engine),
         "ssd_write_bytes": c["written"],
         "ssd_read_bytes": c["read"],
         "checkpoint_stall_s": c["stall"],
@@ -484,8 +485,17 @@ def _train(
     }
 
 
-WARMUP_STEPS = 2
-"""Steps a run's steady step time (``profile_check`` in run.json) leaves out: the first pays for warm-up."""
+def _device_figures(engine: Any) -> dict:
+    """Device memory of the run in bytes: the measured peak (the CPU backend counts every tensor
+    compute allocates, as a GPU's allocator does), the device-memory model's prediction for the
+    largest step, and the budget."""
+    mem = engine.backend.memory()
+    pred = engine.predicted_peak
+    return {
+        "device_peak_bytes": mem.peak,
+        "device_predicted_bytes": pred.nbytes if pred is not None else None,
+        "device_budget_bytes": mem.capacity,
+    }
 
 
 def _record(step: int, st: dict, fpt: int, world: int = 1) -> dict:

@@ -219,6 +219,10 @@ PROFILE_TOLERANCE = 1.3
 planned with again (``check_profile``)."""
 
 
+WARMUP_STEPS = 2
+"""Steps a run's steady step time (``profile_check``) leaves out: the first pay for warm-up."""
+
+
 def check_profile(
     chosen: ChosenPlan, req: PlanRequest, measured_s: float | None, log: Callable[[str], None] = lambda s: None
 ) -> dict[str, Any] | None:
@@ -337,6 +341,7 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         "profile": where,
         "predicted_step_s": p.step_s,
         "predicted_bottleneck": p.bottleneck,
+        "predicted_device_bytes": p.memory.device,
         "plan": plan.to_json(),
         "state_chunk": plan.state_chunk,
     } | ({"profile_cache": quick} if quick is not None else {})

@@ -89,6 +89,18 @@ def ssd_endurance(write_bytes: float, seconds: float, store_dirs: list[str]) -> 
     )
 
 
+def _device_rows(s: dict) -> list[tuple[str, str]]:
+    """The device-memory rows of the summary (runs recorded before these figures have none)."""
+    if s.get("device_peak_bytes") is None:
+        return []
+    pred = s.get("device_predicted_bytes")
+    said = f" (predicted {format_size(pred)})" if pred else ""
+    return [
+        ("peak device memory", format_size(s["device_peak_bytes"]) + said),
+        ("device budget (--gpu-memory)", format_size(s["device_budget_bytes"])),
+    ]
+
+
 def summary_table(s: dict, run_dir: str | None = None) -> None:
     """Print the end-of-run table, including what the SSD writes mean for drive endurance, and where
     the run's one-page report (``fuyou report``) and TensorBoard logs are."""
@@ -110,6 +122,7 @@ def summary_table(s: dict, run_dir: str | None = None) -> None:
     rows += [
         ("peak host memory (RSS)", format_size(s["peak_rss_bytes"])),
         ("host budget (--cpu-memory)", format_size(s["cpu_memory_bytes"])),
+        *_device_rows(s),
         ("SSD read / written", f"{format_size(s['ssd_read_bytes'])} / {format_size(s['ssd_write_bytes'])}"),
         ("SSD writes at this rate", ssd_endurance(s["ssd_write_bytes"], s["wall_s"], s.get("store_dirs") or [])),
         ("model written to", s.get("output", "?")),

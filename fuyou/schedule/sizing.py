@@ -206,12 +206,18 @@ LOSS_CHUNK_BYTES = 256 << 20
 """Device bytes of logits (and their gradients) the LM head's loss holds at once."""
 
 
-def loss_chunk_tokens(vocab: int, compute_bytes: int) -> int:
+LOSS_CHUNK_SHARE = 8
+"""Under a device budget the logits take at most 1 / this of it (a 512 MiB budget: 64 MiB chunks)."""
+
+
+def loss_chunk_tokens(vocab: int, compute_bytes: int, device_bytes: int = 0) -> int:
     """Tokens whose logits the head computes at once: the loss runs over a micro-batch in chunks of
     this many tokens, so its logits — per token and vocabulary entry the compute-dtype logit, its fp32
     upcast, their gradients: 8 + 2 × ``compute_bytes`` bytes — stay within ``LOSS_CHUNK_BYTES`` (a
-    128 k vocabulary at 16 k tokens would otherwise hold ~24 GiB)."""
-    return max(1, LOSS_CHUNK_BYTES // ((8 + 2 * compute_bytes) * vocab))
+    128 k vocabulary at 16 k tokens would otherwise hold ~24 GiB), and within ``device_bytes`` ÷
+    ``LOSS_CHUNK_SHARE`` of a device budget (0: none given)."""
+    cap = LOSS_CHUNK_BYTES if not device_bytes else min(LOSS_CHUNK_BYTES, device_bytes // LOSS_CHUNK_SHARE)
+    return max(1, cap // ((8 + 2 * compute_bytes) * vocab))
 
 
 def halve_chunk(chunk: int) -> int:

@@ -79,7 +79,9 @@ class ActivationCopies:
 
     def take(self, c: HostCopy, what: str) -> torch.Tensor:
         """``c`` on the device, for compute (started now if ``upload`` was not called); the host copy
-        is dropped."""
+        is dropped. Taken again after the tensor it gave was dropped, ``c`` is copied back again."""
+        if c.back is None and c.ready is not None:  # taken before: copy the host copy back again
+            c.ready = None
         self.upload(c, what)
         assert c.ready is not None and c.back is not None  # upload() started the copy back
         with self.timeline.gap(self.compute):  # compute waiting for the copy is not compute

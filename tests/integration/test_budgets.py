@@ -18,13 +18,14 @@ def test_trains_far_below_both_budgets(tmp_path):
     weights_bytes = 2 * sum(p.numel() for p in model.parameters())
     host = state_bytes(model) // 10
     ec = EngineConfig(
-        ssd_dirs=(str(tmp_path),), cpu_memory=host, gpu_memory=weights_bytes // 8, plan=Plan(prefetch_depth=1)
+        ssd_dirs=(str(tmp_path),), cpu_memory=host, gpu_memory=weights_bytes // 5, plan=Plan(prefetch_depth=1)
     )
     with Engine.from_state_dict(cfg, sd, ec) as eng:
         assert eng.pool.reserved <= host
-        losses = [eng.train_step(ids, labels)["loss"] for ids, labels in batches(3)]
+        # every tensor compute allocates counts: the 32 layers' kept inputs and one layer's working set
+        losses = [eng.train_step(ids, labels)["loss"] for ids, labels in batches(3, batch=2)]
         mem = eng.backend.memory()
-        assert mem.peak <= mem.capacity < weights_bytes / 4
+        assert mem.peak <= mem.capacity <= weights_bytes / 5
     assert all(torch.isfinite(torch.tensor(losses)))
 
 

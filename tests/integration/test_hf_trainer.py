@@ -183,7 +183,7 @@ def test_trainer_runs_the_plan_the_shared_chooser_picks(tmp_path, capsys):
         cpu_memory="2MiB",
         seq_len=16,
         profile=profile,
-        **kw,
+        **(kw | {"max_steps": 4}),
     )
     fy = FuyouTrainer(model=model, args=args, train_dataset=dataset())
     req = PlanRequest(
@@ -207,7 +207,14 @@ def test_trainer_runs_the_plan_the_shared_chooser_picks(tmp_path, capsys):
     assert (chosen.plan.state_chunk, chosen.plan.park_ram_blocks) != (default.state_chunk, default.park_ram_blocks)
     assert "planner: 2 micro-batches" in capsys.readouterr().err
     fy.train()
-    assert len(losses(fy)) == 2 and fy.plan_record()["executed"] == fy.engine.plan.to_json()
+    assert len(losses(fy)) == 4 and fy.plan_record()["executed"] == fy.engine.plan.to_json()
+    # as `fuyou finetune` records in run.json: the prediction held against the steady steps (after 2 warm-up)
+    check = fy.profile_check
+    assert check is not None and check["predicted_step_s"] == fy.plan_choice.info["predicted_step_s"]
+    assert check["measured_step_s"] > 0 and check["verdict"] in (
+        "ok",
+        "cost model (a profile file, not measured by the run)",
+    )
 
     ssd2 = tmp_path / "ssd2"
     ssd2.mkdir()

@@ -5,6 +5,7 @@ import pytest
 from fuyou.planner.cost import predict
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.sim import Sim
+from fuyou.schedule.device_memory import ALLOWANCE
 from fuyou.schedule.plan import Plan
 from tests.unit.planner.helpers import profile, small_llama, toy_shape
 
@@ -151,7 +152,8 @@ def test_memory_per_tier_counts_what_the_policies_hold():
         for pol in ("recompute", "keep", "swap_cpu", "swap_ssd")
     }
     act = 8 * shape.blocks[1].act_bytes_per_token * 2 * 2 * 128
-    assert mem["keep"].device - mem["recompute"].device == pytest.approx(act)
+    # the device-memory model adds its allowance to the phase they differ in
+    assert mem["keep"].device - mem["recompute"].device == pytest.approx(act * (1 + ALLOWANCE))
     assert mem["swap_cpu"].host_activations == pytest.approx(act)
     assert mem["swap_ssd"].ssd - mem["recompute"].ssd == pytest.approx(act)
     assert mem["recompute"].ssd == 2 * 14 * shape.params

@@ -8,6 +8,7 @@ from fuyou.planner.cost import host_buffers
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.result import Budgets
 from fuyou.planner.search import InfeasibleError, Request, search
+from fuyou.schedule.device_memory import ALLOWANCE
 from fuyou.schedule.plan import Plan
 from tests.unit.planner.helpers import profile, small_llama
 
@@ -145,7 +146,7 @@ def test_split_layers_keep_their_routes_where_the_policy_says():
     off = list(base)
     off[holder] = "recompute_cpu"
     on_device, on_host = (memory(shape, Plan(activation_policy=tuple(p)), cfg, HW) for p in (base, off))
-    assert on_device.device - on_host.device == tokens_bytes
+    assert on_device.device - on_host.device == pytest.approx(tokens_bytes * (1 + ALLOWANCE), abs=1)
     assert on_host.host_activations - on_device.host_activations == tokens_bytes
     group = list(base)
     group[holder - 1] = "recompute_cpu"  # the first group holds nothing: no copy, no memory moved

@@ -1,0 +1,87 @@
+"""What a GPU would hold, counted on the CPU backend: every storage torch allocates during compute.
+
+On CUDA the caching allocator sees every tensor forward and backward create — activations, the
+tensors autograd saves, logits, temporaries — so ``--gpu-memory`` caps all of them. On the CPU
+backend the "device" is host RAM and only the engine's own buffers (``Backend.device_empty``) used
+to be charged against the fake capacity, so a plan that would overflow a GPU ran on CPU.
+
+``Allocations`` is a ``TorchDispatchMode`` the CPU backend enters around compute
+(``Backend.counting``): after each ATen op it charges every output storage that is new (not an
+input's storage, not one already charged, not the arena's own) against the same capacity, and
+refunds it when the storage is freed (a finalizer on the storage object, which torch keeps alive
+as long as the storage). An op whose output passes the capacity raises the one-line
+``DeviceMemoryError`` naming the op and the compute it belongs to — where a GPU would raise its
+out-of-memory error. The mode is per thread (torch's dispatch-mode stack is thread-local) and
+autograd runs a CPU backward on the calling thread, so backward's allocations are counted too.
+Host allocations made inside compute (staging for swapped activations) are not device memory:
+the backend makes them under ``paused``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+Charger = Callable[[torch.UntypedStorage, str], None]
+"""Charges a new storage (its ``nbytes()``) against the fake capacity and refunds it when freed;
+raises DeviceMemoryError naming the string past the capacity (``CachingArena.adopt``)."""
+
+
+class Allocations(TorchDispatchMode):
+    """Charges the storages ops allocate on this thread to ``charge``; ``what`` names the compute."""
+
+    def __init__(self, charge: Charger, what: str) -> None:
+        super().__init__()
+        self.charge, self.what = charge, what
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if _paused():
+            return out
+        known: set[int] | None = None
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.is_sparse:
+                continue
+            s = t.untyped_storage()
+            if not s.nbytes():
+                continue
+            if known is None:
+                known = _storages((args, kwargs))
+            if id(s) not in known:
+                known.add(id(s))
+                self.charge(s, f"{func.__name__} in {self.what}")
+        return out
+
+
+def _storages(tree: Any) -> set[int]:
+    """Ids of the storages of the tensors and storages in ``tree`` (an op's inputs)."""
+    out = set()
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor) and not t.is_sparse:
+            out.add(id(t.untyped_storage()))
+        elif isinstance(t, torch.UntypedStorage):
+            out.add(id(t))
+    return out
+
+
+_local = threading.local()
+
+
+def _paused() -> bool:
+    return getattr(_local, "paused", 0) > 0
+
+
+@contextmanager
+def paused() -> Iterator[None]:
+    """Allocations made on this thread inside are host memory, not the device's (nestable)."""
+    _local.paused = getattr(_local, "paused", 0) + 1
+    try:
+        yield
+    finally:
+        _local.paused -= 1

@@ -1,0 +1,82 @@
+"""The engine's device-memory admission of a batch shape, by the model the planner predicts with
+(``fuyou.schedule.device_memory``): before a step with a new shape allocates anything, its predicted
+peak is held against the device's capacity and a shape that cannot fit is refused with one line.
+
+Weights and gradients per block are the layout's own (exact); what a block saves and its transients
+come from the planner's shape of the same config (``fuyou.planner.shapes``), which both sides share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fuyou.errors import ConfigError, DeviceMemoryError
+from fuyou.models.store_layout import ModelLayout
+from fuyou.schedule import device_memory, sizing
+from fuyou.schedule.device_memory import DevicePeak, DeviceRun
+from fuyou.schedule.plan import Plan
+from fuyou.units import format_size
+
+ADAPTER_BYTES_PER_PARAM = 16
+"""A LoRA adapter parameter on the device: fp32 weight, gradient, AdamW's m and v (as the planner's)."""
+
+
+def batch_peak(
+    config: Any,
+    layout: ModelLayout,
+    plan: Plan,
+    micro_batch: int,
+    seq_len: int,
+    accum: int,
+    adapter_params: int = 0,
+    device: str = "cpu",
+    capacity: int = 0,
+) -> DevicePeak | None:
+    """The predicted device peak of a step of ``accum`` micro-batches of ``micro_batch × seq_len``
+    tokens under ``plan`` on a device of ``capacity`` bytes (the loss's chunk follows it; 0: none);
+    None for a model the planner cannot shape (the allocation itself then decides)."""
+    from fuyou.planner.shapes import shape_from_config
+
+    try:
+        shape = shape_from_config(
+            config.to_dict(), expert_groups=max(1, plan.expert_groups), vocab_groups=plan.vocab_groups
+        )
+    except ConfigError:
+        return None
+    if [b.name for b in shape.blocks] != [b.name for b in layout.blocks]:
+        return None
+    cb = layout.footprint().compute_bytes
+    fp = layout.footprint()
+    blocks = []
+    for b, blk in enumerate(shape.device_blocks(cb, seq_len)):
+        own = [b] + [layout.index(o) for o in layout.blocks[b].borrows]
+        weights = sum(fp.device_bytes(o) - _grad_device_bytes(fp, o) for o in own)
+        grads = sum(_grad_device_bytes(fp, o) for o in own if layout.trains(o) and not plan.frozen)
+        blocks.append(dataclasses.replace(blk, weights=weights, grads=grads))
+    shard = cb * max(fp.numels) if fp.world > 1 else 0
+    run = DeviceRun(
+        micro_batch, seq_len, accum, shape.hidden, cb, shape.vocab, sizing.loss_chunk_tokens(shape.vocab, cb, capacity),
+        ADAPTER_BYTES_PER_PARAM * adapter_params + shard + sizing.library_bytes(device),
+    )  # fmt: skip
+    H = len(blocks) - 1
+    pol = ["keep" if b == H else plan.policy(b, H + 1) for b in range(H + 1)]
+    return device_memory.device_peak(blocks, pol, run)
+
+
+def _grad_device_bytes(fp: sizing.Footprint, b: int) -> int:
+    """Device bytes of block ``b``'s gradient (gathered with its shard when sharded)."""
+    return fp.grad_bytes(b) if fp.world == 1 else (fp.world + 1) * fp.grad_bytes(b)
+
+
+def admit_batch(peak: DevicePeak | None, capacity: int, micro_batch: int, seq_len: int, accum: int) -> None:
+    """Refuse a step whose predicted ``peak`` passes ``capacity`` (bytes): DeviceMemoryError, one
+    line, naming the binding budget, the phase and every way out. Nothing is allocated yet."""
+    if peak is None or peak.nbytes <= capacity:
+        return
+    raise DeviceMemoryError(
+        f"device memory: a step of {accum} micro-batch{'es' if accum > 1 else ''} of {micro_batch} × {seq_len} tokens "
+        f"needs about {format_size(peak.nbytes)} at its peak ({peak.phase}), the device budget is "
+        f"{format_size(capacity)}; raise --gpu-memory to ≥ {format_size(peak.nbytes)}, lower --micro-batch-size "
+        "or --seq-len, or keep fewer activations on the device (--activations recompute or swap_cpu)"
+    )
