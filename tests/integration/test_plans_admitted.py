@@ -11,11 +11,14 @@ import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
+from fuyou.engine.device_admission import batch_peak
 from fuyou.engine.engine import admit
 from fuyou.engine.export import frozen_blocks, frozen_keys
 from fuyou.models.adapters import make_adapter
 from fuyou.models.store_layout import ModelLayout
 from fuyou.planner.cluster import Cluster
+from fuyou.planner.cost import memory
+from fuyou.planner.graph import StepConfig
 from fuyou.planner.result import Budgets
 from fuyou.planner.search import InfeasibleError, Request, search
 from fuyou.planner.shapes import shape_from_config
@@ -171,6 +174,8 @@ def test_planner_plans_are_admitted_and_refusals_name_the_binding_budget(m, prof
         binding = [k for k in BINDING if msg.startswith(k)]
         assert binding, msg
         assert BINDING[binding[0]] in msg and "\n" not in msg
+        if binding[0] == "device memory:":  # the engine, under its own rules, cannot run it either
+            assert not _smallest_fits(shape, prof, bud, req), msg
         return
     world = req.cluster.world
     layout = ModelLayout(
@@ -179,9 +184,31 @@ def test_planner_plans_are_admitted_and_refusals_name_the_binding_budget(m, prof
     )  # fmt: skip
     fp = layout.footprint()
     assert admit(layout, res.plan, bud.cpu_memory, bud.gpu_memory) == res.plan
+    mb = res.step.micro_batch_size  # and the engine admits the step's batch shape by the same device model
+    peak = batch_peak(cfg, layout, res.plan, mb, req.seq_len, res.plan.grad_accum, 0, prof.device, bud.gpu_memory)
+    assert peak is not None and peak.nbytes <= bud.gpu_memory, (peak, res.prediction.memory.device)
     need = sizing.host_need(fp, res.plan)
     assert need <= res.prediction.memory.host_buffers + res.prediction.memory.host_ram_tiers <= bud.cpu_memory
     assert sum(c.reserved for c in sizing.buffer_classes(fp, res.plan)) + sizing.ram_tier_bytes(fp, res.plan) == need
+
+
+def _smallest_fits(shape, prof, bud: Budgets, req: Request) -> bool:
+    """Whether the smallest step the engine runs for ``req`` — one sequence a micro-batch, every layer
+    recomputed (its input on the device, or in host RAM), one weight buffer ahead — fits both budgets
+    by the device-memory model and the host sizing the engine follows."""
+    seqs = req.tokens_per_step // (req.seq_len * req.cluster.world)
+    cb, spp = (4 if req.precision == "fp32" else 2), (12 if req.state_precision == "fp32" else 8)
+    cfg = StepConfig(1, req.seq_len, spp, cb, req.cluster, 0, bud.gpu_memory)
+    n = len(shape.blocks)
+    for pol in ("recompute", "recompute_cpu"):
+        plan = Plan(
+            grad_accum=seqs, prefetch_depth=1, state_chunk=MIN_CHUNK, schedule="overlap_next_forward",
+            park_ram_blocks=0, activation_policy=("keep",) + (pol,) * (n - 2) + ("keep",),
+        )  # fmt: skip
+        mem = memory(shape, plan, cfg, prof)
+        if mem.device <= bud.gpu_memory and mem.host <= bud.cpu_memory:
+            return True
+    return False
 
 
 def test_the_issues_case_trains_inside_its_budget(tmp_path):
