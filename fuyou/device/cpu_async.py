@@ -196,10 +196,10 @@ class _AsyncArena(cpu_arena.CachingArena):
                 else:
                     self._put(s)  # a queued copy still touching it now sees poison (or the next user)
             for key, ref in list(self._foreign_refs.items()):  # compute's tensors only queued copies hold
-                s = ref()
-                if s is not None and cpu_arena._use_count(s) == 1 + p.refs[s._cdata]:
+                held = ref()
+                if held is not None and cpu_arena._use_count(held) == 1 + p.refs[held._cdata]:
                     self._refund_foreign(key)
-                del s
+                del held
             for key, s in list(self._deferred.items()):
                 if cpu_arena._use_count(s) == 1:
                     del self._deferred[key]

@@ -56,6 +56,10 @@ class EngineConfig:
     """A mixture of experts' balance loss, weighted by the config's ``router_aux_loss_coef``:
     ``global`` (expert frequencies over the whole step, every rank's), ``micro`` (per micro-batch, the
     HF model's own loss) or ``off`` (``--moe-balance``; ``fuyou.engine.balance``)."""
+    batch: tuple[int, int, int] | None = None
+    """The steps to come, where the caller knows them (``fuyou finetune``, FuyouTrainer): (sequences a
+    micro-batch, tokens a sequence, micro-batches a step). The engine holds their device peak against
+    the budget before it creates a store, so a step that cannot fit is refused with nothing written."""
 
     def __post_init__(self) -> None:
         problems = []

@@ -13,6 +13,7 @@ from typing import Any
 
 from fuyou.errors import ConfigError, DeviceMemoryError
 from fuyou.models.store_layout import ModelLayout
+from fuyou.planner.shapes import shape_from_config
 from fuyou.schedule import device_memory, sizing
 from fuyou.schedule.device_memory import DevicePeak, DeviceRun
 from fuyou.schedule.plan import Plan
@@ -36,8 +37,6 @@ def batch_peak(
     """The predicted device peak of a step of ``accum`` micro-batches of ``micro_batch × seq_len``
     tokens under ``plan`` on a device of ``capacity`` bytes (the loss's chunk follows it; 0: none);
     None for a model the planner cannot shape (the allocation itself then decides)."""
-    from fuyou.planner.shapes import shape_from_config
-
     try:
         shape = shape_from_config(
             config.to_dict(), expert_groups=max(1, plan.expert_groups), vocab_groups=plan.vocab_groups

@@ -156,6 +156,8 @@ class Engine:
         """Batch shapes (micro-batch, tokens, micro-batches) the device-memory model admitted."""
         self.predicted_peak: DevicePeak | None = None
         """The largest device peak the model predicted for a step admitted so far (None: none yet)."""
+        if cfg.batch is not None:  # before the store exists: a refused step leaves nothing behind
+            self._admit_shape(*cfg.batch)
         self.pool = HostBufferPool(self.backend, cfg.cpu_bytes)
         for c in sizing.buffer_classes(self.layout.footprint(), self.plan):
             self.pool.reserve(c.name, c.nbytes, c.count)
@@ -456,8 +458,12 @@ class Engine:
         """Refuse, before it allocates, a step whose micro-batches' shape (the largest of each
         dimension) the device-memory model says cannot fit (``device_admission``); each shape is
         checked once."""
-        mb, seq = max(x.shape[0] for x in input_ids), max(x.shape[-1] for x in input_ids)
-        key = (mb, seq, len(input_ids))
+        self._admit_shape(max(x.shape[0] for x in input_ids), max(x.shape[-1] for x in input_ids), len(input_ids))
+
+    def _admit_shape(self, micro_batch: int, seq_len: int, accum: int) -> None:
+        """Admit steps of ``accum`` micro-batches of ``micro_batch × seq_len`` tokens (once per shape);
+        DeviceMemoryError (one line) if the device-memory model says they cannot fit."""
+        key = (micro_batch, seq_len, accum)
         if key in self._admitted:
             return
         adapters = self.lora.numel if self.lora is not None else 0

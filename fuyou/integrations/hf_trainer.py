@@ -203,6 +203,7 @@ class FuyouTrainer(Trainer):
             moe_balance=args.moe_balance,
             lora=lora,
             freeze=freeze,
+            batch=(args.per_device_train_batch_size, req.seq_len, args.gradient_accumulation_steps),
         )
         self.engine = Engine.from_state_dict(config, state, cfg)
         if self._ranks.root:

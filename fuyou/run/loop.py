@@ -112,7 +112,16 @@ def _engine_config(cfg: FinetuneConfig, req: PlanRequest, chosen: ChosenPlan, wo
         moe_balance=cfg.moe_balance,
         lora=cfg.lora,
         freeze=tuple(cfg.freeze),
+        batch=_batch(cfg, chosen),
     )
+
+
+def _batch(cfg: FinetuneConfig, chosen: ChosenPlan) -> tuple[int, int, int] | None:
+    """The steps' shape as the engine splits them (one rank's ``micro_batch_size × grad_accum``
+    sequences into the plan's accumulation), for its admission before the store exists; None where
+    the plan's accumulation does not divide them (``train_step`` then refuses the batch by name)."""
+    seqs, k = cfg.micro_batch_size * cfg.grad_accum, chosen.plan.grad_accum
+    return (seqs // k, cfg.seq_len, k) if seqs % k == 0 else None
 
 
 def finetune(cfg: FinetuneConfig) -> dict[str, Any]:
