@@ -266,7 +266,7 @@ stage_tests() {
   fi
   NVIDIA_TF32_OVERRIDE=0 GLOO_SOCKET_IFNAME=lo NCCL_SOCKET_IFNAME=lo MASTER_ADDR=127.0.0.1 \
     FUYOU_COLLECTIVE_TIMEOUT=${FC_COLLECTIVE_TIMEOUT:-45} TORCH_NCCL_ASYNC_ERROR_HANDLING=1 \
-    "$PY" -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/junit-gpu.xml" --basetemp="$SCRATCH/pytest" \
+    "$PY" -m pytest -p no:cacheprovider -q -rs --junitxml="$OUT/junit-gpu.xml" -o junit_logging=system-out --basetemp="$SCRATCH/pytest" \
     "${timeout_opt[@]}" "${files[@]}"
   rc=$?
   [ "$REHEARSAL" = 1 ] && allowed="needs a CUDA GPU"

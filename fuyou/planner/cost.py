@@ -4,12 +4,8 @@ memory per tier, SSD traffic and wear. Pure Python, no torch.
 Step time comes from simulating the step's operations with their dependencies (``graph.py``), not
 from a sum or a max. Memory per tier:
 
-* device — block inputs kept for backward (one ``tokens×hidden`` tensor per block and step,
-  whatever the policy, except ``recompute_cpu`` blocks', which wait in host RAM, and expert groups',
-  which need none, but a split mixture-of-experts layer keeps its route, held by its last group),
-  ``keep`` activations, and the larger of a layer's working set (weights +
-  gradients + two micro-batches' activations) and the head's (its weights, the tied embedding,
-  gradients and ~12 bytes per logit: bf16 logits, fp32 upcast, fp32 and bf16 gradients);
+* device — the step's peak by the device-memory model the engine admits steps with
+  (``fuyou.schedule.device_memory``: phase by phase, per activation policy; ``device_peak``);
 * host — the engine's buffer pool and RAM tier, counted by the rules the engine reserves them with
   (``fuyou.schedule.sizing``), ``swap_cpu`` activations and ``recompute_cpu`` block inputs (all
   alive at the turnaround) and transient ``swap_ssd`` staging;

@@ -1,6 +1,6 @@
 """Device memory, written once: what a step holds on the device at its peak, phase by phase, as the
 engine runs it (``fuyou/engine/step.py``). The planner predicts with it (``fuyou.planner.cost``) and the
-engine admits a batch shape with it before the step allocates anything (``Engine._admit_batch``).
+engine admits a batch shape with it before the step allocates anything (``Engine._admit_shape``).
 Plain Python, no torch.
 
 The engine computes one block at a time over ``K`` micro-batches of ``t`` tokens; ``x = t × hidden ×
@@ -17,19 +17,21 @@ nothing. The phases:
   embedding's) + its inputs and their gradients (2·K·x) + the chunked loss's logits
   (``sizing.loss_chunk_tokens``: 8 + 2 × compute_bytes per token and vocabulary entry);
 * backward of ``b``: Σ_{a≤b} K·resident(a) + b's weights and gradients + output gradients in and
-  input gradients out (2·K·x) + one micro-batch's backward transient (``B`` × ``work`` per token, and
-  a mixture of experts' whole fused expert tensors: ``DeviceBlock.bwd_fixed``), and
-  what comes back for it, and the gradient buffers of blocks the head borrowed (a tied embedding:
-  ``DeviceBlock.lends``) from the head's backward on: ``recompute`` its saved tensors again, ``swap_*`` those of this micro-batch
-  (a hidden state's worth more than ``saved``: views the swap cannot merge), ``recompute_cpu`` its
-  input and its saved tensors; and what is uploaded one ahead (the next micro-batch's, or the block
-  below's first).
+  input gradients out (2·K·x) + one micro-batch's backward transient (``B`` × ``work`` per token, plus
+  the largest weight tensor's gradient, made fresh before it is added into the block's buffer:
+  ``DeviceBlock.bwd_fixed``) + what comes back for it (``recompute``: its saved tensors again;
+  ``swap_*``: those of this micro-batch, a hidden state's worth more than ``saved`` — views the swap
+  cannot merge — of which only ``LAZY_SHARE`` for the first block backward reaches, which nothing
+  uploaded ahead; ``recompute_cpu``: its input and its saved tensors) + what is uploaded one ahead
+  (the next micro-batch's, or the block below's first) + from the head's backward on, the gradient
+  buffers of blocks the head borrows (a tied embedding: ``DeviceBlock.lends``).
 
-The peak is the largest phase, ``ALLOWANCE`` more, plus what lives through the step: LoRA adapters with their moments,
-a reduce-scattered gradient shard, the backend's libraries (``sizing.library_bytes``). ``F`` and
-``B`` were measured with the CPU backend's allocation meter (``fuyou.device.cpu_allocations``) on
-SmolLM2-135M and tiny Llamas (torch 2.13); ``saved`` comes from the family's formula
-(``fuyou.planner.shapes``).
+The peak is the largest phase, ``ALLOWANCE`` more, plus what lives through the step: LoRA adapters
+with their moments, a reduce-scattered gradient shard, the backend's libraries
+(``sizing.library_bytes``). ``F``, ``B`` and the per-block figures were measured with the CPU
+backend's allocation meter (``fuyou.device.cpu_allocations``) on SmolLM2-135M and tiny Llama, Qwen2,
+GPT-2 and mixture-of-experts models (torch 2.13, transformers 5.24); ``saved`` comes from the
+family's formula (``fuyou.planner.shapes``). Predicted ÷ measured: ``bench/bench_device_peak.py``.
 """
 
 from __future__ import annotations
@@ -42,8 +44,7 @@ FWD_WORK = 3.5
 their product of a gated MLP, less what is freed on the way): 3.4 measured on SmolLM2, bf16 and fp32."""
 ALLOWANCE = 0.05
 """Share added to each phase for what the model does not itemise (small tensors, rounding, the
-allocator's slack): measured peaks of Llama, Qwen2, GPT-2 and mixture-of-experts shapes under every
-policy came out within ±4 % of the phases without it."""
+allocator's slack)."""
 BWD_WORK = {2: 2.5, 4: 2.0}
 """Backward's transient peak in ``work`` elements per token, by compute element size: 2.1–2.5 in bf16,
 1.4–2.0 in fp32 measured on SmolLM2 and tiny Llamas (``keep`` and ``recompute``)."""
@@ -71,8 +72,8 @@ class DeviceBlock:
     """The head borrows this block's weights (a tied embedding): its gradient buffer, filled first by
     the head's backward, stays on the device until its own backward."""
     bwd_fixed: int = 0
-    """Bytes of a backward transient whatever the tokens (a mixture of experts' fused expert tensor,
-    which the per-expert index's backward fills whole: ``fuyou.planner.shapes.BlockShape.bwd_fixed_elems``)."""
+    """Bytes of a backward transient whatever the tokens: the largest weight tensor's gradient, made
+    fresh before it is added into the block's buffer (``fuyou.planner.shapes.BlockShape.bwd_fixed_elems``)."""
 
 
 @dataclass(frozen=True)
