@@ -179,7 +179,9 @@ def test_fuyou_finetune_splits_layers_a_device_budget_cannot_hold(tmp_path):
     assert r.exit_code == 0, r.output
     assert layer > 5 << 20
     run = json.loads((out / "run.json").read_text())
-    assert run["plan"]["executed"]["expert_groups"] == 2
+    # split (the fewest groups whose whole step fits: weights, gradients, activations, temporaries), and inside it
+    assert run["plan"]["executed"]["expert_groups"] > 1
+    assert run["device_peak_bytes"] <= run["device_budget_bytes"] == 5 << 20
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2 and all(x["applied"] for x in lines)
     r = CliRunner().invoke(main, ["export", str(out), str(tmp_path / "exp"), "--dtype", "fp32"])
