@@ -84,7 +84,7 @@ def _dont_fork(mm: mmap.mmap) -> None:
             pass
 
 
-def device_full(nbytes: int, used: int, capacity: int, what: str, verb: str = "allocating") -> DeviceMemoryError:
+def device_full(nbytes: int, used: int, capacity: int, what: object, verb: str = "allocating") -> DeviceMemoryError:
     """The one-line error for a device allocation of ``nbytes`` that would pass ``capacity`` (bytes)."""
     return DeviceMemoryError(
         f"device memory exhausted: {verb} {format_size(nbytes)} for {what} would bring use to "
@@ -103,7 +103,7 @@ class _DeviceAccounting:
         self._held: dict[int, int] = {}
         self._lock = threading.Lock()
 
-    def charge(self, nbytes: int, what: str) -> None:
+    def charge(self, nbytes: int, what: object) -> None:
         """Reserve ``nbytes``; raise DeviceMemoryError if that passes the capacity."""
         with self._lock:
             if self.allocated + nbytes > self.capacity:
@@ -122,7 +122,7 @@ class _DeviceAccounting:
         self._held[id(storage)] = nbytes
         weakref.finalize(storage, self._release, id(storage))
 
-    def adopt(self, storage: torch.UntypedStorage, what: str) -> None:
+    def adopt(self, storage: torch.UntypedStorage, what: object) -> None:
         """Charge ``storage`` (allocated by torch during compute) until it is freed; DeviceMemoryError
         naming ``what`` past the capacity. Idempotent."""
         key = id(storage)

@@ -69,7 +69,7 @@ class CPUBackend(Backend):
         past it."""
         return Allocations(self._adopt, what)
 
-    def _adopt(self, storage: torch.UntypedStorage, what: str) -> None:
+    def _adopt(self, storage: torch.UntypedStorage, what: object) -> None:
         (self._arena if self._arena is not None else self._acct).adopt(storage, what)
 
     def device_empty(

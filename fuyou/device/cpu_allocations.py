@@ -28,9 +28,21 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-Charger = Callable[[torch.UntypedStorage, str], None]
+Charger = Callable[[torch.UntypedStorage, object], None]
 """Charges a new storage (its ``nbytes()``) against the fake capacity and refunds it when freed;
-raises DeviceMemoryError naming the string past the capacity (``CachingArena.adopt``)."""
+raises DeviceMemoryError naming the object (its ``str``) past the capacity (``CachingArena.adopt``)."""
+
+
+class _Op:
+    """What allocated a storage — an op in a region of compute — formatted only if an error names it."""
+
+    __slots__ = ("func", "region")
+
+    def __init__(self, func: Any, region: str) -> None:
+        self.func, self.region = func, region
+
+    def __str__(self) -> str:
+        return f"{self.func.__name__} in {self.region}"
 
 
 class Allocations(TorchDispatchMode):
@@ -42,39 +54,38 @@ class Allocations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if _paused():
+        if getattr(_local, "paused", 0):
             return out
+        outs = (out,) if type(out) is torch.Tensor else tree_leaves(out)  # the common case without pytree
         known: set[int] | None = None
-        for t in tree_leaves(out):
+        for t in outs:
             if not isinstance(t, torch.Tensor) or t.is_sparse:
                 continue
             s = t.untyped_storage()
             if not s.nbytes():
                 continue
             if known is None:
-                known = _storages((args, kwargs))
+                known = _storages(args, kwargs)
             if id(s) not in known:
                 known.add(id(s))
-                self.charge(s, f"{func.__name__} in {self.what}")
+                self.charge(s, _Op(func, self.what))
         return out
 
 
-def _storages(tree: Any) -> set[int]:
-    """Ids of the storages of the tensors and storages in ``tree`` (an op's inputs)."""
+def _storages(args: tuple, kwargs: dict | None) -> set[int]:
+    """Ids of the storages of the tensors and storages among an op's inputs (one level of lists)."""
     out = set()
-    for t in tree_leaves(tree):
-        if isinstance(t, torch.Tensor) and not t.is_sparse:
-            out.add(id(t.untyped_storage()))
-        elif isinstance(t, torch.UntypedStorage):
-            out.add(id(t))
+    for a in (*args, *(kwargs.values() if kwargs else ())):
+        for t in a if isinstance(a, list | tuple) else (a,):
+            if isinstance(t, torch.Tensor):
+                if not t.is_sparse:
+                    out.add(id(t.untyped_storage()))
+            elif isinstance(t, torch.UntypedStorage):
+                out.add(id(t))
     return out
 
 
 _local = threading.local()
-
-
-def _paused() -> bool:
-    return getattr(_local, "paused", 0) > 0
 
 
 @contextmanager

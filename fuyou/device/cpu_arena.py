@@ -18,6 +18,7 @@ views, parameters and autograd's saved tensors.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import OrderedDict
@@ -104,10 +105,10 @@ class CachingArena:
             self._trim()
         return torch.empty(0, dtype=torch.uint8).set_(s, 0, (nbytes,))  # type: ignore[call-overload]  # torch's stubs lack set_(source, offset, size) (stride optional at runtime)
 
-    def adopt(self, s: torch.UntypedStorage, what: str) -> None:
+    def adopt(self, s: torch.UntypedStorage, what: object) -> None:
         """Charge ``s``, a storage torch allocated outside the arena (an op's output during compute:
-        ``cpu_allocations``), until it is freed; DeviceMemoryError naming ``what`` past the capacity
-        (``s`` is then not charged). Idempotent; the arena's own storages are already charged."""
+        ``cpu_allocations``), until it is freed; DeviceMemoryError naming ``what`` (its ``str``) past the
+        capacity (``s`` is then not charged). Idempotent; the arena's own storages are already charged."""
         with self._lock:
             key = id(s)
             if key in self._lent or key in self._foreign:
@@ -115,8 +116,11 @@ class CachingArena:
             n = s.nbytes()
             self._charge(n, what)
             self._foreign[key] = n
-            self._foreign_refs[key] = weakref.ref(s)
-        weakref.finalize(s, self._refund_foreign, key)
+            # a weak reference whose callback refunds (cheaper per op than weakref.finalize)
+            self._foreign_refs[key] = weakref.ref(s, functools.partial(self._refund_dead, key))
+
+    def _refund_dead(self, key: int, _: object) -> None:
+        self._refund_foreign(key)
 
     def _refund_foreign(self, key: int) -> None:
         with self._lock:
@@ -148,7 +152,7 @@ class CachingArena:
             self.allocated -= nbytes
             raise
 
-    def _charge(self, nbytes: int, what: str) -> None:
+    def _charge(self, nbytes: int, what: object) -> None:
         if self.allocated + nbytes > self.capacity:
             raise device_full(nbytes, self.allocated, self.capacity, what)
         self.allocated += nbytes

@@ -413,7 +413,7 @@ class AsyncCPUBackend(CPUBackend):
             elif not p.refs[c]:
                 del self._watch[c]  # its copies have run; it is live: accounted as usual
 
-    def _adopt(self, storage: torch.UntypedStorage, what: str) -> None:
+    def _adopt(self, storage: torch.UntypedStorage, what: object) -> None:
         """Charge a storage compute allocated; without the arena, watch it like ``device_empty``'s, so
         it counts as freed once only queued copies hold it (as CUDA counts it)."""
         with self._pending.lock:
@@ -422,7 +422,7 @@ class AsyncCPUBackend(CPUBackend):
                 c = storage._cdata
                 if c not in self._stamps:
                     weakref.finalize(storage, self._stamps.pop, c, None)
-                self._stamps[c] = (self._epoch, what, None)
+                self._stamps[c] = (self._epoch, str(what), None)
 
     def _watch_device(self, aliases: tuple[torch.Tensor, ...]) -> None:
         """Without the arena: watch the device storages among ``aliases`` (held by queued work)."""

@@ -79,7 +79,10 @@ def check(monkeypatch, tmp_path, mode, family, layers, **kw):
     assert kind is cpu_async.AsyncCPUBackend
     assert losses == plain, "the asynchronous backend changed the losses"
     assert all(torch.equal(weights[k], w_plain[k]) for k in w_plain), "the asynchronous backend changed the weights"
-    assert mem == mem_plain, "device memory accounting (allocated at the end, peak) differs"
+    # every tensor compute allocates counts (cpu_allocations): nothing may stay allocated, and the peak may move by
+    # the moments queued copies let go of memory (the asynchronous backend counts it freed then, as CUDA does)
+    assert mem[0] == mem_plain[0], "device memory still allocated at the end differs"
+    assert mem[1] == pytest.approx(mem_plain[1], rel=0.02), "device memory peak differs"
     ref = reference_steps(model, batches(STEPS), kw.get("K", 1), LR, WD, clip=kw.get("clip", 0.0), lrs=lrs)
     assert_same(model, ref, losses, weights)
 
