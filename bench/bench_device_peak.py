@@ -12,8 +12,12 @@ Two parts, both on this machine's CPU backend (a CPU figure: a GPU run is the ch
   accumulated, ``--cpu-memory 1GiB``: the issue's setting): the plan, the measured peak, the
   engine's prediction, or the one-line refusal.
 
-    python bench/bench_device_peak.py                  # both (~3 minutes on 2 cores)
+* ``meter``: what counting costs per op (a chain of small element-wise ops, median of 7): plain, under
+  an empty TorchDispatchMode, under the meter. (CUDA's backend does not count: its cost there is 0.)
+
+    python bench/bench_device_peak.py                  # draws and smollm2 (~3 minutes on 2 cores)
     python bench/bench_device_peak.py --part draws --draws 40 --seed 1
+    python bench/bench_device_peak.py --part meter
 """
 
 from __future__ import annotations
@@ -102,9 +106,49 @@ def smollm2(out: str | None) -> list[dict]:
     return rows
 
 
+def meter(out: str | None) -> dict:
+    """Microseconds an op: plain, under an empty dispatch mode, under the CPU backend's meter."""
+    import contextlib
+    import statistics
+    import time
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fuyou.device.cpu import CPUBackend
+
+    class Empty(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    be, x, n = CPUBackend(1 << 34), torch.randn(64, 64), 2000
+
+    def chain() -> None:
+        y = x
+        for _ in range(n):
+            y = (y * 1.0001).relu()
+
+    rec: dict = {"bench": "device_peak", "part": "meter", "ops": 2 * n}
+    for name, ctx in (
+        ("plain", contextlib.nullcontext),
+        ("empty_mode", Empty),
+        ("meter", lambda: be.counting("bench")),
+    ):
+        times = []
+        for _ in range(7):
+            with ctx():
+                t = time.perf_counter()
+                chain()
+                times.append(time.perf_counter() - t)
+        rec[f"{name}_us_per_op"] = statistics.median(times) / (2 * n) * 1e6
+    rec["hardware"] = hardware_info()
+    emit(rec, out)
+    return rec
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--part", choices=["draws", "smollm2", "both"], default="both")
+    ap.add_argument("--part", choices=["draws", "smollm2", "meter", "both"], default="both")
     ap.add_argument("--draws", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
@@ -116,6 +160,13 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"draws: predicted ÷ measured {ratios[0]:.2f}–{ratios[-1]:.2f}, median {ratios[len(ratios) // 2]:.2f}; "
             f"{inside}/{len(ratios)} within 1.0–1.1, {sum(x < 1.0 for x in ratios)} below 1.0",
+            file=sys.stderr,
+        )
+    if a.part == "meter":
+        r = meter(a.out)
+        print(
+            f"per op: plain {r['plain_us_per_op']:.1f} µs, empty mode {r['empty_mode_us_per_op']:.1f} µs, "
+            f"meter {r['meter_us_per_op']:.1f} µs",
             file=sys.stderr,
         )
     if a.part in ("smollm2", "both"):
