@@ -18,6 +18,7 @@ Two parts, both on this machine's CPU backend (a CPU figure: a GPU run is the ch
     python bench/bench_device_peak.py                  # draws and smollm2 (~3 minutes on 2 cores)
     python bench/bench_device_peak.py --part draws --draws 40 --seed 1
     python bench/bench_device_peak.py --part meter
+    python bench/bench_device_peak.py --smoke          # two draws and the meter (the test)
 """
 
 from __future__ import annotations
@@ -152,7 +153,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draws", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None, help="append the JSON lines to this file too")
+    ap.add_argument("--smoke", action="store_true", help="two draws and the meter, no SmolLM2 run")
     a = ap.parse_args(argv)
+    if a.smoke:
+        a.draws = 2
+        draws(a.draws, a.seed, a.out)
+        meter(a.out)
+        return
     if a.part in ("draws", "both"):
         rows = draws(a.draws, a.seed, a.out)
         ratios = sorted(r["predicted_over_measured"] for r in rows)

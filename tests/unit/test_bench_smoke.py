@@ -302,3 +302,16 @@ def test_plan_truth_bench_smoke(tmp_path):
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [rec["setting"] for rec in recs] == ["ssd_noclip_fp32", "lora8"]
     assert all(rec["predicted_over_measured"] > 0 and rec["profile_check"]["verdict"] for rec in recs), recs
+
+
+def test_device_peak_bench_smoke():
+    """Predicted and measured device peaks of two random draws, and the allocation meter's cost per op."""
+    r = subprocess.run(
+        [sys.executable, "bench/bench_device_peak.py", "--smoke"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(line) for line in r.stdout.splitlines()]
+    draws = [x for x in recs if x["part"] == "draws"]
+    assert len(draws) == 2 and all(x["measured_bytes"] > 0 and x["predicted_over_measured"] > 0 for x in draws)
+    (m,) = [x for x in recs if x["part"] == "meter"]
+    assert 0 < m["plain_us_per_op"] < m["meter_us_per_op"]
