@@ -8,8 +8,8 @@ to be charged against the fake capacity, so a plan that would overflow a GPU ran
 ``Allocations`` is a ``TorchDispatchMode`` the CPU backend enters around compute
 (``Backend.counting``): after each ATen op it charges every output storage that is new (not an
 input's storage, not one already charged, not the arena's own) against the same capacity, and
-refunds it when the storage is freed (a finalizer on the storage object, which torch keeps alive
-as long as the storage). An op whose output passes the capacity raises the one-line
+refunds it when the storage is freed (a weak reference with a callback on the storage object, which
+torch keeps alive as long as the storage). An op whose output passes the capacity raises the one-line
 ``DeviceMemoryError`` naming the op and the compute it belongs to — where a GPU would raise its
 out-of-memory error. The mode is per thread (torch's dispatch-mode stack is thread-local) and
 autograd runs a CPU backward on the calling thread, so backward's allocations are counted too.

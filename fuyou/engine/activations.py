@@ -131,9 +131,9 @@ class _Swap:
         """``id`` of a packed copy → the device tensor ``unpack`` made of it, while it lives."""
 
     def pack(self, t: torch.Tensor) -> Any:
-        if t.untyped_storage().data_ptr() in self.weights or t.numel() == 0:
-            return t
         storage = t.untyped_storage()
+        if storage.data_ptr() in self.weights or t.numel() == 0:
+            return t
         key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
         seen = self._seen.get(key)
         if seen is not None and seen[0]() is storage:  # the same tensor again (not new memory at its address)

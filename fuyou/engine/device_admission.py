@@ -15,12 +15,9 @@ from fuyou.errors import ConfigError, DeviceMemoryError
 from fuyou.models.store_layout import ModelLayout
 from fuyou.planner.shapes import shape_from_config
 from fuyou.schedule import device_memory, sizing
-from fuyou.schedule.device_memory import DevicePeak, DeviceRun
+from fuyou.schedule.device_memory import DevicePeak
 from fuyou.schedule.plan import Plan
 from fuyou.units import format_size
-
-ADAPTER_BYTES_PER_PARAM = 16
-"""A LoRA adapter parameter on the device: fp32 weight, gradient, AdamW's m and v (as the planner's)."""
 
 
 def batch_peak(
@@ -45,22 +42,19 @@ def batch_peak(
         return None
     if [b.name for b in shape.blocks] != [b.name for b in layout.blocks]:
         return None
-    cb = layout.footprint().compute_bytes
     fp = layout.footprint()
+    cb = fp.compute_bytes
     blocks = []
     for b, blk in enumerate(shape.device_blocks(cb, seq_len)):
         own = [b] + [layout.index(o) for o in layout.blocks[b].borrows]
         weights = sum(fp.device_bytes(o) - _grad_device_bytes(fp, o) for o in own)
         grads = sum(_grad_device_bytes(fp, o) for o in own if layout.trains(o) and not plan.frozen)
         blocks.append(dataclasses.replace(blk, weights=weights, grads=grads))
-    shard = cb * max(fp.numels) if fp.world > 1 else 0
-    run = DeviceRun(
-        micro_batch, seq_len, accum, shape.hidden, cb, shape.vocab, sizing.loss_chunk_tokens(shape.vocab, cb, capacity),
-        ADAPTER_BYTES_PER_PARAM * adapter_params + shard + sizing.library_bytes(device),
+    run = device_memory.step_run(
+        micro_batch, seq_len, accum, shape.hidden, cb, shape.vocab, adapter_params=adapter_params,
+        shard_grad_bytes=cb * max(fp.numels) if fp.world > 1 else 0, device=device, device_bytes=capacity,
     )  # fmt: skip
-    H = len(blocks) - 1
-    pol = ["keep" if b == H else plan.policy(b, H + 1) for b in range(H + 1)]
-    return device_memory.device_peak(blocks, pol, run)
+    return device_memory.device_peak(blocks, device_memory.block_policies(plan, len(blocks)), run)
 
 
 def _grad_device_bytes(fp: sizing.Footprint, b: int) -> int:

@@ -27,12 +27,10 @@ from fuyou.planner.graph import StepConfig, StepGraph, simulate
 from fuyou.planner.profile import HardwareProfile
 from fuyou.planner.shapes import ModelShape
 from fuyou.schedule import device_memory, rules, sizing
-from fuyou.schedule.device_memory import DevicePeak, DeviceRun
+from fuyou.schedule.device_memory import DevicePeak
 from fuyou.schedule.plan import Plan
 
 DAY_S = 86400.0
-ADAPTER_BYTES_PER_PARAM = 16
-"""A LoRA adapter parameter on the device: fp32 weight, gradient, and AdamW's m and v."""
 ADAPTER_STAGED_BYTES_PER_PARAM = 12
 """A LoRA adapter parameter in its host staging buffer (checkpoints, resume): fp32 weight, m and v."""
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -120,17 +118,15 @@ def ram_tier_bytes(shape: ModelShape, plan: Plan, cfg: StepConfig) -> int:
 def device_peak(shape: ModelShape, plan: Plan, cfg: StepConfig, device: str = "cpu") -> DevicePeak:
     """The step's device peak (``fuyou.schedule.device_memory``) on a ``device`` backend: the blocks
     at ``cfg``'s element size and sequence length, LoRA adapters (fp32 weights, gradients, m and v:
-    ``ADAPTER_BYTES_PER_PARAM``), the reduce-scattered gradient shard with several ranks, and what the
+    ``device_memory.ADAPTER_BYTES_PER_PARAM``), the reduce-scattered gradient shard with several ranks, and what the
     backend's libraries take (``sizing.library_bytes``)."""
     cb, world = cfg.compute_bytes, cfg.cluster.world
     shard_grad = cb * max(blk.numel for blk in shape.sharded(world).blocks) if world > 1 else 0
-    run = DeviceRun(
+    run = device_memory.step_run(
         cfg.micro_batch_size, cfg.seq_len, plan.grad_accum, shape.hidden, cb, shape.vocab,
-        sizing.loss_chunk_tokens(shape.vocab, cb, cfg.device_memory),
-        ADAPTER_BYTES_PER_PARAM * cfg.adapter_params + shard_grad + sizing.library_bytes(device),
+        adapter_params=cfg.adapter_params, shard_grad_bytes=shard_grad, device=device, device_bytes=cfg.device_memory,
     )  # fmt: skip
-    H = len(shape.blocks) - 1
-    pol = ["keep" if b == H else plan.policy(b, H + 1) for b in range(H + 1)]
+    pol = device_memory.block_policies(plan, len(shape.blocks))
     return device_memory.device_peak(shape.device_blocks(cb, cfg.seq_len, world, plan.frozen), pol, run)
 
 

@@ -39,12 +39,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from fuyou.schedule import sizing
+from fuyou.schedule.plan import Plan
+
 FWD_WORK = 3.5
 """A no-grad forward's transient peak, in ``work`` elements per token (gate, up, the activation and
 their product of a gated MLP, less what is freed on the way): 3.4 measured on SmolLM2, bf16 and fp32."""
 ALLOWANCE = 0.05
 """Share added to each phase for what the model does not itemise (small tensors, rounding, the
 allocator's slack)."""
+ADAPTER_BYTES_PER_PARAM = 16
+"""A LoRA adapter parameter on the device: fp32 weight, gradient, and AdamW's m and v."""
 BWD_WORK = {2: 2.5, 4: 2.0}
 """Backward's transient peak in ``work`` elements per token, by compute element size: 2.1–2.5 in bf16,
 1.4–2.0 in fp32 measured on SmolLM2 and tiny Llamas (``keep`` and ``recompute``)."""
@@ -104,6 +109,35 @@ class DevicePeak:
     nbytes: int
     phase: str
     by_kind: dict[str, int] = field(default_factory=dict)
+
+
+def step_run(
+    micro_batch: int,
+    seq_len: int,
+    accum: int,
+    hidden: int,
+    compute_bytes: int,
+    vocab: int,
+    *,
+    adapter_params: int = 0,
+    shard_grad_bytes: int = 0,
+    device: str = "cpu",
+    device_bytes: int = 0,
+) -> DeviceRun:
+    """A step's ``DeviceRun``: its loss chunk under a ``device_bytes`` budget (0: none;
+    ``sizing.loss_chunk_tokens``), and what lives through it — LoRA adapters
+    (``ADAPTER_BYTES_PER_PARAM`` each), a reduce-scattered gradient shard, the ``device`` backend's
+    libraries (``sizing.library_bytes``)."""
+    return DeviceRun(
+        micro_batch, seq_len, accum, hidden, compute_bytes, vocab,
+        sizing.loss_chunk_tokens(vocab, compute_bytes, device_bytes),
+        ADAPTER_BYTES_PER_PARAM * adapter_params + shard_grad_bytes + sizing.library_bytes(device),
+    )  # fmt: skip
+
+
+def block_policies(plan: Plan, nblocks: int) -> list[str]:
+    """Each block's activation policy under ``plan`` (the head's, which the model ignores, ``keep``)."""
+    return ["keep" if b == nblocks - 1 else plan.policy(b, nblocks) for b in range(nblocks)]
 
 
 def logit_tokens(run: DeviceRun) -> int:

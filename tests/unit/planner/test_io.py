@@ -266,8 +266,8 @@ def test_the_planner_counts_the_adapters_peft_injects():
     memory on each."""
     from fuyou.models.adapters import make_adapter
     from fuyou.models.lora import LoraSettings, is_lora
-    from fuyou.planner.cost import ADAPTER_BYTES_PER_PARAM
     from fuyou.planner.graph import StepConfig
+    from fuyou.schedule.device_memory import ADAPTER_BYTES_PER_PARAM
     from tests.integration.tiny_models import tiny
 
     for fam in [f for f in FAMILIES if "moe" not in f and f != "mixtral"]:
