@@ -16,6 +16,7 @@ device capacity (``--gpu-memory``) is memory the process uses besides the host b
 reported.
 
     python bench/bench_scale.py                       # ≥ 1.5B params (~45 GB of store on --dir)
+    python bench/bench_scale.py --preset llama3       # 1.26B with Llama 3's 128 k vocabulary (~35 GB)
     python bench/bench_scale.py --smoke               # tiny (48 small layers), same 1/10 rule; seconds
 """
 
@@ -122,6 +123,11 @@ PRESETS = {
     # Qwen2-1.5B widths (hidden 1536, MLP 8960, 12 heads / 2 KV heads) with a 32k Llama vocabulary,
     # 30 layers: 1.50B parameters. The largest block (embedding, 49M) sets the host buffers.
     "full": dict(hidden=1536, inter=8960, heads=12, kv_heads=2, layers=30, vocab=32000, batch=1, seq=128),
+    # Llama-3.2-1B widths (hidden 2048, MLP 8192, 32 heads / 8 KV heads) with Llama 3's 128 k
+    # vocabulary, untied, 12 layers: 1.26B parameters, of which the embedding and the head are 263M
+    # each (4.3 decoder layers): unsplit they set the host floor (6 buffers of 525 MB in bf16); the
+    # engine splits them by vocabulary rows (``Plan.vocab_groups``, 0: as needed) into 5 blocks each.
+    "llama3": dict(hidden=2048, inter=8192, heads=32, kv_heads=8, layers=12, vocab=128256, batch=1, seq=128),
     # 48 equal small layers: the same 1/10 rule holds in fp32 too (host buffers ≈ 44 B × largest block).
     "smoke": dict(hidden=64, inter=128, heads=4, kv_heads=4, layers=48, vocab=64, batch=1, seq=16),
 }
@@ -151,9 +157,12 @@ def main() -> None:
     )
     ap.add_argument("--keep-store", action="store_true", help="leave the store on disk")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument(
+        "--preset", choices=sorted(PRESETS), default=None, help="model shape (default: full; smoke with --smoke)"
+    )
     ap.add_argument("--out", default=None, help="also append JSON lines to this file")
     a = ap.parse_args()
-    for k, v in PRESETS["smoke" if a.smoke else "full"].items():
+    for k, v in PRESETS[a.preset or ("smoke" if a.smoke else "full")].items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.gpu_memory is None:
@@ -213,6 +222,7 @@ def run(a: argparse.Namespace, rss: RssSampler, baseline: int, cfg: Any, shapes:
         build_s = time.perf_counter() - t
         pool_reserved = eng.pool.reserved
         effective = {
+            "vocab_groups": eng.plan.vocab_groups,
             "prefetch_depth": eng.plan.prefetch_depth,
             "state_buffers": eng.plan.state_buffers,
             "state_chunk_elems": eng.layout.state_chunk,

@@ -195,6 +195,12 @@ def print_result(res: object, params: int) -> None:
             t.add_row(
                 "experts", f"each mixture-of-experts layer streams as a core block + {p.expert_groups} expert groups"
             )
+        if p.vocab_groups > 1:
+            t.add_row(
+                "vocabulary",
+                f"the embedding and the LM head stream as {p.vocab_groups} blocks of vocabulary rows each "
+                "(the host budget is below their whole blocks' buffers)",
+            )
         t.add_row("activations", _policies(p.activation_policy))
         if p.ram_weight_blocks or p.ram_state_blocks:
             t.add_row(

@@ -55,18 +55,11 @@ MUTATIONS = [
         why="compute reads device weights before their host→device copy landed",
     ),
     Mutation(
-        "engine.evaluate: compute waits for a block's weights",
+        "engine.evaluate: compute waits for each block's weights (the head's groups included)",
         "fuyou/engine/engine.py",
         "self.loader.ready_event().wait(self.compute_stream)",
         0,
-        why="evaluate's forward reads weights mid-copy",
-    ),
-    Mutation(
-        "engine.evaluate: compute waits for the head's weights",
-        "fuyou/engine/engine.py",
-        "self.loader.ready_event().wait(self.compute_stream)",
-        1,
-        why="evaluate's head reads weights mid-copy",
+        why="evaluate's forward or head reads weights mid-copy",
     ),
     Mutation(
         "weights.next: compute named a user of the weights' memory (keep_alive / record_stream)",

@@ -29,8 +29,9 @@ from fuyou.engine.device_admission import admit_batch, batch_peak
 from fuyou.engine.export import HF_FILES, export_dtype, export_layout, frozen_blocks, frozen_keys, iter_master
 from fuyou.engine.lora import LoraState
 from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
+from fuyou.engine.vocab_loss import IGNORE, shifted
 from fuyou.errors import ConfigError, DeviceMemoryError, FuyouWarning, ManifestError
-from fuyou.models.adapters import make_adapter, seed_context
+from fuyou.models.adapters import GPT2, architecture_of, make_adapter, seed_context
 from fuyou.models.blocks import parse_slice, split_experts
 from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config, widest_float
 from fuyou.models.lora import is_lora
@@ -40,6 +41,7 @@ from fuyou.schedule import rules, sizing
 from fuyou.schedule.device_memory import DevicePeak
 from fuyou.schedule.experts import expert_group_options, spread_policies
 from fuyou.schedule.plan import Plan
+from fuyou.schedule.vocab import bounding_groups
 from fuyou.storage.dirs import rank_dirs
 from fuyou.storage.extents import dtype_from_name
 from fuyou.storage.store import TensorStore
@@ -89,7 +91,17 @@ class Engine:
         self.comm = Collectives.join(self.backend, self.timeline)
         """The data-parallel ranks' collectives (``torchrun``), or None for one process."""
         rank, world = (self.comm.rank, self.comm.world) if self.comm is not None else (0, 1)
-        vocab = int(store.meta.get("vocab_groups", 1)) if store is not None else cfg.plan.vocab_groups
+        if store is not None:
+            vocab = int(store.meta.get("vocab_groups", 1))
+        else:
+            base = rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0)
+            vocab = cfg.plan.vocab_groups or vocab_groups_for(
+                config,
+                dataclasses.replace(base, frozen=cfg.lora is not None),
+                DTYPES[cfg.precision],
+                world,
+                cfg.cpu_bytes,
+            )
         if store is not None:
             groups = int(store.meta.get("expert_groups", 1))
         else:
@@ -496,47 +508,38 @@ class Engine:
         labels = input_ids if labels is None else labels
         dev = self.backend.device
         seed = _seeds(None if position_ids is None else [position_ids], 1, dev)[0]
+        head = self.runner.head
         H = len(self.layout.blocks) - 1
         borrowed = [self.layout.index(o) for o in self.layout.blocks[H].borrows]
+        shift = shifted(labels)
+        n_items = int((shift != IGNORE).sum())  # counted on the host
         self.loader.gate = self.runner.gate
         self.loader.start(rules.eval_order(H + 1, borrowed))
         try:
             x, ctx = input_ids.to(dev), seed
-            for b in range(H):
-                w = self.loader.next(b)
-                self.loader.ready_event().wait(self.compute_stream)  # hazard: compute reading weights mid-copy
-                self.adapter.bind(b, self.layout.unflatten(b, w.view(self.layout.compute_dtype)))
+            for b in range(head.first):
+                self._bind_next(b)
                 x, ctx = self.adapter.forward(b, x, ctx)
                 self.adapter.unbind(b)
                 done = self.adapter.last_of_layer(b)
                 if done is not None:  # the layer's last expert group has run: its route is spent
                     ctx.routes.pop(done)
-                del w
-            tensors = self.layout.unflatten(H, self.loader.next(H).view(self.layout.compute_dtype))
-            for o in borrowed:
-                tensors.update(self.layout.unflatten(o, self.loader.next(o).view(self.layout.compute_dtype)))
-            self.loader.ready_event().wait(self.compute_stream)  # hazard: compute reading weights mid-copy
-            self.adapter.bind(H, tensors)
-            loss = self._chunked_loss(x, ctx, labels)
-            self.adapter.unbind(H)
+            cap = self.backend.memory().capacity
+            total = head.evaluate(self._bind_next, x, ctx, shift.to(dev), cap)
         finally:
             self.loader.drain()
-        return loss
+        return float(total) / n_items if n_items else float("nan")
 
-    def _chunked_loss(self, x: torch.Tensor, ctx: Any, labels: torch.Tensor) -> float:
-        """Mean loss of the head (bound) over ``x``'s labelled tokens, ``sizing.loss_chunk_tokens`` at a time."""
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
-        vocab = self.adapter.config.vocab_size
-        shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]  # token i predicts label i + 1
-        n_items: Any = int((shift != -100).sum())  # counted on the host
-        cap = self.backend.memory().capacity
-        step = max(1, sizing.loss_chunk_tokens(vocab, elem_size(self.layout.compute_dtype), cap) // x.shape[0])
-        total = torch.zeros((), dtype=torch.float64, device=x.device)
-        for piece, lab in zip(x.split(step, dim=1), shift.to(x.device).split(step, dim=1)):
-            logits, _ = self.adapter.forward(len(self.layout.blocks) - 1, piece, ctx)
-            total += ForCausalLMLoss(logits, None, vocab, num_items_in_batch=n_items, shift_labels=lab.contiguous())
-        return float(total) if n_items else float("nan")
+    def _bind_next(self, b: int) -> None:
+        """Evaluation: bind block ``b`` to the loader's next weights (the head with what it borrows)."""
+        dt = self.layout.compute_dtype
+        tensors = self.layout.unflatten(b, self.loader.next(b).view(dt))
+        if b == len(self.layout.blocks) - 1:
+            for name in self.layout.blocks[b].borrows:
+                o = self.layout.index(name)
+                tensors.update(self.layout.unflatten(o, self.loader.next(o).view(dt)))
+        self.loader.ready_event().wait(self.compute_stream)  # hazard: compute reading weights mid-copy
+        self.adapter.bind(b, tensors)
 
     def flush(self) -> None:
         """Wait for pending updates (clipping schedule) and commit them; then write the RAM tier's
@@ -653,6 +656,26 @@ def expert_groups_for(config: Any, compute_dtype: torch.dtype, world: int, capac
         if sizing.device_floor(ModelLayout(blocks, compute_dtype, world=world).footprint(), device) <= capacity:
             return g
     return options[-1]
+
+
+def vocab_groups_for(config: Any, plan: Plan, compute_dtype: torch.dtype, world: int, host_bytes: int) -> int:
+    """1, unless ``plan`` cannot fit the smallest host buffer set of the unsplit model in ``host_bytes``
+    (``sizing.fit_host``) and the embedding or an untied LM head is larger than a decoder layer: then
+    the fewest vocabulary groups that bring each within one (``fuyou.schedule.vocab.bounding_groups``).
+    A tied embedding, or a family the adapter does not split, stays whole (``admit`` then names the
+    largest block)."""
+    if getattr(config, "tie_word_embeddings", False) or architecture_of(config) in GPT2:
+        return 1
+    whole = tuple(make_adapter(config).blocks)
+    if max(plan.ram_weight_blocks, plan.ram_state_blocks) > len(whole):
+        return 1  # ``rules.check_ram_tier`` names it
+    fp = ModelLayout(whole, compute_dtype, world=world).footprint()
+    if sizing.host_need(fp, sizing.fit_host(fp, dataclasses.replace(plan, vocab_groups=1), host_bytes)) <= host_bytes:
+        return 1
+    layer = max((b.numel for b in whole[1:-1]), default=0)
+    if max(whole[0].numel, whole[-1].numel) <= layer:
+        return 1
+    return bounding_groups(config.vocab_size, config.hidden_size, layer)
 
 
 @contextlib.contextmanager

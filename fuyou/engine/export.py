@@ -125,8 +125,9 @@ def _iter_ranks(stores: list[TensorStore], layouts: list[ModelLayout]) -> Iterat
 
 def merge_expert_groups(pairs: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """``(key, tensor)`` pairs with every expert group's slices (``fuyou.models.blocks.slice_key``) put
-    back together along dim 0 under the fused tensor's own key; a layer's groups come one after the
-    other, so at most one layer's experts are held."""
+    back together along dim 0 under the fused tensor's own key (and a vocabulary split's rows: the
+    embedding's, the LM head's); a layer's groups come one after the other, so at most one layer's
+    experts are held. A block's whole tensors come before its slices (``blocks.split_vocab``)."""
     pending: dict[str, list[torch.Tensor]] = {}
     for key, t in pairs:
         rows = parse_slice(key)

@@ -43,16 +43,15 @@ from typing import Any
 import torch
 
 from fuyou.device.base import Backend
-from fuyou.engine import activations
+from fuyou.engine import activations, turnaround
 from fuyou.engine.adam_stage import AdamStage
 from fuyou.engine.balance import StepBalance
 from fuyou.engine.lora import LoraState
 from fuyou.models.adapters import Adapter
-from fuyou.models.store_layout import ModelLayout, elem_size
+from fuyou.models.store_layout import ModelLayout
 from fuyou.optim.norm import read_scalars, sum_squares_lazy
 from fuyou.schedule import rules
 from fuyou.schedule.plan import RECOMPUTES, Plan
-from fuyou.schedule.sizing import loss_chunk_tokens
 from fuyou.timeline import Timeline
 from fuyou.transfer.activation_files import ActivationSpace
 from fuyou.transfer.collectives import Collectives
@@ -186,6 +185,8 @@ class StepRunner:
             if ctx.lora is None and any(lay.trains(o) for o in [b] + [lay.index(n) for n in blk.borrows])
         )
         """The blocks that train (``trains``), fixed with the layout: computed once, not per hand-off."""
+        self.head = turnaround.for_adapter(ctx.adapter)
+        """The turnaround: the head whole, or split by vocabulary rows (chosen once, with the model)."""
 
     def trains(self, b: int) -> bool:
         """Whether block ``b`` gets gradients, hands them off and is updated: not with LoRA (its base is
@@ -210,7 +211,8 @@ class StepRunner:
         if c.lora is not None:
             c.lora.zero_grad()
         c.loader.gate = self.gate
-        c.loader.start(rules.load_order(len(c.layout.blocks), self.borrowed()))
+        n = len(c.layout.blocks)
+        c.loader.start(rules.load_order(n, self.borrowed(), n - self.head.first))
         try:
             self.forward(st)
             self.turnaround(st)
@@ -221,7 +223,7 @@ class StepRunner:
         return applied, t0, time.perf_counter()
 
     # ---------------------------------------------------------------- helpers
-    def _bind(
+    def bind(
         self, st: StepState, b: int, borrowed: dict[int, torch.Tensor] | None = None
     ) -> dict[str, torch.nn.Parameter]:
         c = self.c
@@ -231,7 +233,7 @@ class StepRunner:
             tensors.update(c.layout.unflatten(o, w.view(dt)))
         return c.adapter.bind(b, tensors)
 
-    def _attach_grads(self, st: StepState, b: int) -> None:
+    def attach_grads(self, st: StepState, b: int) -> None:
         """Point every parameter's ``.grad`` at its owner block's flat device gradient buffer."""
         c = self.c
         owners = [o for o in [b] + [c.layout.index(o) for o in c.layout.blocks[b].borrows] if c.layout.trains(o)]
@@ -247,13 +249,13 @@ class StepRunner:
             if p.requires_grad:  # a frozen parameter's slice stays zero
                 p.grad = views[key]
 
-    def _load(self, st: StepState, b: int, refill: bool = False) -> torch.Tensor:
+    def load(self, st: StepState, b: int, refill: bool = False) -> torch.Tensor:
         c = self.c
         w = c.loader.next(b, into=st.weights.get(b) if refill else None)
         c.loader.ready_event().wait(c.compute_stream)  # compute must not read weights before the copy lands
         return w
 
-    def _drop_params(self, st: StepState, b: int) -> None:
+    def drop_params(self, st: StepState, b: int) -> None:
         """After backward: detach gradients from the parameters and unbind the block's modules."""
         for p in st.params.pop(b).values():
             p.grad = None
@@ -269,10 +271,10 @@ class StepRunner:
     def forward(self, st: StepState) -> None:
         c = self.c
         H = len(c.layout.blocks) - 1
-        for b in range(H):
+        for b in range(self.head.first):
             policy = c.plan.policy(b, H + 1)
-            st.weights[b] = self._load(st, b)
-            st.params[b] = self._bind(st, b)
+            st.weights[b] = self.load(st, b)
+            st.params[b] = self.bind(st, b)
             name = c.layout.blocks[b].name
             with (
                 c.timeline.device_span("compute", f"fwd {name}", c.backend, c.compute_stream),
@@ -302,73 +304,32 @@ class StepRunner:
             self._release_weights(st, b, keep_views=policy not in RECOMPUTES)
 
     def turnaround(self, st: StepState) -> None:
-        """Head forward, loss, head backward — per micro-batch and, within one, per chunk of
-        ``sizing.loss_chunk_tokens`` tokens, so logits never pile up."""
-        c = self.c
-        H = len(c.layout.blocks) - 1
+        """Head forward, loss, head backward (``fuyou.engine.turnaround``: the head whole, or split by
+        vocabulary rows), after the balance loss's seeds are fixed."""
         if st.balance is not None:  # every router has run: the balance loss's counts are complete
             weighted, st.aux_sum = st.balance.turnaround()
             st.loss_sum = st.loss_sum + weighted
-        st.weights[H] = self._load(st, H)
-        borrowed = {o: self._load(st, o) for o in self.borrowed()}
-        st.params[H] = self._bind(st, H, borrowed)
-        if self.trains(H):
-            self._attach_grads(st, H)
-        with (
-            c.timeline.device_span("compute", "head fwd+bwd", c.backend, c.compute_stream),
-            c.backend.counting("the head's loss"),
-        ):
-            st.xs = [self._head(st, k, x) for k, x in enumerate(st.xs)]
-        self._drop_params(st, H)
-        del borrowed
-        st.weights.pop(H)
-        if self.trains(H) and c.layout.trains(H):
-            self.hand_off(st, H)
-
-    def _head(self, st: StepState, k: int, x: torch.Tensor) -> torch.Tensor:
-        """Loss of micro-batch ``k`` (``[b, t, hidden]`` into the head) token chunk by token chunk, each
-        chunk's backward run at once; returns the gradient of ``x``. The loss is summed over labelled
-        tokens and divided by the step's count (``transformers``' ``num_items_in_batch`` loss)."""
-        from transformers.loss.loss_utils import ForCausalLMLoss
-
-        c, H = self.c, len(self.c.layout.blocks) - 1
-        vocab = c.adapter.config.vocab_size
-        tokens = loss_chunk_tokens(vocab, elem_size(c.layout.compute_dtype), c.backend.memory().capacity)
-        shift = torch.nn.functional.pad(st.labels[k], (0, 1), value=-100)[:, 1:]  # token i predicts label i + 1
-        n_items: Any = st.num_items  # transformers annotates it as a Tensor; it divides by it, an int works
-        pieces = [p.requires_grad_() for p in x.detach().split(max(1, tokens // x.shape[0]), dim=1)]
-        start = 0
-        for piece in pieces:
-            stop = start + piece.shape[1]
-            with torch.enable_grad():
-                logits, _ = c.adapter.forward(H, piece, st.ctxs[k])
-                loss = ForCausalLMLoss(
-                    logits, None, vocab, num_items_in_batch=n_items, shift_labels=shift[:, start:stop].contiguous()
-                )
-            loss.backward()
-            st.loss_sum = st.loss_sum + loss.detach().double()  # no device→host read per micro-batch
-            start = stop
-        return torch.cat([p.grad for p in pieces], dim=1) if len(pieces) > 1 else pieces[0].grad
+        self.head.run(self, st)
 
     def backward(self, st: StepState) -> None:
         c = self.c
         H = len(c.layout.blocks) - 1
-        for b in range(H - 1, -1, -1):
+        for b in range(self.head.first - 1, -1, -1):
             policy = c.plan.policy(b, H + 1)
             for a in (b, b - 1):  # SSD-swapped activations: this block's and, ahead, the next one's
                 activations.prefetch(st.saved.get(a, []))
-            st.weights[b] = self._load(st, b, refill=policy not in RECOMPUTES)
+            st.weights[b] = self.load(st, b, refill=policy not in RECOMPUTES)
             if policy in RECOMPUTES:
-                st.params[b] = self._bind(st, b)
+                st.params[b] = self.bind(st, b)
             if self.trains(b):
-                self._attach_grads(st, b)
+                self.attach_grads(st, b)
             name = c.layout.blocks[b].name
             with (
                 c.timeline.device_span("compute", f"bwd {name}", c.backend, c.compute_stream),
                 c.backend.counting(f"backward of {name}"),
             ):
                 st.xs = self._backward_block(st, b)
-            self._drop_params(st, b)
+            self.drop_params(st, b)
             st.weights.pop(b)
             if self.trains(b):
                 self.hand_off(st, b)

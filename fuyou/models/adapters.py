@@ -101,6 +101,17 @@ class VocabRows(nn.Module):
         return out
 
 
+class HeadRows(nn.Module):
+    """Rows [lo, hi) of an untied LM head as a block of their own (``fuyou.schedule.vocab``): a
+    bias-free ``[hi − lo, hidden]`` weight whose logits are the unsplit head's columns [lo, hi)."""
+
+    def __init__(self, whole: nn.Linear, lo: int, hi: int) -> None:
+        super().__init__()
+        self.lo, self.hi = lo, hi
+        with torch.device("meta"):
+            self.weight = nn.Parameter(torch.empty(hi - lo, whole.in_features, dtype=whole.weight.dtype))
+
+
 class RouteCapture(nn.Module):
     """Stands in for a split layer's experts module inside its core block: keeps the experts' inputs
     (``take``) and returns zeros, so the layer's output is its residual stream plus any shared
@@ -190,6 +201,8 @@ class Adapter:
             self._split_experts(expert_groups)
         self.rows: dict[int, tuple[int, int]] = {}
         """Vocabulary-group block → the embedding rows [lo, hi) it owns (``fuyou.schedule.vocab``)."""
+        self.head_rows: dict[int, tuple[int, int]] = {}
+        """Head-group block → the LM head rows [lo, hi) it owns (empty: the head is one block)."""
         self.vocab_groups = vocab_groups
         if vocab_groups > 1:
             self._split_vocab(vocab_groups)
@@ -317,6 +330,8 @@ class Adapter:
                     key = slice_key(key, *self.slices[block])
                 elif block in self.rows and key == self.embed_key:
                     key = slice_key(key, *self.rows[block])
+                elif block in self.head_rows and key == self.lm_head_key:
+                    key = slice_key(key, *self.head_rows[block])
                 if self.tied and key == self.lm_head_key:
                     key = self.embed_key
                 owner, attr = _owner(mod, pname)
@@ -340,15 +355,33 @@ class Adapter:
     def prepare(self, device: torch.device) -> None:
         """Materialise parameter-free buffers (rotary tables) on ``device``."""
 
-    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits of the final hidden states ``h``, the weight gradient accumulated in place
-        (``HeadLinear``), soft-capped where the config says (``final_logit_softcapping``: Gemma 2)."""
-        head = self.model.lm_head
-        logits = head(h) if head.bias is not None else HeadLinear.apply(h, head.weight)
+    @property
+    def first_head(self) -> int:
+        """The head's first block (its only one unless split by vocabulary rows: ``head_rows``)."""
+        return min(self.head_rows, default=len(self.blocks) - 1)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm of the hidden states ``x`` (its module bound with the first head block)."""
+        raise NotImplementedError
+
+    def logits(self, block: int, hn: torch.Tensor) -> torch.Tensor:
+        """Logits of the normed hidden states ``hn`` by head block ``block`` (its vocabulary rows, or the
+        whole head), the weight gradient accumulated in place (``HeadLinear``), soft-capped where the
+        config says (``final_logit_softcapping``: Gemma 2)."""
+        if block in self.head_rows:
+            w = self.modules[block][1][-1][1].weight
+            logits = HeadLinear.apply(hn, w)
+        else:
+            head = self.model.lm_head
+            logits = head(hn) if head.bias is not None else HeadLinear.apply(hn, head.weight)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of the final hidden states ``h`` (before the final norm) by the whole, unsplit head."""
+        return self.logits(len(self.blocks) - 1, self.final_norm(h))
 
 
 class HeadLinear(torch.autograd.Function):
@@ -536,9 +569,10 @@ class LlamaLike(Adapter):
         self.modules, self.layer_of = modules, layer_of
 
     def _split_vocab(self, groups: int) -> None:
-        """Cut the embedding into ``groups`` blocks of vocabulary rows, each running a ``VocabRows``
-        (``fuyou.schedule.vocab``). Raises ConfigError for tied embeddings: the head borrows the whole
-        matrix for its logits."""
+        """Cut the embedding into ``groups`` blocks of vocabulary rows, each running a ``VocabRows``, and
+        the LM head into as many, each a ``HeadRows`` (``fuyou.schedule.vocab``). Raises ConfigError for
+        tied embeddings (the head borrows the whole matrix) or a head that is not a bias-free linear
+        layer (LoRA on the head)."""
         vocab = self.config.vocab_size
         if self.tied:
             raise ConfigError(
@@ -547,15 +581,28 @@ class LlamaLike(Adapter):
             )
         if not 1 <= groups <= vocab:
             raise ConfigError(f"cannot split a vocabulary of {vocab} rows into {groups} groups")
+        head = self.model.lm_head
+        if type(head) is not nn.Linear or head.bias is not None:
+            raise ConfigError(
+                "this LM head (a bias, or LoRA on lm_head) cannot be split into vocabulary groups; "
+                "use vocab_groups 1 or leave lm_head out of the LoRA targets"
+            )
         whole = self.model.model.embed_tokens
-        self.blocks = list(split_vocab(tuple(self.blocks), groups, self.embed_key, vocab))
+        self.blocks = list(split_vocab(tuple(self.blocks), groups, self.embed_key, vocab, self.lm_head_key))
+        shift = groups - 1
+        ranges = row_ranges(vocab, groups)
         parts: list[tuple[str, list[tuple[str, nn.Module]]]] = []
-        for g, (lo, hi) in enumerate(row_ranges(vocab, groups)):
+        for g, (lo, hi) in enumerate(ranges):
             self.rows[g] = (lo, hi)
             parts.append((self.blocks[g].name, [("model.embed_tokens", VocabRows(whole, lo, hi))]))
-        shift = groups - 1
-        self.modules = parts + self.modules[1:]
-        self.layer_of = [-1] * shift + self.layer_of
+        heads: list[tuple[str, list[tuple[str, nn.Module]]]] = []
+        first = len(self.modules) - 1 + shift
+        for g, (lo, hi) in enumerate(ranges):
+            self.head_rows[first + g] = (lo, hi)
+            norm = [("model.norm", self.model.model.norm)] if g == 0 else []
+            heads.append((self.blocks[first + g].name, [*norm, ("lm_head", HeadRows(head, lo, hi))]))
+        self.modules = parts + self.modules[1:-1] + heads
+        self.layer_of = [-1] * shift + self.layer_of + [-1] * shift
         self.slices = {b + shift: r for b, r in self.slices.items()}
 
     def _experts_module(self, n: int) -> nn.Module:
@@ -614,6 +661,9 @@ class LlamaLike(Adapter):
                 "it is not a supported variant of its family"
             )
 
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.model.norm(x)
+
     def _rotary(self, embeds: torch.Tensor, pos: torch.Tensor) -> Any:
         """The rotary (cos, sin) for ``pos``: one pair, or one per attention kind (Gemma 3)."""
         if self.per_kind:
@@ -632,7 +682,7 @@ class LlamaLike(Adapter):
                 ctx.input_ids = x
             return embeds, ctx
         if block == len(self.blocks) - 1:
-            return self.lm_head(m.norm(x)), ctx
+            return self.lm_head(x), ctx
         assert ctx is not None  # block 0 made it
         if self.additive(block):
             return x + self.delta(block, ctx).view(x.shape).to(x.dtype), ctx
@@ -656,6 +706,9 @@ class GPT2Adapter(Adapter):
     def hidden(self) -> int:
         return self.config.n_embd
 
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.transformer.ln_f(x)
+
     def _block_modules(self) -> list[tuple[str, list[tuple[str, nn.Module]]]]:
         t = self.model.transformer
         blocks = [("embed", [("transformer.wte", t.wte), ("transformer.wpe", t.wpe)])]
@@ -673,7 +726,7 @@ class GPT2Adapter(Adapter):
             ctx = MicroBatchContext(pos, _causal_mask(self.config, embeds, docs))
             return t.drop(hidden), ctx
         if block == len(self.blocks) - 1:
-            return self.lm_head(t.ln_f(x)), ctx
+            return self.lm_head(x), ctx
         assert ctx is not None  # block 0 made it
         return t.h[block - 1](x, None, ctx.mask, None, position_ids=ctx.position_ids), ctx
 

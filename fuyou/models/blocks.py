@@ -8,12 +8,13 @@ the embedding matrix, whose gradient then accumulates from both blocks before on
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from fuyou.schedule.experts import EXPERTS_PART, group_ranges
-from fuyou.schedule.vocab import row_ranges, vocab_block_name
+from fuyou.schedule.vocab import head_block_name, row_ranges, vocab_block_name
 from fuyou.storage.extents import ExtentSpec, TensorSpec
 
 
@@ -94,26 +95,46 @@ def split_experts(blocks: tuple[BlockSpec, ...], groups: int, experts: int, top_
     return tuple(out)
 
 
-def split_vocab(blocks: tuple[BlockSpec, ...], groups: int, embed_key: str, vocab: int) -> tuple[BlockSpec, ...]:
+def split_vocab(
+    blocks: tuple[BlockSpec, ...], groups: int, embed_key: str, vocab: int, head_key: str | None = None
+) -> tuple[BlockSpec, ...]:
     """``blocks`` with the embedding (block 0, parameter ``embed_key`` of ``[vocab, hidden]``) cut by
     vocabulary rows into ``groups`` blocks (``fuyou.schedule.vocab``): ``embed`` owning rows [0, hi)
     and any other parameter of the embedding block, then ``embed.vocab.<g>`` each owning its rows
-    (keys ``slice_key``). ``groups`` == 1: ``blocks`` unchanged.
+    (keys ``slice_key``). With ``head_key`` (an untied LM head, ``[vocab, hidden]`` in the last block)
+    the head is cut the same way: ``head`` owning rows [0, hi) and the head's other parameters (the
+    final norm), then ``head.vocab.<g>``; each group's forward FLOPs are its rows' share.
+    ``groups`` == 1: ``blocks`` unchanged.
 
-    Raises ValueError if ``groups`` is not in 1…``vocab`` or the embedding block has no ``embed_key``.
+    Raises ValueError if ``groups`` is not in 1…``vocab`` or the embedding block has no ``embed_key``
+    (the head no ``head_key``).
     """
     if groups == 1:
         return blocks
     if not 1 <= groups <= vocab:
         raise ValueError(f"cannot split a vocabulary of {vocab} rows into {groups} groups")
-    embed, rest = blocks[0], blocks[1:]
-    matrix = [p for p in embed.params if p.key == embed_key]
+    body = blocks[1:-1] if head_key is not None else blocks[1:]
+    out = _rows(blocks[0], groups, embed_key, vocab, vocab_block_name, flops=False)
+    out += list(body)
+    if head_key is not None:
+        out += _rows(blocks[-1], groups, head_key, vocab, head_block_name, flops=True)
+    return tuple(out)
+
+
+def _rows(
+    blk: BlockSpec, groups: int, key: str, vocab: int, name: Callable[[int], str], flops: bool
+) -> list[BlockSpec]:
+    """``blk`` cut into ``groups`` blocks of rows of its ``key`` matrix (the first keeps the block's
+    other parameters and what it borrows); with ``flops`` each group's matmul FLOPs are its rows'."""
+    matrix = [p for p in blk.params if p.key == key]
     if not matrix:
-        raise ValueError(f"the embedding block holds no {embed_key!r} to split")
+        raise ValueError(f"the {blk.name} block holds no {key!r} to split")
     hidden = matrix[0].shape[1:]
     out = []
     for g, (lo, hi) in enumerate(row_ranges(vocab, groups)):
-        rows = ParamSpec(slice_key(embed_key, lo, hi), (hi - lo, *hidden))
-        others = tuple(p for p in embed.params if p.key != embed_key) if g == 0 else ()
-        out.append(BlockSpec(vocab_block_name(g), (rows, *others), embed.borrows if g == 0 else (), 0))
-    return (*out, *rest)
+        rows = ParamSpec(slice_key(key, lo, hi), (hi - lo, *hidden))
+        others = tuple(p for p in blk.params if p.key != key) if g == 0 else ()
+        f = 2 * rows.numel if flops else 0
+        # the whole tensors first: an export meets them before the rows it joins with the next groups'
+        out.append(BlockSpec(name(g), (*others, rows), blk.borrows if g == 0 else (), f))
+    return out

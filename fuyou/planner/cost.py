@@ -133,7 +133,7 @@ def device_peak(shape: ModelShape, plan: Plan, cfg: StepConfig, device: str = "c
 def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile) -> Memory:
     """Peak bytes per tier (see the module docstring)."""
     g = StepGraph(shape, plan, cfg, prof)
-    H, K, mbt = g.H, g.K, g.mb_tokens
+    H, K, mbt = g.F, g.K, g.mb_tokens  # the blocks before the head (its first group)
     T = K * mbt
     pol = [g._policy(b) for b in range(H)]
     cb = cfg.compute_bytes
@@ -149,7 +149,7 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     state = 0 if plan.frozen else cfg.state_bytes_per_param  # a frozen base (LoRA) stores no optimizer state
     # nor a block frozen whole, nor the read-only part of one that trains
     store = sum(cb * (b.numel + b.frozen_numel) + (0 if b.frozen else state) * b.numel for b in own)
-    parked = sum(cb * own[b].numel for b in rules.parked_on_ssd(H + 1, g.p) if not own[b].frozen)
+    parked = sum(cb * own[b].numel for b in rules.parked_on_ssd(len(own), g.p) if not own[b].frozen)
     return Memory(
         device=device,
         host_buffers=host_buffers(shape, plan, cfg),

@@ -93,7 +93,9 @@ class StepGraph:
         self.last_gradient = min((b for b, blk in enumerate(shape.blocks) if not blk.frozen), default=-1)
         """The block whose gradient completes backward (the lowest that trains)."""
         tied = [i for i, b in enumerate(shape.blocks) for o in shape.blocks[H].borrows if b.name == o]
-        self.order = rules.load_order(H + 1, tied)
+        self.F = H + 1 - rules.head_count([b.name for b in shape.blocks])
+        """The head's first block (H, or the first of its vocabulary groups: ``fuyou.schedule.vocab``)."""
+        self.order = rules.load_order(H + 1, tied, H + 1 - self.F)
         self.parked = set(rules.parked(H + 1, plan))
         self.K = plan.grad_accum
         self.mb_tokens = cfg.micro_batch_size * cfg.seq_len
@@ -169,7 +171,7 @@ class StepGraph:
         return per * self.K * self.mb_tokens
 
     def _policy(self, b: int) -> str:
-        return "keep" if b == self.H else self.p.policy(b, self.H + 1)
+        return "keep" if b >= self.F else self.p.policy(b, self.H + 1)
 
     # ------------------------------------------------------------------ building blocks
     def _t(self, *deps: int | None) -> int:
@@ -192,7 +194,7 @@ class StepGraph:
             return
         b = self.order[pos]
         gate = self.prev_writes.get(b)  # overlap_next_forward: Adam(b) of the last step wrote w(b)
-        if gate is not None and pos < self.H and b >= self.p.ram_weight_blocks:  # forward: handed over
+        if gate is not None and pos < self.F and b >= self.p.ram_weight_blocks:  # forward: handed over
             cp = self._w_bytes(b) / self.hw.host_mem_Bps
             self.reads[pos] = self.sim.op("adam", cp, deps + (self.prev_done[b],), "handoff")
             if self._f_bytes(b):  # the read-only part still comes from the SSD
@@ -242,7 +244,7 @@ class StepGraph:
 
     def forward(self) -> None:
         swap_out = self.hw.swap_Bps[0]
-        for b in range(self.H):
+        for b in range(self.F):
             cp = self._next(b)
             pol = self._policy(b)
             a = self.act_bytes(b)
@@ -261,17 +263,27 @@ class StepGraph:
                 self.act_ssd[b] = self._ssd(a, "ssd_write", (self.thread,))
 
     def turnaround(self) -> None:
-        H = self.H
-        cps = [self._next(pos) for pos in range(H, H + 1 + len(self.m.blocks[H].borrows))]
-        bwd = self._compute(self._fwd_s(H) + self._bwd_s(H), *cps, sync=True)
-        self.hand_off(H, bwd)
+        """The head's forward, loss and backward (``fuyou.engine.turnaround``): one block, or its
+        vocabulary groups twice — forward F…H, then backward H…F, each recomputing its logits (the
+        groups but the last read again)."""
+        H, F = self.H, self.F
+        if F == H:
+            cps = [self._next(pos) for pos in range(H, H + 1 + len(self.m.blocks[H].borrows))]
+            bwd = self._compute(self._fwd_s(H) + self._bwd_s(H), *cps, sync=True)
+            self.hand_off(H, bwd)
+            return
+        for b in range(F, H + 1):
+            self._compute(self._fwd_s(b), self._next(b))
+        for i, b in enumerate(range(H, F - 1, -1)):
+            cp = self._next(H + i) if b < H else None
+            self.hand_off(b, self._compute(self._fwd_s(b) + self._bwd_s(b), cp, sync=True))
 
     def backward(self) -> None:
         swap_in = self.hw.swap_Bps[1]
-        first = self.H + 1 + len(self.m.blocks[self.H].borrows)
+        first = self.H + 1 + len(self.m.blocks[self.H].borrows) + (self.H - self.F)
         act_reads: dict[int, int] = {}
         self.prefetch_from = self.thread
-        for i, b in enumerate(range(self.H - 1, -1, -1)):
+        for i, b in enumerate(range(self.F - 1, -1, -1)):
             for a in (b, b - 1):
                 if a in self.act_ssd and a not in act_reads:
                     act_reads[a] = self._ssd(self.act_bytes(a), "ssd_read", (self.thread, self.act_ssd[a]))

@@ -39,6 +39,7 @@ from fuyou.planner.shapes import ModelShape
 from fuyou.schedule import sizing
 from fuyou.schedule.experts import expert_group_options
 from fuyou.schedule.plan import MIN_CHUNK, RECOMPUTES, Plan
+from fuyou.schedule.vocab import bounding_groups
 from fuyou.units import format_size as fs
 
 CHUNKS = (1 << 20, 1 << 22, 1 << 23, 1 << 25)
@@ -119,7 +120,7 @@ class _Search:
         self.park: int | None = None
         """``Plan.park_ram_blocks`` of every candidate with the clipping schedule (None: all in RAM)."""
         self.evals = 0
-        layers = [b for b in range(1, self.H) if shape.blocks[b].kind not in ("experts", "embed")]
+        layers = [b for b in range(1, self.H) if shape.blocks[b].kind == "layer"]
         self.members = {b: [b] for b in layers}
         """Layer → its blocks: itself and, split into expert groups, the groups, which share its policy."""
         for b in range(1, self.H):
@@ -343,7 +344,9 @@ class _Search:
         plan, cfg = self.plan(mb, pol, depth, bufs, sched, chunk), self.cfg(mb)
         mem = memory(self.m, plan, cfg, self.hw)
         holders = set(self.m.route_holders())
-        kept = sum(blk.keeps_input or b in holders for b, blk in enumerate(self.m.blocks[: self.H]))
+        kept = sum(
+            (blk.keeps_input or b in holders) and blk.kind != "head" for b, blk in enumerate(self.m.blocks[: self.H])
+        )
         per_tok = kept * self.m.hidden * self.cb
         inputs = per_tok * self.seqs * self.r.seq_len
         boundary = 0 if self.rc == "recompute_cpu" else inputs
@@ -451,7 +454,9 @@ def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Requ
     whose layers do not fit whole (``BlockTooLargeError``, or a device working set too large) is
     planned with its layers split into the fewest expert groups
     (``fuyou.schedule.experts.expert_group_options``) that fit: ``Plan.expert_groups``; where device
-    memory shapes that plan, into more groups while each is predicted ≥ 1 % faster (``_finer``).
+    memory shapes that plan, into more groups while each is predicted ≥ 1 % faster (``_finer``). A
+    model whose embedding or untied head sets a host floor above the budget is planned with them split
+    by vocabulary rows (``_vocab_split``: ``Plan.vocab_groups``).
 
     Raises InfeasibleError naming the binding budget (device memory, host memory or SSD space) with
     the numbers and what to change; ConfigError for inconsistent fixed choices.
@@ -460,6 +465,31 @@ def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Requ
         raise ConfigError(f"--seq-len and --tokens-per-step must be ≥ 1, got {req.seq_len} and {req.tokens_per_step}")
     if req.state_precision not in ("fp32", "bf16"):
         raise ConfigError(f"--state-precision must be fp32 or bf16, got {req.state_precision!r}")
+    try:
+        return _search_groups(shape, prof, budgets, req)
+    except BlockTooLargeError as e:
+        split = _vocab_split(shape)
+        if split is None or not str(e).startswith("host memory"):
+            raise
+        return _search_groups(split, prof, budgets, req)
+
+
+def _vocab_split(shape: ModelShape) -> ModelShape | None:
+    """``shape`` with its embedding and LM head split by vocabulary rows into the fewest groups that bring
+    each within a decoder layer (``fuyou.schedule.vocab.bounding_groups``), or None where they are no
+    larger than one already, or cannot be split (tied, GPT-2, split already)."""
+    layer = max((b.numel for b in shape.blocks if b.kind == "layer"), default=0)
+    big = max(b.numel for b in shape.blocks if b.kind in ("embed", "head"))
+    if shape.vocab_groups > 1 or big <= layer:
+        return None
+    try:
+        return shape.split_vocab(bounding_groups(shape.vocab, shape.hidden, layer))
+    except ConfigError:
+        return None
+
+
+def _search_groups(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Request) -> PlannerResult:
+    """``search`` over the expert-group counts of ``shape`` (its docstring)."""
     options = [g for g in expert_group_options(shape.experts) if g >= shape.expert_groups] if shape.experts else [1]
     last: InfeasibleError | None = None
     for i, g in enumerate(options):

@@ -22,7 +22,7 @@ from fuyou.schedule.device_memory import DeviceBlock
 from fuyou.schedule.experts import group_ranges
 from fuyou.schedule.shards import shard_len
 from fuyou.schedule.sizing import Footprint
-from fuyou.schedule.vocab import row_ranges, vocab_block_name
+from fuyou.schedule.vocab import head_block_name, row_ranges, vocab_block_name
 
 TENSOR_ALIGN_ELEMS = 32
 """The store packs each tensor at 64-byte alignment: 32 bf16 elements."""
@@ -205,7 +205,7 @@ class ModelShape:
     expert_groups: int = 1
     """Expert-group blocks each mixture-of-experts layer is split into (``Plan.expert_groups``)."""
     vocab_groups: int = 1
-    """Blocks the embedding is split into by vocabulary rows (``Plan.vocab_groups``)."""
+    """Blocks the embedding and the LM head are each split into by vocabulary rows (``Plan.vocab_groups``)."""
     source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """The config the shape was made from (``split``)."""
     freezer: Freezer | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -251,8 +251,8 @@ class ModelShape:
         return split.freeze(self.freezer) if self.freezer is not None else split
 
     def split_vocab(self, groups: int) -> ModelShape:
-        """This model with its embedding split into ``groups`` blocks of vocabulary rows (the engine's
-        ``fuyou.models.blocks.split_vocab``). Raises ConfigError for a tied embedding (the head borrows
+        """This model with its embedding and LM head each split into ``groups`` blocks of vocabulary rows
+        (the engine's ``fuyou.models.blocks.split_vocab``). Raises ConfigError for a tied embedding (the head borrows
         the whole matrix) or a family the engine does not split (GPT-2)."""
         if groups == self.vocab_groups:
             return self
@@ -340,6 +340,7 @@ class ModelShape:
                 DeviceBlock(
                     blk.name, blk.kind, w, g, blk.saved_bytes_per_token(cb, seq_len), cb * blk.work_elems_per_token,
                     blk.keeps_input or i in holders, blk.name in lenders, cb * blk.bwd_fixed_elems,
+                    blk.matmul_flops_per_token // (2 * self.hidden) if blk.kind == "head" else 0,
                 )
             )  # fmt: skip
         return out
@@ -445,8 +446,12 @@ def _llama(cfg: dict, name: str, groups: int = 1, vocab_groups: int = 1) -> Mode
                     bwd_fixed_elems=(hi - lo) * 2 * moe_i * h,  # its gate_up_proj's gradient, made whole
                 )
             )
-    head = _aligned((h,)) if tied else _aligned((h,), (v, h))
-    blocks.append(BlockShape("head", "head", head, 2 * v * h, 0, ("embed",) if tied else ()))
+    if tied:
+        blocks.append(BlockShape("head", "head", _aligned((h,)), 2 * v * h, 0, ("embed",)))
+    else:  # split: the final norm with the first group (``fuyou.schedule.vocab``)
+        for g, (lo, hi) in enumerate(row_ranges(v, vocab_groups)):
+            rows = _aligned(*[(h,)] * (g == 0), (hi - lo, h))
+            blocks.append(BlockShape(head_block_name(g), "head", rows, 2 * (hi - lo) * h, 0))
     return ModelShape(name, tuple(blocks), h, L, v, experts, groups, vocab_groups, cfg)
 
 

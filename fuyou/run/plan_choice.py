@@ -390,6 +390,7 @@ def describe(plan: Plan) -> str:
         else ""
     )
     experts = f", each layer's experts in {plan.expert_groups} blocks" if plan.expert_groups > 1 else ""
+    experts += f", embedding and head in {plan.vocab_groups} blocks of vocabulary rows" if plan.vocab_groups > 1 else ""
     return (
         f"{plan.grad_accum} micro-batches, prefetch depth {plan.prefetch_depth}, layer activations {acts}, "
         f"schedule {plan.schedule}, state chunk {plan.state_chunk} × {plan.state_buffers} buffers{ram}{experts}"

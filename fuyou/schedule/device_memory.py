@@ -15,7 +15,9 @@ nothing. The phases:
   ``work`` per token; otherwise about one hidden state);
 * the turnaround (head): Σ_{a<H} K·resident(a) + the head's weights and gradients (and a tied
   embedding's) + its inputs and their gradients (2·K·x) + the chunked loss's logits
-  (``sizing.loss_chunk_tokens``: 8 + 2 × compute_bytes per token and vocabulary entry);
+  (``sizing.loss_chunk_tokens``: 8 + 2 × compute_bytes per token and vocabulary entry); a head split
+  by vocabulary rows (``fuyou.schedule.vocab``) holds one group's weights and gradients at a time and,
+  besides, the normed hidden states (K·x) and their fp32 gradient, its backward pass the larger;
 * backward of ``b``: Σ_{a≤b} K·resident(a) + b's weights and gradients + output gradients in and
   input gradients out (2·K·x) + one micro-batch's backward transient (``B`` × ``work`` per token, plus
   the largest weight tensor's gradient, made fresh before it is added into the block's buffer:
@@ -79,6 +81,8 @@ class DeviceBlock:
     bwd_fixed: int = 0
     """Bytes of a backward transient whatever the tokens: the largest weight tensor's gradient, made
     fresh before it is added into the block's buffer (``fuyou.planner.shapes.BlockShape.bwd_fixed_elems``)."""
+    rows: int = 0
+    """The head's vocabulary rows (a head group's share, ``fuyou.schedule.vocab``); 0 for other blocks."""
 
 
 @dataclass(frozen=True)
@@ -140,9 +144,11 @@ def block_policies(plan: Plan, nblocks: int) -> list[str]:
     return ["keep" if b == nblocks - 1 else plan.policy(b, nblocks) for b in range(nblocks)]
 
 
-def logit_tokens(run: DeviceRun) -> int:
-    """Tokens of one loss chunk as the engine splits it: whole sequence positions of the micro-batch."""
-    per_seq = max(1, run.logit_chunk_tokens // run.micro_batch)
+def logit_tokens(run: DeviceRun, rows: int = 0) -> int:
+    """Tokens of one loss chunk as the engine splits it: whole sequence positions of the micro-batch;
+    for a head group of ``rows`` vocabulary rows (0: the whole head), a chunk of the same bytes."""
+    chunk = run.logit_chunk_tokens if not rows else max(1, run.logit_chunk_tokens * run.vocab // rows)
+    per_seq = max(1, chunk // run.micro_batch)
     return min(run.seq_len, per_seq) * run.micro_batch
 
 
@@ -199,25 +205,42 @@ def phases(blocks: Sequence[DeviceBlock], policies: Sequence[str], run: DeviceRu
     if len(policies) != len(blocks):
         raise ValueError(f"{len(policies)} activation policies for {len(blocks)} blocks")
     H, K, cb = len(blocks) - 1, run.accum, run.compute_bytes
+    F = first_head(blocks)
     x = run.tokens * run.hidden * cb
     out: list[tuple[str, str, float]] = []
     kept = 0.0
-    for b, blk in enumerate(blocks[:H]):
+    for b, blk in enumerate(blocks[:F]):
         kept += K * resident(blk, policies[b], run)
         work = FWD_WORK * blk.work_per_token * run.tokens if policies[b] != "keep" else x
         out.append((f"forward of {blk.name}", blk.kind, kept + blk.weights + 2 * K * x + work))
-    head = blocks[H]
-    logits = (8 + 2 * cb) * logit_tokens(run) * run.vocab
-    out.append(("the head's loss", "head", kept + head.weights + head.grads + 2 * K * x + logits))
-    lent = [blk for blk in blocks[:H] if blk.lends]
+    if F == H:
+        logits = (8 + 2 * cb) * logit_tokens(run) * run.vocab
+        head = blocks[H]
+        out.append(("the head's loss", "head", kept + head.weights + head.grads + 2 * K * x + logits))
+    else:  # split by vocabulary rows: the backward pass, per group, holds the normed states and their fp32 gradient
+        split = K * x + K * run.tokens * run.hidden * 4
+        per = cb + 4 + (4 if cb != 4 else 0)  # the logits, their fp32 copy (none in fp32), its softmax
+        for blk in reversed(blocks[F:]):
+            logits = per * logit_tokens(run, blk.rows) * blk.rows
+            peak = kept + blk.weights + blk.grads + 2 * K * x + split + logits
+            out.append((f"the loss's backward by {blk.name}", "head", peak))
+    lent = [blk for blk in blocks[:F] if blk.lends]
     kept += sum(blk.grads for blk in lent)  # filled by the head, kept until the lender's own backward
-    for b in range(H - 1, -1, -1):
+    for b in range(F - 1, -1, -1):
         blk = blocks[b]
         if blk.lends:
             kept -= blk.grads  # counted with the block below
         below = (blocks[b - 1], policies[b - 1]) if b else None
         transient = BWD_WORK.get(cb, 2.5) * blk.work_per_token * run.tokens + blk.bwd_fixed
-        back = _brought_back(blk, policies[b], run, below, first=b == H - 1) + transient
+        back = _brought_back(blk, policies[b], run, below, first=b == F - 1) + transient
         out.append((f"backward of {blk.name}", blk.kind, kept + blk.weights + blk.grads + 2 * K * x + back))
         kept -= K * resident(blk, policies[b], run)
     return [(name, kind, int(n * (1 + ALLOWANCE) + run.resident)) for name, kind, n in out]
+
+
+def first_head(blocks: Sequence[DeviceBlock]) -> int:
+    """The head's first block: the last block, or the first of its vocabulary groups."""
+    F = len(blocks) - 1
+    while F > 0 and blocks[F - 1].kind == "head":
+        F -= 1
+    return F

@@ -61,10 +61,12 @@ class Plan:
     layer is one block; ``fuyou.models.blocks.split_experts``), so a layer whose experts do not fit
     the device streams in parts. 0: the fewest whose largest block fits the device budget
     (``fuyou.engine.engine.expert_groups_for``). A resumed store keeps its own."""
-    vocab_groups: int = 1
-    """Blocks the embedding is split into by vocabulary rows (1: one block; ``fuyou.schedule.vocab``),
-    so a large vocabulary's embedding does not size every host weight buffer. Not with tied embeddings.
-    A resumed store keeps its own."""
+    vocab_groups: int = 0
+    """Blocks the embedding and the LM head are each split into by vocabulary rows (1: one block each;
+    ``fuyou.schedule.vocab``), so a large vocabulary does not size every host weight buffer. Not with
+    tied embeddings. 0: as needed — one, unless the host budget cannot hold the smallest buffer set of
+    the unsplit model, then the fewest that bring each within a decoder layer
+    (``fuyou.engine.engine.vocab_groups_for``). A resumed store keeps its own."""
     state_chunk: int = 1 << 23
     """Elements per optimizer-state chunk, a multiple of 32 (8 Mi: 96 MiB of fp32 master + m + v):
     host memory for state is ``state_buffers`` × one chunk, whatever the largest block. A resumed
@@ -89,8 +91,8 @@ class Plan:
             problems.append("a frozen base has no optimizer state to keep in RAM (ram_state_blocks must be 0)")
         if self.expert_groups < 0:
             problems.append(f"expert_groups must be ≥ 0 (0: as needed), got {self.expert_groups}")
-        if self.vocab_groups < 1:
-            problems.append(f"vocab_groups must be ≥ 1, got {self.vocab_groups}")
+        if self.vocab_groups < 0:
+            problems.append(f"vocab_groups must be ≥ 0 (0: as needed), got {self.vocab_groups}")
         if self.park_ram_blocks is not None and self.park_ram_blocks < 0:
             problems.append(f"park_ram_blocks must be ≥ 0 or None, got {self.park_ram_blocks}")
         bad = [p for p in self.activation_policy if p not in POLICIES]

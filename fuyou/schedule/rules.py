@@ -3,7 +3,9 @@ gradients wait (park) until the step's end, and where they wait. The engine foll
 (``fuyou/engine/step.py``); the planner's step graph (``fuyou/planner/graph.py``) builds its
 operations from them. Plain Python, no torch.
 
-Blocks are numbered in layout order: 0 the embedding, 1…H−1 the decoder layers, H the head.
+Blocks are numbered in layout order: 0 the embedding, 1…H−1 the decoder layers, H the head (with an
+embedding and head split by vocabulary rows, ``fuyou.schedule.vocab``: the embedding's groups first, the
+head's F…H last).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import dataclasses
 
 from fuyou.errors import ConfigError
 from fuyou.schedule.plan import AUTO, Plan
+from fuyou.schedule.vocab import HEAD
 
 
 def resolve(plan: Plan, clip: bool) -> Plan:
@@ -31,16 +34,24 @@ def resolve(plan: Plan, clip: bool) -> Plan:
     return plan
 
 
-def load_order(nblocks: int, borrowed: list[int]) -> list[int]:
-    """Blocks in the order one training step loads their weights: forward 0…H−1, the head H, the
-    blocks the head borrows (a tied embedding), then backward H−1…0."""
-    H = nblocks - 1
-    return list(range(H)) + [H] + list(borrowed) + list(range(H - 1, -1, -1))
+def load_order(nblocks: int, borrowed: list[int], heads: int = 1) -> list[int]:
+    """Blocks in the order one training step loads their weights: forward 0…F−1, the head F…H (its
+    ``heads`` vocabulary groups, ``fuyou.schedule.vocab``; one: F = H), the blocks the head borrows (a
+    tied embedding), the head groups again but the last, in reverse, for the loss's backward pass
+    (H−1…F), then backward F−1…0."""
+    H, F = nblocks - 1, nblocks - heads
+    return list(range(H)) + [H] + list(borrowed) + list(range(H - 1, F - 1, -1)) + list(range(F - 1, -1, -1))
 
 
 def eval_order(nblocks: int, borrowed: list[int]) -> list[int]:
     """Blocks in the order a forward-only evaluation loads them: 0…H, then the head's borrowed blocks."""
     return list(range(nblocks)) + list(borrowed)
+
+
+def head_count(names: list[str]) -> int:
+    """How many of the blocks ``names`` (layout order) are the head's vocabulary groups: the last
+    ``head`` and the ``head.vocab.<g>`` after it (``fuyou.schedule.vocab``)."""
+    return len(names) - names.index(HEAD) if HEAD in names else 1
 
 
 def held_back(plan: Plan) -> range:

@@ -3,7 +3,7 @@
     python -m tests.integration.dp_child SPEC.json OUT.pt      (RANK/WORLD_SIZE/MASTER_* from the launcher)
 
 SPEC: device (default cpu), family, steps, batch (the global batch), seq, K (micro-batches per rank), clip, policy,
-precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, moe_balance, expert_groups, freeze, lora (a rank: LoRA on every linear layer), mismatch (then
+precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_state, moe_balance, expert_groups, vocab_groups, freeze, lora (a rank: LoRA on every linear layer), mismatch (then
 rank 1's store goes back one committed step and both ranks try ``Engine.resume``: each writes the
 error it got), die ({"rank": r, "commit": k}: rank r is SIGKILLed as it starts its k-th store commit; the
 others write the error that stopped them), resume_live (resume every rank's live store with
@@ -44,6 +44,7 @@ def main(spec_path: str, out: str) -> None:
         ram_state_blocks=spec.get("ram_state", 0),
         schedule=spec.get("schedule", "auto"),
         expert_groups=groups,
+        vocab_groups=spec.get("vocab_groups", 1),
     )
     ec = EngineConfig(
         ssd_dirs=(spec["ssd"],),

@@ -82,6 +82,8 @@ CASES = {
     # LoRA: the frozen base sharded and gathered, the adapters' gradients summed over ranks, clipping active
     "2-lora-clip-accum": (2, dict(clip=0.05, K=2, lora=4)),
     "3-lora": (3, dict(clip=1.0, lora=4, policy="recompute")),
+    # the embedding and head in vocabulary groups, each gathered and reduce-scattered as a block
+    "2-vocab-clip-accum": (2, dict(clip=1.0, K=2, vocab_groups=3, policy="recompute")),
 }
 SLOW = pytest.mark.slow  # ~25 s each; the default tier runs torchrun through the CLI (test_data_parallel_cli)
 

@@ -79,3 +79,30 @@ def test_a_budget_at_the_prediction_trains_and_below_it_is_refused_before_the_st
         assert eng.step == 0 and eng.backend.memory().peak < predicted * 0.5  # refused before computing
         smaller = eng.train_step(ids[:1, :8], labels[:1, :8])  # a shape that fits still trains
         assert smaller.applied and torch.isfinite(torch.tensor(smaller.loss))
+
+
+@pytest.mark.parametrize(
+    "policy, precision, mb, accum",
+    [("keep", "fp32", 2, 2), ("recompute", "bf16", 4, 1), ("swap_cpu", "fp32", 1, 2)],
+)
+def test_a_head_split_by_vocabulary_rows_is_predicted_too(tmp_path, policy, precision, mb, accum):
+    """A large vocabulary (2048 rows × 32: 2 decoder layers' worth) with the embedding and head in 3
+    groups each: the turnaround's backward pass holds the normed states and their fp32 gradient."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                      vocab_size=2048, max_position_embeddings=64, num_hidden_layers=2, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    sd = LlamaForCausalLM(cfg).state_dict()
+    n = cfg.num_hidden_layers + 2  # the groups take the embedding's and head's policies
+    plan = Plan(activation_policy=("keep",) + (policy,) * (n - 2) + ("keep",), grad_accum=accum, vocab_groups=3)
+    ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision=precision, plan=plan, gpu_memory="1GiB")
+    with Engine.from_state_dict(cfg, sd, ec) as eng:
+        assert [b.name for b in eng.layout.blocks][-3:] == ["head", "head.vocab.1", "head.vocab.2"]
+        pred = batch_peak(cfg, eng.layout, eng.plan, mb, 16, accum, capacity=eng.backend.memory().capacity)
+        for ids, labels in batches(2, batch=mb * accum, seq=16):
+            eng.train_micro_batches(list(ids.split(mb)), list(labels.split(mb)))
+        measured = eng.backend.memory().peak
+    print(f"split head {policy} {precision} mb {mb} K {accum}: predicted ÷ measured {pred.nbytes / measured:.3f}")
+    assert pred is not None and pred.phase.startswith("the loss's backward by head")
+    assert LOW * measured <= pred.nbytes <= HIGH * measured, f"measured {measured} B, predicted {pred.nbytes} B"

@@ -284,3 +284,23 @@ def test_the_planner_counts_the_adapters_peft_injects():
     base = memory(shape, Plan(frozen=True), StepConfig(1, 16), hw).device
     with_adapters = memory(shape, Plan(frozen=True), StepConfig(1, 16, adapter_params=1000), hw).device
     assert with_adapters - base == 1000 * ADAPTER_BYTES_PER_PARAM
+
+
+def test_cli_plan_splits_a_llama3_vocabulary_that_sets_the_host_floor(tmp_path):
+    """Llama-3-8B's 128 k × 4096 embedding and head are 2.4 decoder layers each: at 3 GiB of host memory
+    (fp32 state ÷ 32) `fuyou plan` streams both as 3 blocks of vocabulary rows and says so; at 12 GiB
+    it leaves them whole."""
+    from click.testing import CliRunner
+
+    from fuyou.cli.plan_cmd import plan_cmd
+
+    args = ["llama-3-8b", "--profile", LOHAN, "--gpu-memory", "22GiB", "--seq-len", "1024"]
+    out = tmp_path / "plan.json"
+    r = CliRunner().invoke(plan_cmd, [*args, "--cpu-memory", "3GiB", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "│ vocabulary" in r.output  # the row naming the split
+    d = json.loads(out.read_text())
+    assert d["plan"]["vocab_groups"] == 3 and d["prediction"]["memory"]["host"] <= 3 << 30
+    r = CliRunner().invoke(plan_cmd, [*args, "--cpu-memory", "12GiB", "--json", str(out)])
+    assert r.exit_code == 0 and "│ vocabulary" not in r.output
+    assert json.loads(out.read_text())["plan"]["vocab_groups"] == 1

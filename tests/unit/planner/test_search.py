@@ -166,10 +166,23 @@ def test_a_frozen_base_plans_reads_only_and_fits_where_full_fine_tuning_does_not
     assert lora.prediction.memory.ssd < full.prediction.memory.ssd / 5  # weights only: 2 B of 14 B per param
     assert lora.prediction.step_s < full.prediction.step_s
     need = host_buffers(small_llama(), full.plan, full.step)
-    tight = Budgets(cpu_memory=need // 4, gpu_memory=GiB)
-    with pytest.raises(InfeasibleError):
+    tight = Budgets(cpu_memory=need // 8, gpu_memory=GiB)  # below even the vocabulary split's floor
+    with pytest.raises(InfeasibleError, match="host memory"):
         search(small_llama(), HW, tight, Request(256, 2048, clip=True, ram_tiers=False))
     assert search(small_llama(), HW, tight, Request(256, 2048, clip=True, frozen=True, ram_tiers=False)).plan.frozen
+
+
+def test_an_embedding_that_sets_the_host_floor_is_split_by_vocabulary_rows():
+    """The small Llama's 32 k × 768 embedding and head are 4 decoder layers each: at a quarter of the
+    unsplit buffers' host memory the planner splits both into 4 blocks of vocabulary rows, and the
+    plan it returns fits; with room, it leaves them whole (the split costs a second head pass)."""
+    bud = Budgets(cpu_memory=2 * GiB, gpu_memory=GiB)
+    full = search(small_llama(), HW, bud, Request(256, 2048, clip=True, ram_tiers=False))
+    assert full.plan.vocab_groups == 1
+    need = host_buffers(small_llama(), full.plan, full.step)
+    split = search(small_llama(), HW, Budgets(cpu_memory=need // 4, gpu_memory=GiB), Request(256, 2048, clip=True))
+    assert split.plan.vocab_groups == 4 and split.prediction.memory.host <= need // 4
+    assert split.prediction.step_s > full.prediction.step_s  # the head's second pass, smaller buffers
 
 
 def test_blocks_frozen_whole_are_planned_without_state_or_writes():
