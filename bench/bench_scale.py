@@ -17,6 +17,7 @@ reported.
 
     python bench/bench_scale.py                       # ≥ 1.5B params (~45 GB of store on --dir)
     python bench/bench_scale.py --preset llama3       # 1.26B with Llama 3's 128 k vocabulary (~35 GB)
+    python bench/bench_scale.py --preset llama550m --cpu-memory 768MiB   # issue 31's case
     python bench/bench_scale.py --smoke               # tiny (48 small layers), same 1/10 rule; seconds
 """
 
@@ -41,6 +42,8 @@ import torch  # noqa: E402
 from bench.bench_engine import ForeignLoad, code_version, llama_config  # noqa: E402
 from bench.common import emit, hardware_info  # noqa: E402
 from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
+from fuyou.models.blocks import parse_slice  # noqa: E402
+from fuyou.units import parse_size  # noqa: E402
 
 STATE_BYTES_PER_PARAM = 12  # fp32 master + m + v
 
@@ -89,19 +92,39 @@ class RssSampler:
 
 
 class LazyInit(Mapping):
-    """A state dict whose tensors are made on demand (seeded by name), never all at once."""
+    """A state dict whose tensors are made on demand (seeded by name and row block), never all at once.
+
+    A matrix is made ``ROWS`` rows at a time, each block from its own generator, so rows [lo, hi) of
+    it (the ``slice_key`` of an embedding or LM head split by vocabulary rows, which the engine's
+    import asks for by that key) are made alone, without the whole matrix."""
+
+    ROWS = 1024
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], std: float, seed: int = 0) -> None:
         self.shapes, self.std, self.seed = shapes, std, seed
         self.made = 0
 
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, str):
+            return False
+        rows = parse_slice(key)
+        return key in self.shapes if rows is None else rows[0] in self.shapes
+
     def __getitem__(self, key: str) -> torch.Tensor:
-        shape = self.shapes[key]
+        rows = parse_slice(key)
+        base, lo, hi = (key, 0, self.shapes[key][0]) if rows is None else rows
+        shape = self.shapes[base]
         self.made += 1
-        if key.endswith("norm.weight"):
-            return torch.ones(shape)
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(key.encode()))
-        return torch.empty(shape).normal_(0.0, self.std, generator=g)
+        if base.endswith("norm.weight"):
+            return torch.ones((hi - lo, *shape[1:]))
+        out = torch.empty((hi - lo, *shape[1:]))
+        for b in range(lo // self.ROWS, -(-hi // self.ROWS)):
+            a, z = max(lo, b * self.ROWS), min(hi, (b + 1) * self.ROWS)
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + zlib.crc32(f"{base}#{b}".encode()))
+            block = torch.empty((min(shape[0], (b + 1) * self.ROWS) - b * self.ROWS, *shape[1:]))
+            block.normal_(0.0, self.std, generator=g)
+            out[a - lo : z - lo] = block[a - b * self.ROWS : z - b * self.ROWS]
+        return out
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.shapes)
@@ -128,6 +151,9 @@ PRESETS = {
     # each (4.3 decoder layers): unsplit they set the host floor (6 buffers of 525 MB in bf16); the
     # engine splits them by vocabulary rows (``Plan.vocab_groups``, 0: as needed) into 5 blocks each.
     "llama3": dict(hidden=2048, inter=8192, heads=32, kv_heads=8, layers=12, vocab=128256, batch=1, seq=128),
+    # issue 31's 550 M Llama with a 49 k vocabulary, untied: its embedding and head (75 M each, 2.1
+    # decoder layers) set the host floor at 888 MiB unsplit; run at --cpu-memory 768MiB.
+    "llama550m": dict(hidden=1536, inter=4096, heads=12, kv_heads=4, layers=16, vocab=49152, batch=1, seq=128),
     # 48 equal small layers: the same 1/10 rule holds in fp32 too (host buffers ≈ 44 B × largest block).
     "smoke": dict(hidden=64, inter=128, heads=4, kv_heads=4, layers=48, vocab=64, batch=1, seq=16),
 }
@@ -140,6 +166,7 @@ def main() -> None:
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--budget-frac", type=float, default=0.1, help="host budget ÷ fp32 state (≤ 0.1 for P5)")
+    ap.add_argument("--cpu-memory", default=None, help="host budget in bytes or with a unit (overrides --budget-frac)")
     ap.add_argument("--gpu-memory", default=None, help="fake device capacity (CPU backend); default 1GiB (smoke 64MiB)")
     ap.add_argument("--depth", type=int, default=1, help="prefetch depth")
     ap.add_argument(
@@ -185,7 +212,7 @@ def main() -> None:
 def run(a: argparse.Namespace, rss: RssSampler, baseline: int, cfg: Any, shapes: dict[str, tuple[int, ...]]) -> None:
     params = sum(int(torch.Size(s).numel()) for s in shapes.values())
     state = STATE_BYTES_PER_PARAM * params
-    budget = int(state * a.budget_frac)
+    budget = int(state * a.budget_frac) if a.cpu_memory is None else parse_size(a.cpu_memory, "--cpu-memory")
     base = a.dir or ("/work" if os.path.isdir("/work") else tempfile.gettempdir())
     from fuyou.device import get_backend
     from fuyou.device.precision import choose_precision

@@ -693,9 +693,13 @@ def _device_memory(what: str) -> Iterator[None]:
 
 
 def _entry(state_dict: dict[str, torch.Tensor], key: str) -> torch.Tensor:
-    """``state_dict[key]``, or for an expert group's ``slice_key`` its rows of the fused tensor."""
+    """``state_dict[key]``, or for a ``slice_key`` (an expert group's, a vocabulary group's) its rows of
+    the whole tensor — served by the source itself where it holds the slice's key (a lazy source that
+    makes rows on demand need not make the whole matrix for each group)."""
     rows = parse_slice(key)
-    return state_dict[key] if rows is None else state_dict[rows[0]][rows[1] : rows[2]]
+    if rows is None or key in state_dict:
+        return state_dict[key]
+    return state_dict[rows[0]][rows[1] : rows[2]]
 
 
 def _seeds(position_ids: list[torch.Tensor] | None, n: int, dev: torch.device) -> list:

@@ -97,8 +97,13 @@ def _device_rows(s: dict) -> list[tuple[str, str]]:
     said = f" (predicted {format_size(pred)})" if pred else ""
     return [
         ("peak device memory", format_size(s["device_peak_bytes"]) + said),
-        ("device budget (--gpu-memory)", format_size(s["device_budget_bytes"])),
+        ("device budget (--gpu-memory)", _budget(s["device_budget_bytes"])),
     ]
+
+
+def _budget(nbytes: int) -> str:
+    """A device budget as a size, or "none given" for the CPU backend's unbounded default (2⁶²)."""
+    return "none given" if nbytes >= 2**62 else format_size(nbytes)
 
 
 def summary_table(s: dict, run_dir: str | None = None) -> None:

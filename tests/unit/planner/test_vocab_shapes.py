@@ -80,3 +80,22 @@ def test_the_embedding_and_head_no_longer_set_the_host_floor():
     fp = split.footprint(2, 12)
     small = sizing.fit_host(fp, dataclasses.replace(plan, vocab_groups=3), 768 * MiB)
     assert sizing.host_need(fp, small) <= 768 * MiB
+
+
+def test_the_step_graph_reads_the_head_groups_twice_and_runs_their_forward_twice():
+    """The split head's cost (``fuyou.engine.turnaround``): every head group but the last is read again
+    for the loss's backward pass, and each group's logits are computed twice; nothing else changes."""
+    from fuyou.planner.cost import predict
+    from fuyou.planner.graph import StepConfig
+
+    s = shape_from_config(LLAMA_550M)
+    split = s.split_vocab(3)
+    cfg = StepConfig(micro_batch_size=2, seq_len=512, compute_bytes=2)
+    plan = Plan(schedule="overlap_backward")
+    whole = predict(s, plan, cfg, profile())
+    parts = predict(split, dataclasses.replace(plan, vocab_groups=3), cfg, profile())
+    head = 2 * next(b.numel for b in s.blocks if b.kind == "head")
+    again = sum(2 * b.numel for b in split.blocks if b.kind == "head") - 2 * split.blocks[-1].numel
+    assert parts.ssd_read_bytes - whole.ssd_read_bytes == pytest.approx(again, rel=0.01)
+    assert again == pytest.approx(head * 2 / 3, rel=0.01)
+    assert parts.busy_s["compute"] > whole.busy_s["compute"]
