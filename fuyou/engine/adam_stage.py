@@ -22,6 +22,7 @@ from functools import partial
 import torch
 
 from fuyou.device.base import Backend, Event
+from fuyou.device.host_threads import serial_worker
 from fuyou.models.store_layout import ModelLayout
 from fuyou.optim import AdamJob, AdamWHyper, AdamWorker, adamw_step
 from fuyou.schedule.sizing import GRADS, NEW_WEIGHTS, STATE
@@ -127,6 +128,7 @@ class AdamStage:
 
     def _feed(self) -> None:
         """Feeder thread: start queued block updates in order, relaying their completion."""
+        serial_worker()
         while (item := self._queue.get()) is not None:
             b, grad, ready, lr, step, scale, out = item
             try:

@@ -379,8 +379,9 @@ class StepGraph:
         self.all_writes += writes + [ww]
 
     def finish(self) -> None:
-        if self.p.frozen:  # LoRA: the adapters' update is on the device, tiny; nothing is written
+        if self.p.frozen:  # LoRA: the adapters' update is on the device (measured); nothing is written
             self.prev_writes, self.prev_all, self.prev_done = {}, [], {}
+            self._compute(self.hw.lora_step_s, sync=True)
             self.ends.append(self._t(self.compute))
             return
         self._all_reduce()

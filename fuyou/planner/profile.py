@@ -95,6 +95,10 @@ class HardwareProfile:
     """Time to commit a store version (fsync + atomic manifest), seconds."""
     layer_act_bytes_per_token: float = 0.0
     """Measured bytes a decoder layer saves for backward per token; 0: the shape formula."""
+    lora_step_s: float = 0.0
+    """Seconds of a LoRA run's adapter update on the device — the gradients' squared norm, clipping and
+    AdamW over every adapter tensor (``fuyou.engine.lora``) — measured for the profiled model and rank
+    (``measure.lora_step``); 0: not measured (hand-written profiles, full fine-tuning)."""
     compute_bytes: int = 2
     """Bytes per element of the dtype the compute points and activation bytes were measured in
     (2: bf16, 4: fp32)."""

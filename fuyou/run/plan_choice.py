@@ -186,7 +186,7 @@ def quick_profile(
     lora = req.lora if req.frozen else None
     tag = f"/lora{lora.rank}-{'+'.join(lora.targets)}" if lora is not None else ""
     sig = shape_from_config(req.model_config.to_dict()).signature
-    keys = [f"{base}/fs{os.stat(ssd).st_dev}", f"{base}/{sig}/{req.micro_batch_size}x{req.seq_len}{tag}"]
+    keys = [f"{base}/fs{os.stat(ssd).st_dev}", f"{base}/{sig}/{req.micro_batch_size}x{req.seq_len}{tag}/{TIMING}"]
     said: list[int] = []
 
     def measure(what: str) -> Callable[[], Any]:
@@ -212,6 +212,9 @@ def quick_profile(
     return profile_from(machine, model, "quick (measured for a run)"), {"keys": keys, "cached": hit and hit_model}
 
 
+TIMING = "t2"
+"""How blocks are timed (``measure.block_compute``), in the cache key: figures timed another way are
+measured again (t2: under the CPU backend's allocation meter, as the engine computes)."""
 QUICK_CACHE = "quick-profile"
 """The per-machine cache file of quick profiles (``fuyou.machine``)."""
 PROFILE_TOLERANCE = 1.3

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from fuyou.device.host_threads import serial_worker
 from fuyou.errors import ChecksumError, FuyouError, StoreError, StoreSpaceError, os_limit_error
 from fuyou.storage import checksum
 from fuyou.storage.cpu_meter import CpuMeter, stage_of_path
@@ -134,7 +135,7 @@ class IOBackend(ABC):
         """Bytes one task moves in one system call: whole blocks (each still checksummed alone)."""
         cap = default_capacity(threads, self.fds_per_file) if max_open is None else max_open
         self.files = OpenFiles(self._open_raw, self._close_raw, cap)
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"fuyou-io-{self.name}")
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix=f"fuyou-io-{self.name}", initializer=serial_worker)
         self.meter: CpuMeter | None = None
         """Where block tasks charge their CPU time (``cpu_meter``); None: not measured."""
         self._local = threading.local()

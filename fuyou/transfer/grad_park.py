@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from fuyou.device.base import Event
+from fuyou.device.host_threads import serial_worker
 from fuyou.models.store_layout import ModelLayout, elem_size
 from fuyou.schedule.sizing import GRADS, park_class
 from fuyou.storage.dirs import preallocate
@@ -95,7 +96,11 @@ class GradientParking:
         self._crcs: dict[int, list[int]] = {}
         self._last: dict[int, Future] = {}
         self._lock = threading.Lock()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="fuyou-grad-park") if ssd_blocks else None
+        self._writer = (
+            ThreadPoolExecutor(1, thread_name_prefix="fuyou-grad-park", initializer=serial_worker)
+            if ssd_blocks
+            else None
+        )
         for b in ssd_blocks:
             self._files[b] = self._open(b)
 

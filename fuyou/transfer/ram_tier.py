@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from fuyou.device.host_threads import serial_worker
 from fuyou.errors import ConfigError, FuyouError, StoreError
 from fuyou.models.store_layout import ModelLayout
 from fuyou.schedule.sizing import RAM_STATE, RAM_WEIGHTS
@@ -82,7 +83,9 @@ class RamTier:
         ws, ss = ram_extents(layout, weight_blocks, state_blocks)
         for cls, exts in ((RAM_WEIGHTS, ws), (RAM_STATE, ss)):
             self._carve(pool, cls, exts)
-        self._copier = ThreadPoolExecutor(1, thread_name_prefix="fuyou-ram-tier") if self.ram else None
+        self._copier = (
+            ThreadPoolExecutor(1, thread_name_prefix="fuyou-ram-tier", initializer=serial_worker) if self.ram else None
+        )
         """The thread that copies RAM extents out (``read``): one, so reads run in the order issued."""
 
     def close(self) -> None:

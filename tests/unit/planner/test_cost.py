@@ -157,3 +157,17 @@ def test_memory_per_tier_counts_what_the_policies_hold():
     assert mem["swap_cpu"].host_activations == pytest.approx(act)
     assert mem["swap_ssd"].ssd - mem["recompute"].ssd == pytest.approx(act)
     assert mem["recompute"].ssd == 2 * 14 * shape.params
+
+
+def test_a_lora_step_ends_with_its_measured_adapter_update():
+    """A frozen base (LoRA) ends each step with the adapters' norm, clipping and AdamW on the device:
+    the profile's measured ``lora_step_s`` lands on the step whole (it follows the last backward);
+    a full fine-tuning step does not pay it."""
+    cfg = StepConfig(micro_batch_size=1, seq_len=256)
+    lora = Plan(frozen=True, schedule="overlap_next_forward")
+    full = Plan(schedule="overlap_next_forward")
+    without = predict(small_llama(), lora, cfg, profile()).step_s
+    assert predict(small_llama(), lora, cfg, profile(lora_step_s=0.25)).step_s == pytest.approx(without + 0.25)
+    assert predict(small_llama(), full, cfg, profile(lora_step_s=0.25)).step_s == pytest.approx(
+        predict(small_llama(), full, cfg, profile()).step_s
+    )
