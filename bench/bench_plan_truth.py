@@ -66,6 +66,7 @@ def moe_model(out: str) -> str:
 def run_setting(name: str, flags: list[str], model: str, data: str, work: str, steps: int, warmup: int) -> dict:
     """One ``fuyou finetune`` run; its predicted and measured step times."""
     out = os.path.join(work, name)
+    os.sync()  # the last run's store writes, still in the page cache, would be written back during this one
     cmd = [sys.executable, "-m", "fuyou.cli.main", "finetune", model, "--data", data, "--output", out]
     cmd += ["--steps", str(steps), "--seq-len", str(SEQ), "--micro-batch-size", "1", "--no-progress", *flags]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "FUYOU_CACHE": f"{work}/cache"})
