@@ -205,7 +205,7 @@ def test_a_lora_run_times_its_blocks_as_lora_computes_them(tmp_path, cache, mode
     assert r.exit_code == 0 and "measuring a quick hardware profile" in r.output, r.output
     doc = json.loads((cache / "quick-profile.json").read_text())
     full_key, lora_key = sorted((k for k, v in doc.items() if "compute" in v), key=len)
-    assert lora_key == full_key.replace("/t2", "/lora4-all-linear/t2")
+    assert lora_key == full_key.replace(f"/{fp.TIMING}", f"/lora4-all-linear/{fp.TIMING}")
     full, lora = (doc[k]["compute"][0] for k in (full_key, lora_key))
     assert doc[lora_key]["lora_step_s"] > 0 and "lora_step_s" not in doc[full_key]  # the adapters' update, timed
     assert lora["bwd_flops_per_s"] < full["bwd_flops_per_s"]  # the same FLOPs counted once, not twice
