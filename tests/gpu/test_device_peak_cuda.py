@@ -13,11 +13,13 @@ from tests.integration.tiny_models import batches, tiny
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("policy", ["keep", "recompute", "swap_cpu"])
-def test_a_step_predicted_to_fit_runs_under_the_predicted_cap(tmp_path, policy):
+@pytest.mark.parametrize("policy, vocab", [("keep", 1), ("recompute", 1), ("swap_cpu", 1), ("keep", 3)])
+def test_a_step_predicted_to_fit_runs_under_the_predicted_cap(tmp_path, policy, vocab):
+    """``vocab`` 3: the embedding and LM head split by vocabulary rows (the head's two passes, its groups
+    read twice, on the copy stream while compute runs)."""
     cfg, model = tiny("llama", layers=4, hidden=512)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    plan = Plan(activation_policy=("keep",) + (policy,) * 4 + ("keep",))
+    plan = Plan(activation_policy=("keep",) + (policy,) * 4 + ("keep",), vocab_groups=vocab)
     big = EngineConfig(ssd_dirs=(str(tmp_path / "a"),), device="cuda", precision="bf16", plan=plan)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -34,7 +36,7 @@ def test_a_step_predicted_to_fit_runs_under_the_predicted_cap(tmp_path, policy):
         stats = torch.cuda.memory_stats()
     measured = stats["allocated_bytes.all.peak"]
     print(
-        f"\ndevice peak {policy}: measured {measured} B, predicted {predicted.nbytes} B ({predicted.phase}), "
+        f"\ndevice peak {policy} vocab groups {vocab}: measured {measured} B, predicted {predicted.nbytes} B ({predicted.phase}), "
         f"predicted/measured {predicted.nbytes / measured:.3f}, reserved peak {stats['reserved_bytes.all.peak']} B, "
         f"num_alloc_retries {stats['num_alloc_retries']}"
     )
