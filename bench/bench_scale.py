@@ -262,15 +262,15 @@ def run(a: argparse.Namespace, rss: RssSampler, baseline: int, cfg: Any, shapes:
             steps.append(
                 {
                     "step": i + 1,
-                    "loss": st["loss"],
-                    "grad_norm": st["grad_norm"],
-                    "applied": st["applied"],
-                    "step_time_s": st["step_time_s"],
-                    "tokens_per_s": st["tokens_per_s"],
-                    "busy_s": st["busy_s"],
-                    "bottleneck": st["bottleneck"],
-                    "ssd_read_bytes": st["ssd_read_bytes"],
-                    "ssd_write_bytes": st["ssd_write_bytes"],
+                    "loss": st.loss,
+                    "grad_norm": st.grad_norm,
+                    "applied": st.applied,
+                    "step_time_s": st.step_time_s,
+                    "tokens_per_s": st.tokens_per_s,
+                    "busy_s": st.busy_s,
+                    "bottleneck": st.bottleneck,
+                    "ssd_read_bytes": st.ssd_read_bytes,
+                    "ssd_write_bytes": st.ssd_write_bytes,
                     "vmrss_peak_bytes": None,
                 }
             )

@@ -3,7 +3,8 @@
 Modules, in the order a step uses them: ``config`` (``EngineConfig``), ``engine`` (``Engine``: build,
 admit the ``Plan`` to the budgets, ``train_step``, ``export``), ``step`` (one step: forward,
 turnaround, backward, finish, over a typed ``StepContext``, returning a ``StepResult``),
-``activations`` (what a block keeps for backward, per policy), ``adam_stage`` (state store → host →
+``activations`` (what a block keeps for backward, per policy), ``turnaround`` (the head's forward, loss
+and backward: whole, or split by vocabulary rows with ``vocab_loss``), ``adam_stage`` (state store → host →
 CPU AdamW → store, chained on futures), ``export`` (HF safetensors out of the store). The rules the
 step follows are ``fuyou.schedule``; the data moves are ``fuyou.transfer``.
 
@@ -15,7 +16,12 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-_EXPORTS = {"Engine": "fuyou.engine.engine", "EngineConfig": "fuyou.engine.config", "Plan": "fuyou.schedule.plan"}
+_EXPORTS = {
+    "Engine": "fuyou.engine.engine",
+    "EngineConfig": "fuyou.engine.config",
+    "Plan": "fuyou.schedule.plan",
+    "StepResult": "fuyou.engine.step",
+}
 __all__ = sorted(_EXPORTS)
 
 

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 
-from fuyou.engine import Engine, EngineConfig
+from fuyou.engine import Engine, EngineConfig, StepResult
 from fuyou.errors import ConfigError, FuyouWarning
 from fuyou.models.lora import ADAPTER, LoraSettings, base_key, is_lora
 from fuyou.run.plan_choice import WARMUP_STEPS, ChosenPlan, PlanRequest, check_profile, choose_plan
@@ -218,7 +218,7 @@ class FuyouTrainer(Trainer):
         records it in run.json (``plan_choice.check_profile``; None without a prediction or steps)."""
         self._warned_longer = False
         self._pending: list[dict[str, torch.Tensor]] = []
-        self._last: Any = {}  # the last engine step's result (loss, grad_norm, …)
+        self._last: StepResult | None = None  # the last engine step's result (loss, grad_norm, …)
 
     def plan_record(self) -> dict[str, Any]:
         """The chosen plan's info plus the plan the engine executes (what ``fuyou_checkpoint.json`` records)."""
@@ -266,8 +266,8 @@ class FuyouTrainer(Trainer):
         self._last = self.engine.train_micro_batches(
             [b["input_ids"] for b in batch], [b["labels"] for b in batch], n, position_ids=pos
         )
-        self._step_times.append(self._last["step_time_s"])
-        return torch.tensor(self._last["loss"], device=self.args.device)
+        self._step_times.append(self._last.step_time_s)
+        return torch.tensor(self._last.loss, device=self.args.device)
 
     def _warn_longer(self, seq_len: int) -> None:
         """Once: a batch is longer than the sequence length the plan was sized for."""
@@ -288,7 +288,7 @@ class FuyouTrainer(Trainer):
 
     def _clip_grad_norm(self, model: Any) -> torch.Tensor:
         """Clipping already happened, exactly, in the engine; report its gradient norm."""
-        return torch.tensor(self._last["grad_norm"] if self._last else 0.0)
+        return torch.tensor(self._last.grad_norm if self._last is not None else 0.0)
 
     # ---- evaluation and saving -----------------------------------------------------------------
     def prediction_step(

@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-from fuyou.engine import Engine, EngineConfig
+from fuyou.engine import Engine, EngineConfig, StepResult
 from fuyou.errors import ConfigError, FuyouWarning
 from fuyou.planner.cost import FLOP_FORMULA
 from fuyou.run.config import FinetuneConfig
@@ -456,13 +456,13 @@ def _train(
             mf.flush()
             if tb:
                 tb.step(rec)
-            c["tokens"] += st["tokens"] * ranks.world
-            c["written"] += st["ssd_write_bytes"]
-            c["read"] += st["ssd_read_bytes"]
-            c["first_loss"] = st["loss"] if c["first_loss"] is None else c["first_loss"]
-            c["loss"] = st["loss"]
+            c["tokens"] += st.tokens * ranks.world
+            c["written"] += st.ssd_write_bytes
+            c["read"] += st.ssd_read_bytes
+            c["first_loss"] = st.loss if c["first_loss"] is None else c["first_loss"]
+            c["loss"] = st.loss
             c["wall"] += time.perf_counter() - t0
-            c["step_times"].append(st["step_time_s"])
+            c["step_times"].append(st.step_time_s)
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total:
                 c["stall"] += _checkpoint(cfg, engine, data, step + 1, c, ranks)
             progress.update(rec)
@@ -507,30 +507,30 @@ def _device_figures(engine: Any) -> dict:
     }
 
 
-def _record(step: int, st: dict, fpt: int, world: int = 1) -> dict:
+def _record(step: int, st: StepResult, fpt: int, world: int = 1) -> dict:
     """One metrics.jsonl line: tokens and speed of the whole step (every rank's slice of the global
     batch, ``world`` ranks), SSD bytes and busy fractions of this rank."""
-    tokens = st["tokens"] * world
+    tokens = st.tokens * world
     return (
         {
             "step": step + 1,
-            "loss": st["loss"],
-            "lr": st["lr"],
-            "grad_norm": st["grad_norm"],
-            "applied": st["applied"],
+            "loss": st.loss,
+            "lr": st.lr,
+            "grad_norm": st.grad_norm,
+            "applied": st.applied,
             "tokens": tokens,
-            "step_time_s": st["step_time_s"],
-            "tokens_per_s": tokens / st["step_time_s"],
-            "tflops": fpt * tokens / st["step_time_s"] / 1e12,
+            "step_time_s": st.step_time_s,
+            "tokens_per_s": tokens / st.step_time_s,
+            "tflops": fpt * tokens / st.step_time_s / 1e12,
             "flop_formula": FLOP_FORMULA,
             "flops_per_token": fpt,
-            "busy_frac": st["busy_frac"],
-            "bottleneck": st["bottleneck"],
-            "ssd_read_gb": st["ssd_read_bytes"] / 1e9,
-            "ssd_write_gb": st["ssd_write_bytes"] / 1e9,
+            "busy_frac": st.busy_frac,
+            "bottleneck": st.bottleneck,
+            "ssd_read_gb": st.ssd_read_bytes / 1e9,
+            "ssd_write_gb": st.ssd_write_bytes / 1e9,
         }
-        | ({"ranks": world, "comm_gb": st["comm_bytes"] / 1e9} if world > 1 else {})
-        | ({"moe_balance_loss": st["moe_balance_loss"]} if st["moe_balance_loss"] is not None else {})
+        | ({"ranks": world, "comm_gb": st.comm_bytes / 1e9} if world > 1 else {})
+        | ({"moe_balance_loss": st.moe_balance_loss} if st.moe_balance_loss is not None else {})
     )
 
 
