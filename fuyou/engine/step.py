@@ -32,6 +32,7 @@ block gets gradients, hands anything off or is updated; ``finish`` clips and ste
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -255,6 +256,15 @@ class StepRunner:
         c.loader.ready_event().wait(c.compute_stream)  # compute must not read weights before the copy lands
         return w
 
+    def computing(self, label: str, what: str) -> contextlib.ExitStack:
+        """Context around compute: a device span ``label`` on the compute stream's timeline, and every
+        allocation inside counted against the device budget as ``what`` (``Backend.counting``)."""
+        c = self.c
+        stack = contextlib.ExitStack()
+        stack.enter_context(c.timeline.device_span("compute", label, c.backend, c.compute_stream))
+        stack.enter_context(c.backend.counting(what))
+        return stack
+
     def drop_params(self, st: StepState, b: int) -> None:
         """After backward: detach gradients from the parameters and unbind the block's modules."""
         for p in st.params.pop(b).values():
@@ -276,10 +286,7 @@ class StepRunner:
             st.weights[b] = self.load(st, b)
             st.params[b] = self.bind(st, b)
             name = c.layout.blocks[b].name
-            with (
-                c.timeline.device_span("compute", f"fwd {name}", c.backend, c.compute_stream),
-                c.backend.counting(f"forward of {name}"),
-            ):
+            with self.computing(f"fwd {name}", f"forward of {name}"):
                 out = [
                     activations.forward(
                         c.adapter,
@@ -324,10 +331,7 @@ class StepRunner:
             if self.trains(b):
                 self.attach_grads(st, b)
             name = c.layout.blocks[b].name
-            with (
-                c.timeline.device_span("compute", f"bwd {name}", c.backend, c.compute_stream),
-                c.backend.counting(f"backward of {name}"),
-            ):
+            with self.computing(f"bwd {name}", f"backward of {name}"):
                 st.xs = self._backward_block(st, b)
             self.drop_params(st, b)
             st.weights.pop(b)

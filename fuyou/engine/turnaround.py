@@ -48,10 +48,7 @@ class WholeHead:
         st.params[H] = r.bind(st, H, borrowed)
         if r.trains(H):
             r.attach_grads(st, H)
-        with (
-            c.timeline.device_span("compute", "head fwd+bwd", c.backend, c.compute_stream),
-            c.backend.counting("the head's loss"),
-        ):
+        with r.computing("head fwd+bwd", "the head's loss"):
             st.xs = [self._loss(r, st, k, x) for k, x in enumerate(st.xs)]
         r.drop_params(st, H)
         del borrowed
@@ -126,11 +123,7 @@ class SplitHead:
             st.weights[b] = r.load(st, b)
             st.params[b] = r.bind(st, b)
             name = c.layout.blocks[b].name
-            with (
-                c.timeline.device_span("compute", f"fwd {name}", c.backend, c.compute_stream),
-                c.backend.counting(f"the loss's forward by {name}"),
-                torch.no_grad(),
-            ):
+            with r.computing(f"fwd {name}", f"the loss's forward by {name}"), torch.no_grad():
                 if b == F:
                     chunk = self._chunk(b, cb, cap)
                     losses = [
@@ -153,10 +146,7 @@ class SplitHead:
             if r.trains(b):
                 r.attach_grads(st, b)
             name = c.layout.blocks[b].name
-            with (
-                c.timeline.device_span("compute", f"bwd {name}", c.backend, c.compute_stream),
-                c.backend.counting(f"the loss's backward by {name}"),
-            ):
+            with r.computing(f"bwd {name}", f"the loss's backward by {name}"):
                 for loss, d in zip(losses, dhn):
                     loss.backward_group(self._logits(b), *rows[b], d)
                 if b == F:
