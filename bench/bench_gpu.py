@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import shutil
 import statistics
@@ -236,11 +237,15 @@ def choose(
         clip=True,
         mode=a.plan,
         profile=a.profile,
+        profile_out=None if a.profile else os.path.join(work, "profile.json"),
     )
     out = choose_plan(req, log=lambda msg: print(msg, file=sys.stderr))
-    return out.plan, {
-        k: v for k, v in out.info.items() if k in ("source", "profile", "predicted_step_s", "predicted_bottleneck")
-    }
+    info = {k: v for k, v in out.info.items() if k in ("source", "profile", "predicted_step_s", "predicted_bottleneck")}
+    if out.measured is not None:  # the quick profile itself, so the planner's choice can be replayed offline
+        out.keep_profile()
+        with open(out.info["profile"]) as f:
+            info["measured_profile"] = json.load(f)
+    return out.plan, info
 
 
 class Context:

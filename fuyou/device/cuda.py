@@ -172,10 +172,16 @@ class CUDABackend(Backend):
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def host_staging_aligned(self, nbytes: int) -> torch.Tensor:
-        """Pinned staging from torch's caching host allocator when it is page-aligned (its blocks are
-        whole ``cudaHostAlloc`` allocations), else page-aligned pageable memory."""
+        """Pinned, page-aligned staging of ``nbytes`` from torch's caching host allocator (which keeps
+        a block until the copies recorded on it have run): its block as it is when page-aligned (large
+        blocks are whole ``cudaHostAlloc`` allocations), else a page-aligned view of a block one page
+        larger (torch may hand out small pinned blocks at any 512-byte boundary)."""
         t = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=True)
-        return t[:nbytes] if t.data_ptr() % HOST_ALIGN == 0 else host_aligned_empty(nbytes)
+        if t.data_ptr() % HOST_ALIGN == 0:
+            return t[:nbytes]
+        t = torch.empty(nbytes + HOST_ALIGN, dtype=torch.uint8, pin_memory=True)
+        start = -t.data_ptr() % HOST_ALIGN
+        return t[start : start + nbytes]
 
     def rng_state(self) -> Any:
         """Host and CUDA generator states."""

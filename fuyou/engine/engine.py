@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from fuyou.device import get_backend
+from fuyou.device.base import Backend
 from fuyou.engine.adam_stage import AdamStage
 from fuyou.engine.balance import StepBalance, balance_rule
 from fuyou.engine.config import EngineConfig
@@ -109,7 +111,6 @@ class Engine:
                 config, DTYPES[cfg.precision], world, self.backend.memory().capacity, self.backend.name
             )
         self.adapter = make_adapter(config, cfg.lora, groups, vocab)
-        self.adapter.prepare(self.backend.device)
         self.adapter.frozen_keys = frozen_keys(tuple(self.adapter.blocks), cfg.freeze)
         self.lora = (
             None
@@ -163,6 +164,7 @@ class Engine:
             layout, plan, cfg.cpu_bytes, self.backend.memory().capacity, store is not None, self.backend.name
         )
         """The plan this engine runs: ``cfg.plan`` with its schedule resolved, fitted to the host budget."""
+        self.adapter.prepare(self.backend.device)  # the first device allocation: after the floor check
         self.layout = dataclasses.replace(layout, state_chunk=self.plan.state_chunk)
         self._admitted: set[tuple[int, int, int]] = set()
         """Batch shapes (micro-batch, tokens, micro-batches) the device-memory model admitted."""
@@ -450,7 +452,7 @@ class Engine:
             balance=None if self.balance is None else StepBalance(self.balance, len(input_ids), dev, self.comm),
         )
         self._admit_batch(input_ids)
-        with _device_memory("a step"):
+        with _device_memory("a step", self.backend):
             applied, t0, t1 = self.runner.run(st)
         tokens = sum(x.numel() for x in input_ids)
         return StepResult(
@@ -497,7 +499,7 @@ class Engine:
         head's logits are made and reduced ``sizing.loss_chunk_tokens`` tokens at a time, as in training.
         Raises DeviceMemoryError (one line) if the device's allocator runs out.
         """
-        with _device_memory("an evaluation"):
+        with _device_memory("an evaluation", self.backend):
             self.flush()
             with self.backend.counting("an evaluation"):
                 return self._evaluate(input_ids, labels, position_ids)
@@ -633,9 +635,9 @@ def admit(
     fp = layout.footprint()
     need, lib = sizing.device_floor(fp, device), sizing.library_bytes(device)
     if need > device_bytes:
+        extra = f" (with {format_size(lib)} for the cuBLAS workspace and the allocator's rounding)" if lib else ""
         raise DeviceMemoryError(
-            f"the largest block needs {format_size(need)} of device memory for its weights and gradients"
-            f"{f' (with {format_size(lib)} of cuBLAS workspace)' if lib else ''}, "
+            f"the largest block needs {format_size(need)} of device memory for its weights and gradients{extra}, "
             f"the device budget is {format_size(device_bytes)}; raise --gpu-memory (or use a GPU with more memory)"
         )
     return sizing.fit_host(fp, dataclasses.replace(plan, state_chunk=layout.state_chunk), host_bytes, fixed_chunk)
@@ -679,16 +681,20 @@ def vocab_groups_for(config: Any, plan: Plan, compute_dtype: torch.dtype, world:
 
 
 @contextlib.contextmanager
-def _device_memory(what: str) -> Iterator[None]:
+def _device_memory(what: str, backend: Backend) -> Iterator[None]:
     """Turn the device allocator's out-of-memory error (what Fuyou's budget does not count) during ``what``
-    into the one-line DeviceMemoryError with the ways out."""
+    into the one-line DeviceMemoryError with the ways out, and ``backend``'s figures at that moment (live
+    tensors, what the allocator holds, the cap)."""
     try:
         yield
     except torch.OutOfMemoryError as e:
+        m = backend.memory()
+        tried = re.search(r"Tried to allocate ([\d.]+ \w+)", str(e))
         raise DeviceMemoryError(
-            f"the device ran out of memory during {what} ({str(e).splitlines()[0][:160]}); lower "
-            "--micro-batch-size or --seq-len, choose --activations recompute, or give the planner the "
-            "real --gpu-memory (it keeps activations and logits within it)"
+            f"the device ran out of memory during {what} (asking for {tried.group(1) if tried else 'more'} with "
+            f"{format_size(m.allocated)} in tensors and {format_size(m.reserved)} held by the allocator, of the "
+            f"{format_size(m.capacity)} cap); lower --micro-batch-size or --seq-len, choose --activations recompute, "
+            "or give the planner the real --gpu-memory (it keeps activations and logits within it)"
         ) from None
 
 

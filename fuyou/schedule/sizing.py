@@ -179,19 +179,27 @@ def host_need(fp: Footprint, plan: Plan) -> int:
     return host_buffer_bytes(fp, plan) + ram_tier_bytes(fp, plan)
 
 
-CUDA_LIBRARY_BYTES = 32 << 20
+CUDA_LIBRARY_BYTES = 64 << 20
 """Device bytes the CUDA backend's libraries take from the capped caching allocator besides the
-tensors a plan counts: cuBLAS's workspace for the compute stream (allocated at the first matmul;
-torch's default 32 MiB on Hopper and later, about 8 MiB before; cuBLASLt's is 1 MiB or shares it).
-A floor, so the common case rather than the worst: the allocator's segment rounding (2 MiB pools
-for small blocks, 20 MiB segments for blocks of 1–10 MiB) comes on top, and the CUDA context (several
+tensors a plan counts: the compute stream's cuBLAS and cuBLASLt workspaces, 32 MiB each on Hopper
+and later (allocated at the first matmul; about 8 MiB before Hopper). Measured on the first H100
+(2026-11-26, torch 2.11): the allocated peak ran a constant ~28 MiB past a 32 MiB allowance for every
+activation policy, and within 1.035–1.040 of the prediction with 64 MiB. The CUDA context (several
 hundred MB) lies outside the allocator and outside ``--gpu-memory``."""
+
+ALLOCATOR_ROUNDING_BYTES = 2 * (20 << 20) + 2 * (2 << 20)
+"""Device bytes the caching allocator reserves beyond the live tensors, which the cap (torch's
+per-process memory fraction) counts: each stream that allocates (compute, copy) keeps a partly used
+20 MiB segment for blocks of 1–10 MiB and a 2 MiB segment for blocks under 1 MiB. Without it a cap
+set to the predicted peak failed on the first H100 (2026-11-26); there the reserved peak ran 36–42 MiB
+past the allocated one."""
 
 
 def library_bytes(device: str) -> int:
-    """Device bytes the ``device`` backend's libraries need beyond a plan's tensors: on ``cuda``
-    ``CUDA_LIBRARY_BYTES``; 0 on ``cpu`` (its fake capacity counts tensors only)."""
-    return CUDA_LIBRARY_BYTES if device == "cuda" else 0
+    """Device bytes the ``device`` backend needs beyond a plan's tensors: on ``cuda``
+    ``CUDA_LIBRARY_BYTES`` + ``ALLOCATOR_ROUNDING_BYTES``; 0 on ``cpu`` (its fake capacity counts
+    tensors only)."""
+    return CUDA_LIBRARY_BYTES + ALLOCATOR_ROUNDING_BYTES if device == "cuda" else 0
 
 
 def device_floor(fp: Footprint, device: str = "cpu") -> int:

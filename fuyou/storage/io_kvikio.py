@@ -123,6 +123,7 @@ class KvikioIO(IOBackend):
         if not kvikio_usable():
             raise StoreError("kvikio I/O needs the kvikio package and a CUDA driver; use io='posix'")
         import kvikio
+        import kvikio.defaults  # a submodule the package does not import itself (kvikio >= 26)
 
         self._kvikio: Any = kvikio
         self._direct: bool | None = None

@@ -90,6 +90,7 @@ def test_kvikio_runs_with_a_thread_pool_and_o_direct(tmp_path):
     if not kvikio_usable():
         pytest.skip("kvikio not installed")
     import kvikio
+    import kvikio.defaults
 
     exts = [ExtentSpec("e", (TensorSpec("b", (1 << 22,), torch.uint8),))]
     with TensorStore.create([str(tmp_path)], exts, io="kvikio") as st:
@@ -133,13 +134,15 @@ def test_weights_allocated_for_the_copy_stream_need_no_compute_wait():
     compute = b.current_stream()
     host = b.host_empty(64 << 20)
     host.fill_(1)
+    torch.ones(8, device=b.device, dtype=torch.uint8).float().sum().item()  # kernels loaded (lazy loading) beforehand
     first = b.device_empty((64 << 20,), torch.uint8, "w0", stream=s)
     b.copy(first, host, s).wait(compute)
     b.keep_alive(first, compute)
     ptr = first.data_ptr()
-    torch.cuda._sleep(200_000_000)  # compute busy for a while, still "reading" first
+    torch.cuda._sleep(2_000_000_000)  # compute busy for about a second, still "reading" first
     out = first.float().sum()
     del first
+    assert not compute.query(), "compute finished before the test could ask for memory: the check would prove nothing"
     second = b.device_empty((64 << 20,), torch.uint8, "w1", stream=s)
     assert second.data_ptr() != ptr, "the copy stream got memory compute may still be reading"
     assert out.item() == 64 << 20

@@ -1,9 +1,14 @@
-"""The engine's fidelity suite on CUDA (skipped without a GPU): same model as plain PyTorch."""
+"""The engine's fidelity suite on CUDA (skipped without a GPU): same model as plain PyTorch on the same GPU.
+
+A CPU reference is no yardstick here: where a gradient is rounding noise (2-token batches: most of a
+query projection's), Adam turns CPU-vs-GPU rounding into differences of the learning rate's size (the
+first H100 run, 2026-11-26: 1.5e-3 on weights of 0.1 with identical losses)."""
 
 import pytest
 import torch
 
 from fuyou.engine import Engine, EngineConfig, Plan
+from tests.gpu.test_fidelity_fp32_same_gpu import reference_on_gpu
 from tests.integration.test_engine_fidelity import (
     LR,
     WD,
@@ -12,7 +17,7 @@ from tests.integration.test_engine_fidelity import (
     reference_bf16_steps,
     run_fuyou,
 )
-from tests.integration.tiny_models import batches, reference_steps, tiny
+from tests.integration.tiny_models import batches, tiny
 
 pytestmark = pytest.mark.gpu
 
@@ -42,8 +47,7 @@ def test_cuda_matches_pytorch(tmp_path, policy, clip):
     cfg, model = tiny("llama_tied", layers=3)
     data = batches(4)
     losses, weights = run(cfg, model, tmp_path, data, policy, K=2, clip=clip)
-    ref = reference_steps(model, data, 2, LR, WD, clip=clip)
-    assert_same(model, ref, losses, weights, tol=2e-5)  # GPU matmuls round differently from CPU ones
+    assert_same(model, reference_on_gpu(model, data, K=2, clip=clip), losses, weights)
 
 
 @pytest.mark.parametrize("policy", ["keep", "recompute"])
@@ -60,13 +64,12 @@ def test_race_bait_wide_low_flop_layers(tmp_path):
     cfg, model = tiny("llama", layers=2, hidden=1024)
     data = batches(3, batch=1, seq=2)
     losses, weights = run(cfg, model, tmp_path, data, "keep")
-    ref = reference_steps(model, data, 1, LR, WD)
-    assert_same(model, ref, losses, weights, tol=2e-5)
+    assert_same(model, reference_on_gpu(model, data), losses, weights)
 
 
 def test_budget_held_on_real_allocator(tmp_path):
     """The cap holds for everything the allocator reserves (it is torch's per-process memory fraction),
-    so it leaves room for cuBLAS's workspace (32 MiB on Hopper) and 20 MiB segments of ~5 MB blocks."""
+    so it leaves room for cuBLAS's workspaces (64 MiB on Hopper) and 20 MiB segments of ~5 MB blocks."""
     cfg, model = tiny("llama", layers=4, hidden=512)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     cap = 128 << 20
