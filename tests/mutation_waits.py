@@ -198,22 +198,22 @@ MUTATIONS = [
         why="backward reads swapped activations before they are read back from SSD",
     ),
     Mutation(
-        "step.finish: Adam jobs done before a skipped step rolls back",
-        "fuyou/engine/step.py",
+        "updates.UpdateInBackward.finish: Adam jobs done before a skipped step rolls back",
+        "fuyou/engine/updates.py",
         "c.stage.worker.wait()",
         why="the store aborts while Adam jobs of the skipped step may still run",
         redundant="finish has just waited for every update future of the step (st.written), and each "
         "completes only after its Adam jobs and writes",
     ),
     Mutation(
-        "step.finish: the step's updates written before commit/abort (futures)",
-        "fuyou/engine/step.py",
+        "updates.UpdateInBackward.finish: the step's updates written before commit/abort (futures)",
+        "fuyou/engine/updates.py",
         "wait(list(st.written.values()))",
         why="a step commits or rolls back while its updates are still being written",
     ),
     Mutation(
-        "step.settle: last step's updates written before commit (futures)",
-        "fuyou/engine/step.py",
+        "updates.ClipOverlapNextForward.settle: last step's updates written before commit (futures)",
+        "fuyou/engine/updates.py",
         "wait(futs)",
         why="the clipping schedule commits a step whose updates are still being written",
         redundant="settle calls f.result() on each of the same futures next, before committing",

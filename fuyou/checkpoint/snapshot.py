@@ -27,8 +27,8 @@ import torch
 from fuyou.errors import FuyouError, ManifestError, StoreError, exception_chain
 from fuyou.storage.dirs import fsync_dir
 from fuyou.storage.manifest import MANIFEST, read_manifest, write_manifest
+from fuyou.storage.run_meta import STALE
 from fuyou.storage.store import ID_FILE, TensorStore
-from fuyou.transfer.ram_tier import STALE
 
 CKPT = "checkpoints"
 TRAINER = "trainer.json"

@@ -73,9 +73,9 @@ def prob_sums(logits: list[torch.Tensor]) -> torch.Tensor:
 class StepBalance:
     """One step's router statistics (on the device) and the gradient seeds of its balance loss."""
 
-    def __init__(self, rule: BalanceRule, micro_batches: int, device: torch.device, comm: Collectives | None) -> None:
+    def __init__(self, rule: BalanceRule, micro_batches: int, device: torch.device, comm: Collectives) -> None:
         self.rule, self.comm = rule, comm
-        self.world = comm.world if comm is not None else 1
+        self.world = comm.world
         shape = (micro_batches, rule.experts)
         self.counts = torch.zeros(shape, dtype=torch.float64, device=device)
         """C: top-k choices per (micro-batch, expert)."""
@@ -113,8 +113,7 @@ class StepBalance:
         if r.mode == "global":
             rows = torch.tensor([float(sum(self.rows))], dtype=torch.float64, device=dev)
             tot = torch.cat([self.counts.sum(0), self.probs.sum(0), rows])
-            if self.comm is not None:
-                self.comm.sum_on_device(tot, "balance counts")
+            self.comm.sum_on_device(tot, "balance counts")
             c, s, n_all = tot[:E], tot[E : 2 * E], tot[2 * E]
             aux = E * (c * s).sum() / n_all**2
             seeds = (r.coef * E * c / n_all**2).expand(len(self.rows), E)

@@ -24,13 +24,15 @@ import torch
 
 from fuyou.device import get_backend
 from fuyou.device.base import Backend
+from fuyou.engine import updates
 from fuyou.engine.adam_stage import AdamStage
 from fuyou.engine.balance import StepBalance, balance_rule
 from fuyou.engine.config import EngineConfig
 from fuyou.engine.device_admission import admit_batch, batch_peak
 from fuyou.engine.export import HF_FILES, export_dtype, export_layout, frozen_blocks, frozen_keys, iter_master
 from fuyou.engine.lora import LoraState
-from fuyou.engine.step import Progress, StepContext, StepResult, StepRunner, StepState
+from fuyou.engine.step import StepContext, StepResult, StepRunner, StepState, training_blocks
+from fuyou.engine.updates import Progress
 from fuyou.engine.vocab_loss import IGNORE, shifted
 from fuyou.errors import ConfigError, DeviceMemoryError, FuyouWarning, ManifestError
 from fuyou.models.adapters import GPT2, architecture_of, make_adapter, seed_context
@@ -45,18 +47,16 @@ from fuyou.schedule.experts import expert_group_options, spread_policies
 from fuyou.schedule.plan import Plan
 from fuyou.schedule.vocab import bounding_groups
 from fuyou.storage.dirs import rank_dirs
-from fuyou.storage.extents import dtype_from_name
+from fuyou.storage.run_meta import PRECISIONS, STALE, StoreMeta, precision_name
 from fuyou.storage.store import TensorStore
 from fuyou.timeline import Timeline
 from fuyou.transfer.activation_files import ActivationSpace
 from fuyou.transfer.collectives import Collectives, world_size
 from fuyou.transfer.grad_park import GradientParking
 from fuyou.transfer.host_pool import HostBufferPool
-from fuyou.transfer.ram_tier import STALE, RamTier, refuse_stale
+from fuyou.transfer.ram_tier import RamTier, refuse_stale
 from fuyou.transfer.weights import WeightLoader
 from fuyou.units import format_size
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 class Engine:
@@ -91,24 +91,26 @@ class Engine:
         self.backend = get_backend(cfg.device, cfg.gpu_bytes)
         self.timeline = Timeline()
         self.comm = Collectives.join(self.backend, self.timeline)
-        """The data-parallel ranks' collectives (``torchrun``), or None for one process."""
-        rank, world = (self.comm.rank, self.comm.world) if self.comm is not None else (0, 1)
-        if store is not None:
-            vocab = int(store.meta.get("vocab_groups", 1))
+        """The data-parallel ranks' collectives (``torchrun``; ``OneRank`` for one process)."""
+        rank, world = self.comm.rank, self.comm.world
+        stored = None if store is None else StoreMeta.from_json(store.meta, store.dirs[0])
+        """What the resumed store recorded of its run (None: a new store)."""
+        if stored is not None:
+            vocab = stored.vocab_groups
         else:
             base = rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0)
             vocab = cfg.plan.vocab_groups or vocab_groups_for(
                 config,
                 dataclasses.replace(base, frozen=cfg.lora is not None),
-                DTYPES[cfg.precision],
+                PRECISIONS[cfg.precision],
                 world,
                 cfg.cpu_bytes,
             )
-        if store is not None:
-            groups = int(store.meta.get("expert_groups", 1))
+        if stored is not None:
+            groups = stored.expert_groups
         else:
             groups = cfg.plan.expert_groups or expert_groups_for(
-                config, DTYPES[cfg.precision], world, self.backend.memory().capacity, self.backend.name
+                config, PRECISIONS[cfg.precision], world, self.backend.memory().capacity, self.backend.name
             )
         self.adapter = make_adapter(config, cfg.lora, groups, vocab)
         self.adapter.frozen_keys = frozen_keys(tuple(self.adapter.blocks), cfg.freeze)
@@ -134,31 +136,37 @@ class Engine:
         if cfg.lora is not None:  # the base only streams in: no state, no gradient or weight traffic out
             plan = dataclasses.replace(plan, frozen=True, ram_state_blocks=0)
         rules.check_ram_tier(plan, len(blocks))
-        if store is None:
+        if store is None or stored is None:
             layout = ModelLayout(
-                blocks, DTYPES[cfg.precision], DTYPES[cfg.state_precision], plan.state_chunk, rank, world, plan.frozen
+                blocks,
+                PRECISIONS[cfg.precision],
+                PRECISIONS[cfg.state_precision],
+                plan.state_chunk,
+                rank,
+                world,
+                plan.frozen,
             )
         else:
-            layout = _stored_layout(blocks, store, cfg, rank, world)
+            layout = _stored_layout(blocks, stored, store.dirs[0], cfg, rank, world)
             plan = dataclasses.replace(plan, state_chunk=layout.state_chunk)
-            _agree_on_step(self.comm, store)
-            self.progress.step = int(store.meta.get("step", 0))
+            _agree_on_step(self.comm, store, stored.step)
+            self.progress.step = stored.step
         if self.lora is not None:  # staged through one host buffer of the pool
             layout = dataclasses.replace(layout, adapter_bytes=self.lora.extent().nbytes)
         frozen = frozen_blocks(blocks, cfg.freeze)
-        if store is not None and sorted(store.meta.get("freeze", [])) != sorted(cfg.freeze):
+        if store is not None and stored is not None and sorted(stored.freeze) != sorted(cfg.freeze):
             raise ConfigError(
-                f"the store in {store.dirs[0]} was trained with --freeze {store.meta.get('freeze', [])}; resume "
+                f"the store in {store.dirs[0]} was trained with --freeze {list(stored.freeze)}; resume "
                 "with the same patterns (its frozen blocks have no optimizer state)"
             )
         layout = dataclasses.replace(layout, frozen_blocks=frozen, frozen_params=self.adapter.frozen_keys)
-        if store is None:
+        if store is None or stored is None:
             self.source_dtype = source_dtype or torch.float32
             any_frozen = layout.frozen or bool(frozen) or bool(layout.frozen_params)
             layout = dataclasses.replace(layout, origin=origin_wanted(layout.compute_dtype, source_dtype, any_frozen))
         else:
-            self.source_dtype = dtype_from_name(store.meta.get("source_dtype") or store.meta["compute_dtype"])
-            layout = dataclasses.replace(layout, origin=bool(store.meta.get("origin", False)))
+            self.source_dtype = stored.source_dtype
+            layout = dataclasses.replace(layout, origin=stored.origin)
             _check_extents(layout, store)
         self.plan: Plan = admit(
             layout, plan, cfg.cpu_bytes, self.backend.memory().capacity, store is not None, self.backend.name
@@ -191,7 +199,7 @@ class Engine:
                 self.timeline,
                 self.plan.ram_weight_blocks,
                 self.plan.ram_state_blocks,
-                self.comm.min_int if self.comm is not None else None,
+                self.comm.min_int if world > 1 else None,  # several ranks commit only what all committed
             )
             if store is not None:
                 self.tier.load()
@@ -202,16 +210,6 @@ class Engine:
                 self.store.close()
             raise
         self.compute_stream = self.backend.current_stream()  # forward/backward run on torch's current stream
-        self.loader = WeightLoader(
-            self.tier,
-            self.backend,
-            self.pool,
-            self.layout,
-            self.timeline,
-            self.plan.prefetch_depth,
-            self.backend.new_stream(),
-            self.compute_stream,
-        )
         hyper = AdamWHyper(cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
         self.stage = AdamStage(
             self.tier,
@@ -224,8 +222,6 @@ class Engine:
             cfg.adam_threads,
             cfg.no_decay,
         )
-        self.loader.new_weights = self.stage.new_weights
-        self.loader.comm = self.comm
         self.parking = GradientParking(
             self.stage,
             self.pool,
@@ -240,6 +236,36 @@ class Engine:
         self.act_space = ActivationSpace(
             self.backend, self.pool, self.store.io, self.store.dirs, self.store.direct, self.timeline
         )
+        training = training_blocks(self.layout, frozen_base=self.lora is not None)
+        self.updates = updates.for_run(
+            updates.UpdateContext(
+                self.plan,
+                self.backend,
+                self.stage,
+                self.parking,
+                self.tier,
+                self.comm,
+                self.progress,
+                self.commit_meta,
+                self.max_grad_norm,
+            ),
+            self.lora,
+            last_gradient=min(training, default=-1),
+        )
+        """What happens to completed gradients (``fuyou.engine.updates``), chosen once."""
+        self.loader = WeightLoader(
+            self.tier,
+            self.backend,
+            self.pool,
+            self.layout,
+            self.timeline,
+            self.plan.prefetch_depth,
+            self.backend.new_stream(),
+            self.compute_stream,
+            self.comm,
+            self.stage.new_weights,
+            self.updates.gate,
+        )
         self.runner = StepRunner(
             StepContext(
                 self.layout,
@@ -247,17 +273,12 @@ class Engine:
                 self.adapter,
                 self.backend,
                 self.loader,
-                self.stage,
-                self.parking,
-                self.tier,
                 self.act_space,
                 self.timeline,
                 self.compute_stream,
-                self.max_grad_norm,
-                self.progress,
-                self.commit_meta,
                 self.comm,
-                self.lora,
+                self.updates,
+                training,
             )
         )
         if store is None:
@@ -360,23 +381,26 @@ class Engine:
                 self.pool.release(buf)
 
     def commit_meta(self) -> dict:
-        """What each committed store version records: progress, and the layout facts export needs."""
+        """What each committed store version records (``StoreMeta``, as JSON)."""
+        return self.store_meta().to_json()
+
+    def store_meta(self) -> StoreMeta:
+        """This run's record for its store: progress, and the layout facts resume and export need."""
         lay = self.layout
-        return (
-            {
-                "step": self.step,
-                "lr": self.lr,
-                "compute_dtype": str(lay.compute_dtype).removeprefix("torch."),
-                "state_dtype": str(lay.state_dtype).removeprefix("torch."),
-                "state_chunk": lay.state_chunk,
-                "source_dtype": str(self.source_dtype).removeprefix("torch."),
-            }
-            | ({"origin": True} if lay.origin else {})
-            | ({"rank": lay.rank, "world": lay.world} if lay.world > 1 else {})
-            | ({"frozen": True} if lay.frozen else {})
-            | ({"expert_groups": self.plan.expert_groups} if self.plan.expert_groups > 1 else {})
-            | ({"vocab_groups": self.plan.vocab_groups} if self.plan.vocab_groups > 1 else {})
-            | ({"freeze": list(self.cfg.freeze)} if self.cfg.freeze else {})
+        return StoreMeta(
+            step=self.step,
+            lr=self.lr,
+            compute_dtype=lay.compute_dtype,
+            state_dtype=lay.state_dtype,
+            state_chunk=lay.state_chunk,
+            source_dtype=self.source_dtype,
+            origin=lay.origin,
+            rank=lay.rank,
+            world=lay.world,
+            lora_base=lay.frozen,
+            expert_groups=self.plan.expert_groups,
+            vocab_groups=self.plan.vocab_groups,
+            freeze=tuple(self.cfg.freeze),
         )
 
     def _save_model_files(self) -> None:
@@ -442,8 +466,7 @@ class Engine:
         dev = self.backend.device
         if num_items is None:
             num_items = int(sum((lab[:, 1:] != -100).sum() for lab in labels))
-            if self.comm is not None:  # the loss is the mean over every rank's labelled tokens
-                num_items = self.comm.sum_int(num_items)
+            num_items = self.comm.sum_int(num_items)  # the loss is the mean over every rank's labelled tokens
         st = StepState(
             xs=[x.to(dev) for x in input_ids],
             ctxs=_seeds(position_ids, len(input_ids), dev),
@@ -515,7 +538,6 @@ class Engine:
         borrowed = [self.layout.index(o) for o in self.layout.blocks[H].borrows]
         shift = shifted(labels)
         n_items = int((shift != IGNORE).sum())  # counted on the host
-        self.loader.gate = self.runner.gate
         self.loader.start(rules.eval_order(H + 1, borrowed))
         try:
             x, ctx = input_ids.to(dev), seed
@@ -549,7 +571,7 @@ class Engine:
 
         Call before checkpoints and exports. Raises StoreError if a write or commit fails.
         """
-        self.runner.settle()
+        self.updates.settle()
         if self.lora is not None:  # a frozen base: the adapters are all that changed
             self.lora.save_to(self.store, self.pool)
             self.tier.commit(self.commit_meta())
@@ -563,7 +585,7 @@ class Engine:
         rank must iterate to the end."""
         self.flush()
         gather = self._gather_to_root()
-        if everywhere and self.comm is not None:
+        if everywhere and self.comm.world > 1:
             gather = self.comm.gather_everywhere
         yield from iter_master(self.tier, self.layout, gather)
 
@@ -572,7 +594,7 @@ class Engine:
         (``auto``: the checkpoint's own, so frozen weights come out bit-identical; else bf16, fp16 or fp32).
         With several ranks every rank calls it; rank 0 writes ``out_dir``. A LoRA run writes the base with
         its adapters merged (``LoraState.merged``). Raises ConfigError for another dtype name."""
-        out_dtype = export_dtype(dtype, self.commit_meta())
+        out_dtype = export_dtype(dtype, self.store_meta())
         self.flush()
         export_layout(
             self.tier,
@@ -591,11 +613,11 @@ class Engine:
         directory imported). Raises ConfigError when this run trains no LoRA."""
         if self.lora is None:
             raise ConfigError("this run trains no LoRA adapters (give --lora-rank); export the full model instead")
-        if self.comm is None or self.comm.rank == 0:  # every rank holds the same adapters
+        if self.comm.rank == 0:  # every rank holds the same adapters
             self.lora.save(out_dir, base or self.source_dir)
 
     def _gather_to_root(self) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
-        return self.comm.gather_to_root if self.comm is not None else None
+        return self.comm.gather_to_root if self.comm.world > 1 else None
 
     def close(self, persist: bool = True) -> None:
         """Commit pending updates and write the RAM tier back (``flush``), stop the Adam worker, close
@@ -605,7 +627,7 @@ class Engine:
             if persist:
                 self.flush()
             else:
-                self.runner.settle()
+                self.updates.settle()
         finally:
             self.stage.close()
             self.parking.close()
@@ -717,13 +739,12 @@ def _seeds(position_ids: list[torch.Tensor] | None, n: int, dev: torch.device) -
     return [seed_context(p, dev) for p in position_ids]
 
 
-def _agree_on_step(comm: Collectives | None, store: TensorStore) -> None:
-    """Bring every rank's reopened store to one step. A crash during a commit can leave ranks one step
-    apart; those ahead still keep the step before (``TensorStore.previous``) and go back to it. Raises
-    ConfigError on every rank when some rank cannot reach the lowest step (its stores were changed by
-    hand, or that version kept RAM-tier state unwritten): resume from a checkpoint then."""
-    step = int(store.meta.get("step", 0))
-    if comm is None:
+def _agree_on_step(comm: Collectives, store: TensorStore, step: int) -> None:
+    """Bring every rank's reopened store (at ``step``) to one step. A crash during a commit can leave ranks
+    one step apart; those ahead still keep the step before (``TensorStore.previous``) and go back to it.
+    Raises ConfigError on every rank when some rank cannot reach the lowest step (its stores were changed
+    by hand, or that version kept RAM-tier state unwritten): resume from a checkpoint then."""
+    if comm.world == 1:
         store.forget_previous()
         return
     low, high = comm.min_int(step), -comm.min_int(-step)
@@ -770,27 +791,17 @@ def _check_extents(layout: ModelLayout, store: TensorStore) -> None:
             )
 
 
-def _stored_layout(blocks: tuple, store: TensorStore, cfg: EngineConfig, rank: int, world: int) -> ModelLayout:
-    """The layout a store was created with (dtypes and state chunk from its metadata); raises
-    ConfigError if it was a different rank's shard or trained with another precision."""
-    meta = store.meta
-    if (meta.get("rank", 0), meta.get("world", 1)) != (rank, world):
+def _stored_layout(blocks: tuple, meta: StoreMeta, where: str, cfg: EngineConfig, rank: int, world: int) -> ModelLayout:
+    """The layout the store in ``where`` was created with (dtypes and state chunk from its ``meta``);
+    raises ConfigError if it was a different rank's shard or trained with another precision."""
+    if (meta.rank, meta.world) != (rank, world):
         raise ConfigError(
-            f"the store in {store.dirs[0]} holds rank {meta.get('rank', 0)} of {meta.get('world', 1)} "
-            f"ranks, this process is rank {rank} of {world}; resume with the same number of ranks"
+            f"the store in {where} holds rank {meta.rank} of {meta.world} ranks, this process is rank {rank} of "
+            f"{world}; resume with the same number of ranks"
         )
-    compute = dtype_from_name(meta["compute_dtype"])
-    if compute != DTYPES[cfg.precision]:
+    if meta.compute_dtype != PRECISIONS[cfg.precision]:
         raise ConfigError(
-            f"the store in {store.dirs[0]} was trained with --precision "
-            f"{'bf16' if compute == torch.bfloat16 else 'fp32'}; resume with the same precision"
+            f"the store in {where} was trained with --precision {precision_name(meta.compute_dtype)}; resume "
+            "with the same precision"
         )
-    return ModelLayout(
-        blocks,
-        compute,
-        dtype_from_name(meta["state_dtype"]),
-        meta["state_chunk"],
-        rank,
-        world,
-        bool(meta.get("frozen")),
-    )
+    return ModelLayout(blocks, meta.compute_dtype, meta.state_dtype, meta.state_chunk, rank, world, meta.lora_base)

@@ -19,24 +19,22 @@ from fuyou.errors import ConfigError, ManifestError
 from fuyou.models.blocks import BlockSpec, parse_slice
 from fuyou.models.hf_io import load_config, save_streamed
 from fuyou.models.store_layout import ModelLayout
-from fuyou.storage.extents import dtype_from_name
+from fuyou.storage.run_meta import EXPORT_DTYPES, StoreMeta
 from fuyou.storage.store import TensorStore
 from fuyou.transfer.ram_tier import RamTier, refuse_stale
 
 HF_FILES = "hf-model-files"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-"""``fuyou export --dtype`` names; ``auto`` is the checkpoint's own (``export_dtype``)."""
 
 
-def export_dtype(dtype: str, meta: dict) -> torch.dtype:
+def export_dtype(dtype: str, meta: StoreMeta) -> torch.dtype:
     """The dtype to write for ``--dtype`` (``auto``: the dtype of the checkpoint the run started from, the
     store's ``source_dtype``; a store from before it was recorded: its compute dtype). Raises ConfigError
     for another name."""
     if dtype == "auto":
-        return dtype_from_name(meta.get("source_dtype") or meta["compute_dtype"])
-    if dtype not in DTYPES:
-        raise ConfigError(f"--dtype must be auto, {', '.join(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+        return meta.source_dtype
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"--dtype must be auto, {', '.join(EXPORT_DTYPES)}, got {dtype!r}")
+    return EXPORT_DTYPES[dtype]
 
 
 def read_master(store: TensorStore | RamTier, layout: ModelLayout, b: int) -> torch.Tensor:
@@ -192,22 +190,22 @@ def export_store(paths: list[str], out_dir: str, dtype: str = "auto") -> None:
     ranked = any(f in d for d in template for f in RANK_FIELDS)
     first = rank_dirs(template, 0, 2 if ranked else 1, 0)
     with TensorStore.open(first) as store:
-        meta = store.meta
         layout, config, files = _store_layout(store, first[0], ranked)
+        meta = StoreMeta.from_json(store.meta, first[0])
         world, out_dtype = layout.world, export_dtype(dtype, meta)
         if world == 1:
             export_layout(store, layout, config, out_dir, out_dtype, files)
             return
     if not ranked:
         raise ConfigError(
-            f"{first[0]} holds rank {meta['rank']}'s shard of a {world}-rank run; pass the run directory "
+            f"{first[0]} holds rank {meta.rank}'s shard of a {world}-rank run; pass the run directory "
             "(its run.json names every rank's store) or resume the run with torchrun and as many ranks"
         )
     dirs = [rank_dirs(template, r, world, r) for r in range(world)]
     stores = [TensorStore.open(d) for d in dirs]
     try:
         layouts = [_store_layout(st, d[0], True)[0] for st, d in zip(stores, dirs)]
-        steps = {int(st.meta.get("step", 0)) for st in stores}
+        steps = {StoreMeta.from_json(st.meta, d[0]).step for st, d in zip(stores, dirs)}
         if len(steps) > 1 or [lay.rank for lay in layouts] != list(range(world)):
             raise ConfigError(
                 f"the ranks' stores of {paths[0]} are at different steps ({sorted(steps)}) or out of order; "
@@ -226,29 +224,26 @@ def _store_layout(store: TensorStore, first: str, ranked: bool) -> tuple[ModelLa
     from fuyou.models.adapters import make_adapter
 
     files = os.path.join(first, HF_FILES)
-    meta = store.meta
-    if not os.path.isdir(files) or "compute_dtype" not in meta:
+    if not os.path.isdir(files):
         raise ManifestError(
-            f"{first} is not a Fuyou training store (no model files or layout); pass a run "
-            "directory or the --ssd directories of a run"
+            f"{first} is not a Fuyou training store (no model files); pass a run directory or the --ssd "
+            "directories of a run"
         )
-    refuse_stale(meta, first)
+    refuse_stale(store.meta, first)
+    meta = StoreMeta.from_json(store.meta, first)
     config = load_config(files)
-    groups, vocab = int(meta.get("expert_groups", 1)), int(meta.get("vocab_groups", 1))
-    blocks = tuple(make_adapter(config, expert_groups=groups, vocab_groups=vocab).blocks)
-    frozen = frozen_blocks(blocks, tuple(meta.get("freeze", ())))
-    keys = frozen_keys(blocks, tuple(meta.get("freeze", ())))
+    blocks = tuple(make_adapter(config, expert_groups=meta.expert_groups, vocab_groups=meta.vocab_groups).blocks)
     layout = ModelLayout(
         blocks,
-        dtype_from_name(meta["compute_dtype"]),
-        dtype_from_name(meta["state_dtype"]),
-        meta["state_chunk"],
-        meta.get("rank", 0),
-        meta.get("world", 1),
-        bool(meta.get("frozen", False)),
-        frozen_blocks=frozen,
-        frozen_params=keys,
-        origin=bool(meta.get("origin", False)),
+        meta.compute_dtype,
+        meta.state_dtype,
+        meta.state_chunk,
+        meta.rank,
+        meta.world,
+        meta.lora_base,
+        frozen_blocks=frozen_blocks(blocks, meta.freeze),
+        frozen_params=frozen_keys(blocks, meta.freeze),
+        origin=meta.origin,
     )
     return layout, config, files
 

@@ -306,15 +306,14 @@ def _say_precision(choice: Any) -> None:
 def _stored_precision(first: str) -> str | None:
     """``bf16``/``fp32`` of the store in the run's first store directory ``first``, or None if there is none."""
     from fuyou.storage.manifest import MANIFEST, read_manifest
+    from fuyou.storage.run_meta import StoreMeta, precision_name
 
-    path = os.path.join(first, MANIFEST)
-    if not os.path.isfile(path):
+    if not os.path.isfile(os.path.join(first, MANIFEST)):
         return None
     try:
-        dtype = read_manifest(os.path.dirname(path)).get("meta", {}).get("compute_dtype")
+        return precision_name(StoreMeta.from_json(read_manifest(first).get("meta", {}), first).compute_dtype)
     except Exception:  # noqa: BLE001 - an unreadable manifest is reported by the resume itself
         return None
-    return {"bfloat16": "bf16", "float32": "fp32"}.get(str(dtype).replace("torch.", ""))
 
 
 def _start(

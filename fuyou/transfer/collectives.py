@@ -19,8 +19,10 @@ and copies (NCCL orders itself after the stream current at the call, and that st
 They are issued from the training thread only, in the same order on every rank. Host-side
 agreement (``any``, ``sum_int``, ``min_int``, ``gather_to_root``) goes over a separate gloo group on
 host tensors. Every collective is timed on the timeline's ``comm`` resource with the bytes it moves
-into this rank (``shards.collective_bytes``). One rank needs none of this: ``join`` returns None and
-the engine runs as it always did.
+into this rank (``shards.collective_bytes``). One process is N = 1: ``join`` returns ``OneRank``, the
+same interface whose collectives are what they are over one rank (the gradient is its own shard, sums
+are the values), so no caller asks whether there are ranks; the few that choose a cheaper path for one
+rank (the loader uploads straight into the block, a store commits without agreement) ask ``world``.
 """
 
 from __future__ import annotations
@@ -108,8 +110,8 @@ class Collectives:
         """The stream device collectives are ordered on."""
 
     @classmethod
-    def join(cls, backend: Backend, timeline: Timeline) -> Collectives | None:
-        """This process's collectives when it is one of several ranks, else None.
+    def join(cls, backend: Backend, timeline: Timeline) -> Collectives:
+        """This process's collectives when it is one of several ranks, else ``OneRank``.
 
         Uses the default process group if the caller (a Trainer, a script) set one up; otherwise sets
         it up from torchrun's environment (``MASTER_ADDR``/``MASTER_PORT``/``RANK``/``WORLD_SIZE``):
@@ -118,7 +120,7 @@ class Collectives:
         """
         device = backend.device if backend.name == "cuda" else None
         if not start_ranks(backend.name, device):
-            return None
+            return OneRank(backend)
         control = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s()))
         return cls(backend, timeline, dist.group.WORLD, control)
 
@@ -140,7 +142,7 @@ class Collectives:
 
     def scatter_gradient(
         self, full: torch.Tensor, sq_sum: float | torch.Tensor, label: str
-    ) -> tuple[torch.Tensor, Event, float | torch.Tensor]:
+    ) -> tuple[torch.Tensor, Event | None, float | torch.Tensor]:
         """This rank's shard of the sum over ranks of ``full`` (a block's flat device gradient, whose
         backward is the work issued so far on the current stream), the event after it, and
         ``sq_sum`` plus the shard's squared norm (computed on the collectives' stream, lazily)."""
@@ -204,3 +206,44 @@ class Collectives:
         out = [torch.empty_like(shard) for _ in range(self.world)]
         dist.all_gather(out, shard, group=self.control)
         return torch.cat(out)
+
+
+class OneRank(Collectives):
+    """The collectives of one process (N = 1): no process group, nothing moved, nothing timed."""
+
+    def __init__(self, backend: Backend) -> None:  # noqa: D107 — no group: Collectives.__init__ is not called
+        self.backend = backend
+        self.rank, self.world = 0, 1
+
+    def gather(self, shard: torch.Tensor, full: torch.Tensor, after: Event, label: str) -> Event:
+        """Not called: one rank's loader uploads straight into the block."""
+        raise RuntimeError("one rank gathers nothing: upload into the block itself")
+
+    def scatter_gradient(
+        self, full: torch.Tensor, sq_sum: float | torch.Tensor, label: str
+    ) -> tuple[torch.Tensor, Event | None, float | torch.Tensor]:
+        """The whole gradient is this rank's shard: ``full``, no event (nothing ran after backward), and
+        ``sq_sum`` plus its squared norm (lazily, on the current stream)."""
+        return full, None, sq_sum + sum_squares_lazy(full)
+
+    def sum_on_device(self, t: torch.Tensor, label: str) -> None:
+        """The sum over one rank is ``t``."""
+
+    def sum_scalars(self, *values: float | torch.Tensor) -> list[float]:
+        """``values`` as floats (one device→host read)."""
+        return read_scalars(*values)
+
+    def sum_int(self, value: int) -> int:
+        return value
+
+    def min_int(self, value: int) -> int:
+        return value
+
+    def any(self, flag: bool) -> bool:
+        return bool(flag)
+
+    def gather_to_root(self, shard: torch.Tensor) -> torch.Tensor | None:
+        return shard
+
+    def gather_everywhere(self, shard: torch.Tensor) -> torch.Tensor:
+        return shard

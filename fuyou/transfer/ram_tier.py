@@ -35,14 +35,12 @@ from fuyou.models.store_layout import ModelLayout
 from fuyou.schedule.sizing import RAM_STATE, RAM_WEIGHTS
 from fuyou.storage.extents import ExtentSpec
 from fuyou.storage.io_base import gather
+from fuyou.storage.run_meta import STALE
 from fuyou.storage.store import TensorStore, stage_of_extent
 from fuyou.timeline import Timeline
 from fuyou.transfer.futures import done_future
 from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
 from fuyou.units import HOST_ALIGN, align_up
-
-STALE = "ram_tier_stale"
-"""Commit-metadata key: True when RAM-tier extents on SSD are older than the committed step."""
 
 
 def ram_extents(

@@ -60,18 +60,23 @@ class WeightLoader:
         depth: int,
         copy_stream: object,
         compute_stream: object,
+        comm: Collectives,
+        new_weights: NewWeights | None = None,
+        gate: Callable[[int], Future] | None = None,
     ) -> None:
+        """``comm``: the ranks' collectives (with several, the upload is a shard that ``next`` gathers);
+        ``new_weights``: where a block whose update is in flight is claimed from (the Adam stage's; None:
+        never); ``gate``: the future a read of block b waits for (the update policy's; None: none)."""
         self.store, self.backend, self.pool, self.layout = store, backend, pool, layout
         self.timeline, self.depth, self.stream, self.compute = timeline, depth, copy_stream, compute_stream
+        self.comm, self.new_weights = comm, new_weights
+        self.gate: Callable[[int], Future] = gate or (lambda b: done_future())
+        self.sharded = comm.world > 1
+        """Whether blocks arrive as this rank's shard, gathered from the ranks (else uploaded whole)."""
         self.order: list[int] = []
         self.pos = 0
         self._reads: dict[int, tuple[HostBuffer, Future]] = {}
         self._copies: list[tuple[HostBuffer, Event]] = []
-        self.gate: Callable[[int], Future] = lambda b: done_future()
-        self.new_weights: NewWeights | None = None
-        """Where a block whose update is in flight is claimed from (the Adam stage's); None: never."""
-        self.comm: Collectives | None = None
-        """The ranks' collectives (the upload is a shard, gathered by ``next``); None: one rank."""
 
     def start(self, order: list[int]) -> None:
         """Begin a new load order (one step); reads for its first ``depth`` blocks are issued."""
@@ -161,7 +166,7 @@ class WeightLoader:
         # hazard: the copy stream's allocator pool must not refill this memory while compute reads it
         self.backend.keep_alive(into, self.compute)
         shard: torch.Tensor | None = None
-        if self.comm is not None:  # upload the shard into memory of its own, gather into the block's
+        if self.sharded:  # upload the shard into memory of its own, gather into the block's
             shard = self.backend.device_empty((n + fn,), torch.uint8, what, stream=self.stream)
         dst_w, dst_f = (shard[:n], shard[n:]) if shard is not None else (whole[:n], whole[trained : trained + fn])
         with self.timeline.device_span("h2d", lay.blocks[b].name, self.backend, self.stream, n + fn):
@@ -169,8 +174,7 @@ class WeightLoader:
             if fn:
                 copied = self.backend.copy(dst_f, buf.data[at : at + fn], self.stream)
         self._copies.append((buf, copied))
-        if self.comm is not None:
-            assert shard is not None
+        if shard is not None:
             self.comm.gather(shard[:n], whole[:trained], copied, lay.blocks[b].name)
             if fn:
                 self.comm.gather(shard[n:], whole[trained:], copied, f"{lay.blocks[b].name} (frozen)")
@@ -180,7 +184,7 @@ class WeightLoader:
 
     def comm_or_copy(self) -> object:
         """The stream that fills the buffer ``next`` returns: the collectives' (ranks), else the copy stream."""
-        return self.comm.stream if self.comm is not None else self.stream
+        return self.comm.stream if self.sharded else self.stream
 
     def ready_event(self) -> Event:
         """Event after the latest copy (or gather); the compute stream waits on it before using the weights."""

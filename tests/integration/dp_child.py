@@ -24,6 +24,7 @@ import torch
 from fuyou.engine import Engine, EngineConfig, Plan
 from fuyou.models.adapters import make_adapter
 from fuyou.models.lora import LoraSettings
+from fuyou.transfer.collectives import OneRank
 from tests.integration.tiny_models import batches, tiny
 
 
@@ -86,7 +87,13 @@ def main(spec_path: str, out: str) -> None:
     if spec.get("mismatch"):  # rank 1's live store goes back a step: resuming must refuse on every rank
         _resume_mismatched(ec, rank, out)
         return
-    result = {"ssd_read": read, "ssd_written": written, "comm": comm, "rank": rank, "ranked": eng.comm is not None}
+    result = {
+        "ssd_read": read,
+        "ssd_written": written,
+        "comm": comm,
+        "rank": rank,
+        "ranked": not isinstance(eng.comm, OneRank),
+    }
     result |= {"start": start, "warnings": [str(w.message) for w in caught]}
     if rank == 0:
         result |= {"losses": losses, "norms": norms, "weights": weights}

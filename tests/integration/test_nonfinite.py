@@ -61,15 +61,15 @@ def test_a_step_reads_the_device_back_once(tmp_path, monkeypatch, clip, ram):
     """Loss and gradient norm stay where they are computed and are read back once per step (one
     device→host wait on a GPU), not once per micro-batch and block; RAM-tier blocks (whose writes cannot
     be rolled back) still update only after that read proved the step finite."""
-    import fuyou.engine.step as step_mod
+    import fuyou.transfer.collectives as comm_mod  # one rank's sum_scalars is the read
 
     cfg, model = tiny("llama", layers=3)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     plan = Plan(grad_accum=2, ram_weight_blocks=ram, ram_state_blocks=ram)
     ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", lr=1e-3, max_grad_norm=clip, plan=plan)
     reads, items = [], []
-    real_read, real_item = step_mod.read_scalars, torch.Tensor.item
-    monkeypatch.setattr(step_mod, "read_scalars", lambda *v: reads.append(len(v)) or real_read(*v))
+    real_read, real_item = comm_mod.read_scalars, torch.Tensor.item
+    monkeypatch.setattr(comm_mod, "read_scalars", lambda *v: reads.append(len(v)) or real_read(*v))
     with Engine.from_state_dict(cfg, sd, ec) as eng:
         monkeypatch.setattr(torch.Tensor, "item", lambda t: items.append(1) or real_item(t))
         results = [eng.train_step(*d) for d in batches(2)]
