@@ -34,7 +34,7 @@
 # gzipped Chrome trace (trace-p6.json.gz or trace-profile.json.gz), and the log (first.log / second.log).
 # Shapes and budgets: P6_SHAPE, P6_CPU, P6_OOC_CPU, P6_OOC_GPU, P6_STEPS, P6_OOC_STEPS, STORE_MIB,
 # STORE_REPEATS, SSD_SHAPE, SSD_CPU, SSD_GPU, SSD_STEPS, PROF_SHAPE, PROF_CPU, TEST_TIMEOUT (defaults below).
-# FUYOU_REHEARSAL=1: a CPU machine is expected (tests/unit/test_bench_smoke.py rehearses both modes with
+# FUYOU_REHEARSAL=1: a CPU machine is expected (tests/bench/test_smoke.py rehearses both modes with
 # tiny shapes and small caps).
 # shellcheck disable=SC2317  # the stage functions are called by name (stage_$name)
 set -uo pipefail

@@ -11,12 +11,10 @@ compute copy + fp32 master + zeroed m/v) and never sit whole in RAM.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 import re
 import shutil
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,28 +24,26 @@ from fuyou.device import get_backend
 from fuyou.device.base import Backend
 from fuyou.engine import updates
 from fuyou.engine.adam_stage import AdamStage
+from fuyou.engine.assembly import assemble_model
 from fuyou.engine.balance import StepBalance, balance_rule
 from fuyou.engine.config import EngineConfig
 from fuyou.engine.device_admission import admit_batch, batch_peak
-from fuyou.engine.export import HF_FILES, export_dtype, export_layout, frozen_blocks, frozen_keys, iter_master
+from fuyou.engine.export import HF_FILES, export_dtype, export_layout, iter_master
 from fuyou.engine.lora import LoraState
 from fuyou.engine.step import StepContext, StepResult, StepRunner, StepState, training_blocks
 from fuyou.engine.updates import Progress
 from fuyou.engine.vocab_loss import IGNORE, shifted
-from fuyou.errors import ConfigError, DeviceMemoryError, FuyouWarning, ManifestError
-from fuyou.models.adapters import GPT2, architecture_of, make_adapter, seed_context
-from fuyou.models.blocks import parse_slice, split_experts
+from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
+from fuyou.models.adapters import seed_context
+from fuyou.models.blocks import parse_slice
 from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config, widest_float
 from fuyou.models.lora import is_lora
-from fuyou.models.store_layout import ModelLayout, elem_size, origin_wanted
+from fuyou.models.store_layout import elem_size
 from fuyou.optim import AdamWHyper
 from fuyou.schedule import rules, sizing
 from fuyou.schedule.device_memory import DevicePeak
-from fuyou.schedule.experts import expert_group_options, spread_policies
-from fuyou.schedule.plan import Plan
-from fuyou.schedule.vocab import bounding_groups
 from fuyou.storage.dirs import rank_dirs
-from fuyou.storage.run_meta import PRECISIONS, STALE, StoreMeta, precision_name
+from fuyou.storage.run_meta import StoreMeta
 from fuyou.storage.store import TensorStore
 from fuyou.timeline import Timeline
 from fuyou.transfer.activation_files import ActivationSpace
@@ -92,94 +88,28 @@ class Engine:
         self.timeline = Timeline()
         self.comm = Collectives.join(self.backend, self.timeline)
         """The data-parallel ranks' collectives (``torchrun``; ``OneRank`` for one process)."""
-        rank, world = self.comm.rank, self.comm.world
-        stored = None if store is None else StoreMeta.from_json(store.meta, store.dirs[0])
-        """What the resumed store recorded of its run (None: a new store)."""
-        if stored is not None:
-            vocab = stored.vocab_groups
-        else:
-            base = rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0)
-            vocab = cfg.plan.vocab_groups or vocab_groups_for(
-                config,
-                dataclasses.replace(base, frozen=cfg.lora is not None),
-                PRECISIONS[cfg.precision],
-                world,
-                cfg.cpu_bytes,
-            )
-        if stored is not None:
-            groups = stored.expert_groups
-        else:
-            groups = cfg.plan.expert_groups or expert_groups_for(
-                config, PRECISIONS[cfg.precision], world, self.backend.memory().capacity, self.backend.name
-            )
-        self.adapter = make_adapter(config, cfg.lora, groups, vocab)
-        self.adapter.frozen_keys = frozen_keys(tuple(self.adapter.blocks), cfg.freeze)
-        self.lora = (
-            None
-            if cfg.lora is None
-            else LoraState(
-                self.adapter.model,
-                cfg.lora,
-                self.backend.device,
-                lora_init or {},
-                dict(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay),
-            )
-        )
-        """The trainable LoRA weights and their AdamW (None: full fine-tuning)."""
-        blocks = tuple(self.adapter.blocks)
-        plan = dataclasses.replace(
-            rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0),
-            expert_groups=groups,
-            vocab_groups=vocab,
-            activation_policy=spread_policies(cfg.plan.activation_policy, [b.name for b in blocks]),
-        )
-        if cfg.lora is not None:  # the base only streams in: no state, no gradient or weight traffic out
-            plan = dataclasses.replace(plan, frozen=True, ram_state_blocks=0)
-        rules.check_ram_tier(plan, len(blocks))
-        if store is None or stored is None:
-            layout = ModelLayout(
-                blocks,
-                PRECISIONS[cfg.precision],
-                PRECISIONS[cfg.state_precision],
-                plan.state_chunk,
-                rank,
-                world,
-                plan.frozen,
-            )
-        else:
-            layout = _stored_layout(blocks, stored, store.dirs[0], cfg, rank, world)
-            plan = dataclasses.replace(plan, state_chunk=layout.state_chunk)
-            _agree_on_step(self.comm, store, stored.step)
-            self.progress.step = stored.step
-        if self.lora is not None:  # staged through one host buffer of the pool
-            layout = dataclasses.replace(layout, adapter_bytes=self.lora.extent().nbytes)
-        frozen = frozen_blocks(blocks, cfg.freeze)
-        if store is not None and stored is not None and sorted(stored.freeze) != sorted(cfg.freeze):
-            raise ConfigError(
-                f"the store in {store.dirs[0]} was trained with --freeze {list(stored.freeze)}; resume "
-                "with the same patterns (its frozen blocks have no optimizer state)"
-            )
-        layout = dataclasses.replace(layout, frozen_blocks=frozen, frozen_params=self.adapter.frozen_keys)
-        if store is None or stored is None:
-            self.source_dtype = source_dtype or torch.float32
-            any_frozen = layout.frozen or bool(frozen) or bool(layout.frozen_params)
-            layout = dataclasses.replace(layout, origin=origin_wanted(layout.compute_dtype, source_dtype, any_frozen))
-        else:
-            self.source_dtype = stored.source_dtype
-            layout = dataclasses.replace(layout, origin=stored.origin)
-            _check_extents(layout, store)
-        self.plan: Plan = admit(
-            layout, plan, cfg.cpu_bytes, self.backend.memory().capacity, store is not None, self.backend.name
-        )
-        """The plan this engine runs: ``cfg.plan`` with its schedule resolved, fitted to the host budget."""
-        self.adapter.prepare(self.backend.device)  # the first device allocation: after the floor check
-        self.layout = dataclasses.replace(layout, state_chunk=self.plan.state_chunk)
+        parts = assemble_model(config, cfg, self.backend, self.comm, store, lora_init, source_dtype)
+        self.adapter, self.lora, self.plan, self.layout = parts.adapter, parts.lora, parts.plan, parts.layout
+        self.source_dtype = parts.source_dtype
+        if parts.stored is not None:
+            self.progress.step = parts.stored.step
         self._admitted: set[tuple[int, int, int]] = set()
         """Batch shapes (micro-batch, tokens, micro-batches) the device-memory model admitted."""
         self.predicted_peak: DevicePeak | None = None
         """The largest device peak the model predicted for a step admitted so far (None: none yet)."""
         if cfg.batch is not None:  # before the store exists: a refused step leaves nothing behind
             self._admit_shape(*cfg.batch)
+        self._setup_store(cfg, store)
+        self._setup_data_path(cfg)
+        if store is None:
+            assert tensors is not None  # a new store is filled from the model's tensors
+            self._save_model_files()
+            self._import(tensors)
+
+    def _setup_store(self, cfg: EngineConfig, store: TensorStore | None) -> None:
+        """The host buffer pool (every buffer class reserved up front), the store (a new one, or the
+        resumed ``store``) and the RAM tier in front of it (loaded when resuming)."""
+        rank, world = self.comm.rank, self.comm.world
         self.pool = HostBufferPool(self.backend, cfg.cpu_bytes)
         for c in sizing.buffer_classes(self.layout.footprint(), self.plan):
             self.pool.reserve(c.name, c.nbytes, c.count)
@@ -209,6 +139,10 @@ class Engine:
             if store is None:
                 self.store.close()
             raise
+
+    def _setup_data_path(self, cfg: EngineConfig) -> None:
+        """The stages a step drives, each given its collaborators at construction: the Adam stage, the
+        gradient parking, the activation space, the update policy, the weight loader and the step runner."""
         self.compute_stream = self.backend.current_stream()  # forward/backward run on torch's current stream
         hyper = AdamWHyper(cfg.betas[0], cfg.betas[1], cfg.eps, cfg.weight_decay)
         self.stage = AdamStage(
@@ -281,10 +215,6 @@ class Engine:
                 training,
             )
         )
-        if store is None:
-            assert tensors is not None  # a new store is filled from the model's tensors
-            self._save_model_files()
-            self._import(tensors)
 
     @property
     def step(self) -> int:
@@ -642,66 +572,6 @@ class Engine:
         self.close()
 
 
-def admit(
-    layout: ModelLayout, plan: Plan, host_bytes: int, device_bytes: int, fixed_chunk: bool = False, device: str = "cpu"
-) -> Plan:
-    """The engine's budget check: ``plan`` (schedule resolved) fitted to ``host_bytes`` by the budget
-    rules (``sizing.fit_host``; a plan that fits comes back unchanged). ``fixed_chunk``: the layout's
-    state chunk is a store's and cannot change; ``device``: the backend's name (``cuda`` adds what its
-    libraries need to the floor).
-
-    Raises DeviceMemoryError if ``device_bytes`` is below ``sizing.device_floor``. A plan whose
-    smallest form still passes ``host_bytes`` is returned; the pool's reservation then refuses it,
-    naming every buffer class.
-    """
-    fp = layout.footprint()
-    need, lib = sizing.device_floor(fp, device), sizing.library_bytes(device)
-    if need > device_bytes:
-        extra = f" (with {format_size(lib)} for the cuBLAS workspace and the allocator's rounding)" if lib else ""
-        raise DeviceMemoryError(
-            f"the largest block needs {format_size(need)} of device memory for its weights and gradients{extra}, "
-            f"the device budget is {format_size(device_bytes)}; raise --gpu-memory (or use a GPU with more memory)"
-        )
-    return sizing.fit_host(fp, dataclasses.replace(plan, state_chunk=layout.state_chunk), host_bytes, fixed_chunk)
-
-
-def expert_groups_for(config: Any, compute_dtype: torch.dtype, world: int, capacity: int, device: str) -> int:
-    """The fewest expert groups (``fuyou.schedule.experts.expert_group_options``) that bring a mixture of
-    experts' largest block within ``capacity`` device bytes (``sizing.device_floor``: its weights and
-    gradients, gathered from ``world`` ranks' shards); 1 for a dense model, the most there are when
-    none does (``admit`` then names the largest block)."""
-    experts = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
-    if experts < 2:
-        return 1
-    whole = tuple(make_adapter(config).blocks)
-    options = expert_group_options(experts)
-    for g in options:
-        blocks = split_experts(whole, g, experts, config.num_experts_per_tok)
-        if sizing.device_floor(ModelLayout(blocks, compute_dtype, world=world).footprint(), device) <= capacity:
-            return g
-    return options[-1]
-
-
-def vocab_groups_for(config: Any, plan: Plan, compute_dtype: torch.dtype, world: int, host_bytes: int) -> int:
-    """1, unless ``plan`` cannot fit the smallest host buffer set of the unsplit model in ``host_bytes``
-    (``sizing.fit_host``) and the embedding or an untied LM head is larger than a decoder layer: then
-    the fewest vocabulary groups that bring each within one (``fuyou.schedule.vocab.bounding_groups``).
-    A tied embedding, or a family the adapter does not split, stays whole (``admit`` then names the
-    largest block)."""
-    if getattr(config, "tie_word_embeddings", False) or architecture_of(config) in GPT2:
-        return 1
-    whole = tuple(make_adapter(config).blocks)
-    if max(plan.ram_weight_blocks, plan.ram_state_blocks) > len(whole):
-        return 1  # ``rules.check_ram_tier`` names it
-    fp = ModelLayout(whole, compute_dtype, world=world).footprint()
-    if sizing.host_need(fp, sizing.fit_host(fp, dataclasses.replace(plan, vocab_groups=1), host_bytes)) <= host_bytes:
-        return 1
-    layer = max((b.numel for b in whole[1:-1]), default=0)
-    if max(whole[0].numel, whole[-1].numel) <= layer:
-        return 1
-    return bounding_groups(config.vocab_size, config.hidden_size, layer)
-
-
 @contextlib.contextmanager
 def _device_memory(what: str, backend: Backend) -> Iterator[None]:
     """Turn the device allocator's out-of-memory error (what Fuyou's budget does not count) during ``what``
@@ -739,35 +609,6 @@ def _seeds(position_ids: list[torch.Tensor] | None, n: int, dev: torch.device) -
     return [seed_context(p, dev) for p in position_ids]
 
 
-def _agree_on_step(comm: Collectives, store: TensorStore, step: int) -> None:
-    """Bring every rank's reopened store (at ``step``) to one step. A crash during a commit can leave ranks
-    one step apart; those ahead still keep the step before (``TensorStore.previous``) and go back to it.
-    Raises ConfigError on every rank when some rank cannot reach the lowest step (its stores were changed
-    by hand, or that version kept RAM-tier state unwritten): resume from a checkpoint then."""
-    if comm.world == 1:
-        store.forget_previous()
-        return
-    low, high = comm.min_int(step), -comm.min_int(-step)
-    prev = store.previous
-    back = step > low and prev is not None and int(prev["meta"].get("step", -1)) == low
-    if comm.any(step > low and (not back or bool(prev and prev["meta"].get(STALE)))):
-        raise ConfigError(
-            f"the ranks' stores were left at different steps ({low} to {high}; this rank's, {store.dirs[0]}, at "
-            f"{step}) and cannot all go back to step {low}: resume from a checkpoint every rank holds "
-            "(fuyou finetune --resume auto)"
-        )
-    if back:
-        store.roll_back()
-        warnings.warn(
-            f"this rank's store in {store.dirs[0]} went back from step {step} to step {low}, the step every "
-            "rank committed before the run stopped",
-            FuyouWarning,
-            stacklevel=3,
-        )
-    else:
-        store.forget_previous()
-
-
 def _rank_world() -> tuple[int, int]:
     """This process's (rank, world) as torchrun announces them, before the collectives are joined."""
     import torch.distributed as dist
@@ -776,32 +617,3 @@ def _rank_world() -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     world = world_size()
     return (int(os.environ.get("RANK", "0")) if world > 1 else 0), world
-
-
-def _check_extents(layout: ModelLayout, store: TensorStore) -> None:
-    """Raise ConfigError unless ``store`` holds every extent ``layout`` reads, of the same size (a store
-    written for other settings, or by an older Fuyou with another layout)."""
-    held = {e.name: e.nbytes for e in store.extents}
-    for e in layout.extents():
-        if held.get(e.name) != e.nbytes:
-            raise ConfigError(
-                f"the store in {store.dirs[0]} does not hold extent {e.name!r} of {e.nbytes} bytes "
-                f"({'absent' if e.name not in held else f'{held[e.name]} bytes'}): it was written with other "
-                "settings or by another Fuyou version; resume with the settings it was created with, or start again"
-            )
-
-
-def _stored_layout(blocks: tuple, meta: StoreMeta, where: str, cfg: EngineConfig, rank: int, world: int) -> ModelLayout:
-    """The layout the store in ``where`` was created with (dtypes and state chunk from its ``meta``);
-    raises ConfigError if it was a different rank's shard or trained with another precision."""
-    if (meta.rank, meta.world) != (rank, world):
-        raise ConfigError(
-            f"the store in {where} holds rank {meta.rank} of {meta.world} ranks, this process is rank {rank} of "
-            f"{world}; resume with the same number of ranks"
-        )
-    if meta.compute_dtype != PRECISIONS[cfg.precision]:
-        raise ConfigError(
-            f"the store in {where} was trained with --precision {precision_name(meta.compute_dtype)}; resume "
-            "with the same precision"
-        )
-    return ModelLayout(blocks, meta.compute_dtype, meta.state_dtype, meta.state_chunk, rank, world, meta.lora_base)

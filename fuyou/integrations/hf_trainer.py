@@ -44,10 +44,18 @@ from typing import Any
 import torch
 from transformers import Trainer, TrainingArguments
 
-from fuyou.engine import Engine, EngineConfig, StepResult
+from fuyou.engine import Engine, StepResult
 from fuyou.errors import ConfigError, FuyouWarning
 from fuyou.models.lora import ADAPTER, LoraSettings, base_key, is_lora
-from fuyou.run.plan_choice import WARMUP_STEPS, ChosenPlan, PlanRequest, check_profile, choose_plan
+from fuyou.run.plan_choice import (
+    WARMUP_STEPS,
+    ChosenPlan,
+    OptimizerSettings,
+    PlanRequest,
+    check_profile,
+    choose_plan,
+    engine_config,
+)
 
 SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 FUYOU_CKPT = "fuyou_checkpoint.json"
@@ -185,26 +193,16 @@ class FuyouTrainer(Trainer):
         # the engine plan this trainer runs and how it was chosen (info: source, profile, prediction); rank 0's for all
         log = _stderr if args.should_log and self._ranks.root else lambda s: None
         self.plan_choice = self._ranks.decide(lambda: _choose(req, seq_from, log))
-        cfg = EngineConfig(
-            ssd_dirs=req.store_dirs,
-            cpu_memory=req.cpu_memory,
-            gpu_memory=req.gpu_memory,
-            device=req.device,
-            precision=req.precision,
-            state_precision=req.state_precision,
-            lr=args.learning_rate,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_epsilon,
-            weight_decay=args.weight_decay,
-            max_grad_norm=args.max_grad_norm or 0.0,
-            no_decay=frozenset(n for n, _ in model.named_parameters())
-            - frozenset(self.get_decay_parameter_names(model)),
-            plan=self.plan_choice.plan,
-            moe_balance=args.moe_balance,
-            lora=lora,
-            freeze=freeze,
-            batch=(args.per_device_train_batch_size, req.seq_len, args.gradient_accumulation_steps),
+        optim = OptimizerSettings(
+            args.learning_rate,
+            (args.adam_beta1, args.adam_beta2),
+            args.adam_epsilon,
+            args.weight_decay,
+            args.max_grad_norm or 0.0,
+            frozenset(n for n, _ in model.named_parameters()) - frozenset(self.get_decay_parameter_names(model)),
         )
+        batch = (args.per_device_train_batch_size, req.seq_len, args.gradient_accumulation_steps)
+        cfg = engine_config(req, self.plan_choice, optim, batch, args.moe_balance)
         self.engine = Engine.from_state_dict(config, state, cfg)
         if self._ranks.root:
             self.plan_choice.keep_profile()
@@ -514,8 +512,6 @@ def plan_request(args: FuyouTrainingArguments, config: Any, lora: Any = None) ->
         profile=args.profile,
         profile_out=os.path.join(str(args.output_dir), FUYOU_PROFILE),
         ranks=max(1, args.world_size),
-        frozen=lora is not None,
-        lora_rank=lora.rank if lora is not None else 0,
         lora=lora,
     )
     return req, seq_from

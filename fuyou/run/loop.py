@@ -86,34 +86,18 @@ def plan_request(cfg: FinetuneConfig, config: Any, stripes: list[str] | None = N
         profile=cfg.profile,
         profile_out=os.path.join(cfg.output, "profile.json"),
         ranks=ranks,
-        frozen=cfg.lora_rank is not None,
-        lora_rank=cfg.lora_rank or 0,
         lora=cfg.lora,
         freeze=tuple(cfg.freeze),
     )
 
 
 def _engine_config(cfg: FinetuneConfig, req: PlanRequest, chosen: ChosenPlan, world: int = 1) -> EngineConfig:
+    from fuyou.run.plan_choice import OptimizerSettings, engine_config
     from fuyou.storage.dirs import rank_template
 
-    return EngineConfig(
-        ssd_dirs=rank_template(cfg.store_dirs, world),  # the engine fills in {rank}/{local_rank}
-        device=req.device,
-        gpu_memory=req.gpu_memory,
-        cpu_memory=req.cpu_memory,
-        precision=req.precision,
-        state_precision=req.state_precision,
-        lr=cfg.lr,
-        betas=cfg.betas,
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm,
-        plan=chosen.plan,
-        moe_balance=cfg.moe_balance,
-        lora=cfg.lora,
-        freeze=tuple(cfg.freeze),
-        batch=_batch(cfg, chosen),
-    )
+    optim = OptimizerSettings(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay, cfg.max_grad_norm)
+    # the engine fills in {rank}/{local_rank} of the store directories
+    return engine_config(req, chosen, optim, _batch(cfg, chosen), cfg.moe_balance, rank_template(cfg.store_dirs, world))
 
 
 def _batch(cfg: FinetuneConfig, chosen: ChosenPlan) -> tuple[int, int, int] | None:

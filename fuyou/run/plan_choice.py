@@ -84,12 +84,9 @@ class PlanRequest:
     """Hardware profile JSON; None: ``$FUYOU_PROFILE``, this machine's ``hw.json``, else measured."""
     profile_out: str | None = None
     """Where a profile measured now is saved (None: not saved; it is cached per machine either way)."""
-    frozen: bool = False
-    """LoRA on a frozen base: the plan streams weights only (``Plan.frozen``)."""
-    lora_rank: int = 0
     lora: Any = None
-    """With ``frozen``: the run's ``LoraSettings``, so a quick profile times the blocks as LoRA computes them."""
-    """With ``frozen``: the adapters' rank (their device memory)."""
+    """The run's ``LoraSettings`` (None: full fine-tuning): adapters on a frozen LoRA base, whose plan streams
+    weights only (``Plan.frozen``); a quick profile times the blocks as LoRA computes them."""
     freeze: tuple[str, ...] = ()
     """``--freeze`` globs: the blocks they freeze whole are planned without state or writes."""
     ranks: int = 1
@@ -115,6 +112,16 @@ class PlanRequest:
             p.append(f"activations must be one of {', '.join(POLICIES)}, got {self.activations!r}")
         if p:
             raise ConfigError("; ".join(p))
+
+    @property
+    def lora_base(self) -> bool:
+        """Whether the model is a LoRA run's frozen base (``lora`` given)."""
+        return self.lora is not None
+
+    @property
+    def lora_rank(self) -> int:
+        """The adapters' rank (their device memory); 0 without LoRA."""
+        return int(self.lora.rank) if self.lora is not None else 0
 
 
 @dataclass(frozen=True)
@@ -183,7 +190,7 @@ def quick_profile(
     backend = get_backend(kind)
     ssd = os.path.abspath(req.store_dirs[0])
     base = f"{machine_key(kind + ':' + backend.describe())}/{req.precision}"
-    lora = req.lora if req.frozen else None
+    lora = req.lora
     tag = f"/lora{lora.rank}-{'+'.join(lora.targets)}" if lora is not None else ""
     sig = shape_from_config(req.model_config.to_dict()).signature
     keys = [f"{base}/fs{os.stat(ssd).st_dev}", f"{base}/{sig}/{req.micro_batch_size}x{req.seq_len}{tag}/{TIMING}"]
@@ -331,7 +338,7 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         activations=req.activations,
         precision=req.precision,
         cluster=Cluster(req.ranks),  # one node; the link speed shapes the prediction, not the plan's memory
-        frozen=req.frozen,
+        frozen=req.lora_base,
         lora_rank=req.lora_rank,
     )
     res = search(shape, prof, budgets, sreq)
@@ -408,3 +415,52 @@ def _fixed_policies(req: PlanRequest) -> tuple[str, ...] | None:
 
     n = len(shape_from_config(req.model_config.to_dict()).blocks)
     return ("keep",) + (req.activations,) * (n - 2) + ("keep",)
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW's hyperparameters and clipping, as a front end (the CLI, the Trainer plugin) takes them."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.0
+    """Global-norm clipping threshold (0: off)."""
+    no_decay: frozenset[str] = frozenset()
+    """Parameter names without weight decay."""
+
+
+def engine_config(
+    req: PlanRequest,
+    chosen: ChosenPlan,
+    optim: OptimizerSettings,
+    batch: tuple[int, int, int] | None,
+    moe_balance: str,
+    ssd_dirs: tuple[str, ...] | None = None,
+) -> Any:
+    """The ``EngineConfig`` of a run planned by ``req`` and ``chosen``: both front ends build it here.
+    ``batch``: the steps' shape for admission before the store exists (micro-batch, tokens, micro-batches;
+    None: admitted at the first step); ``ssd_dirs``: the store directories as the engine takes them (default
+    the request's; several ranks: a template the engine fills in)."""
+    from fuyou.engine import EngineConfig
+
+    return EngineConfig(
+        ssd_dirs=ssd_dirs if ssd_dirs is not None else req.store_dirs,
+        device=req.device,
+        gpu_memory=req.gpu_memory,
+        cpu_memory=req.cpu_memory,
+        precision=req.precision,
+        state_precision=req.state_precision,
+        lr=optim.lr,
+        betas=optim.betas,
+        eps=optim.eps,
+        weight_decay=optim.weight_decay,
+        max_grad_norm=optim.max_grad_norm,
+        no_decay=optim.no_decay,
+        plan=chosen.plan,
+        moe_balance=moe_balance,
+        lora=req.lora,
+        freeze=req.freeze,
+        batch=batch,
+    )

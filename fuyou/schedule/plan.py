@@ -60,13 +60,13 @@ class Plan:
     """Expert-group blocks each mixture-of-experts layer is split into after its core block (1: a
     layer is one block; ``fuyou.models.blocks.split_experts``), so a layer whose experts do not fit
     the device streams in parts. 0: the fewest whose largest block fits the device budget
-    (``fuyou.engine.engine.expert_groups_for``). A resumed store keeps its own."""
+    (``fuyou.engine.assembly.expert_groups_for``). A resumed store keeps its own."""
     vocab_groups: int = 0
     """Blocks the embedding and the LM head are each split into by vocabulary rows (1: one block each;
     ``fuyou.schedule.vocab``), so a large vocabulary does not size every host weight buffer. Not with
     tied embeddings. 0: as needed — one, unless the host budget cannot hold the smallest buffer set of
     the unsplit model, then the fewest that bring each within a decoder layer
-    (``fuyou.engine.engine.vocab_groups_for``). A resumed store keeps its own."""
+    (``fuyou.engine.assembly.vocab_groups_for``). A resumed store keeps its own."""
     state_chunk: int = 1 << 23
     """Elements per optimizer-state chunk, a multiple of 32 (8 Mi: 96 MiB of fp32 master + m + v):
     host memory for state is ``state_buffers`` × one chunk, whatever the largest block. A resumed

@@ -1,5 +1,5 @@
 """Property: every plan the planner returns is accepted as it is by the engine's own budget check
-(``fuyou.engine.engine.admit``, then the pool reserves ``sizing.buffer_classes`` + the RAM tier), and
+(``fuyou.engine.assembly.admit``, then the pool reserves ``sizing.buffer_classes`` + the RAM tier), and
 every refusal names the binding budget and a way out. Random hardware profiles, models and budgets."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, example, given, settings, strategies as st
 from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
 from fuyou.engine.device_admission import batch_peak
-from fuyou.engine.engine import admit
+from fuyou.engine.assembly import admit
 from fuyou.engine.export import frozen_blocks, frozen_keys
 from fuyou.models.adapters import make_adapter
 from fuyou.models.store_layout import ModelLayout

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fuyou.engine.engine import admit
+from fuyou.engine.assembly import admit
 from fuyou.errors import DeviceMemoryError
 from fuyou.models.blocks import BlockSpec, ParamSpec
 from fuyou.models.store_layout import ModelLayout
