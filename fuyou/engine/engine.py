@@ -30,7 +30,7 @@ from fuyou.engine.config import EngineConfig
 from fuyou.engine.device_admission import admit_batch, batch_peak
 from fuyou.engine.export import HF_FILES, export_dtype, export_layout, iter_master
 from fuyou.engine.lora import LoraState
-from fuyou.engine.step import StepContext, StepResult, StepRunner, StepState, training_blocks
+from fuyou.engine.step import StepContext, StepResult, StepRunner, StepState
 from fuyou.engine.updates import Progress
 from fuyou.engine.vocab_loss import IGNORE, shifted
 from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
@@ -170,7 +170,8 @@ class Engine:
         self.act_space = ActivationSpace(
             self.backend, self.pool, self.store.io, self.store.dirs, self.store.direct, self.timeline
         )
-        training = training_blocks(self.layout, frozen_base=self.lora is not None)
+        lay = self.layout
+        last = min((b for b in range(len(lay.blocks)) if lay.gets_gradients(b)), default=-1)
         self.updates = updates.for_run(
             updates.UpdateContext(
                 self.plan,
@@ -184,7 +185,7 @@ class Engine:
                 self.max_grad_norm,
             ),
             self.lora,
-            last_gradient=min(training, default=-1),
+            last_gradient=last,
         )
         """What happens to completed gradients (``fuyou.engine.updates``), chosen once."""
         self.loader = WeightLoader(
@@ -212,7 +213,6 @@ class Engine:
                 self.compute_stream,
                 self.comm,
                 self.updates,
-                training,
             )
         )
 

@@ -62,20 +62,6 @@ class StepContext:
     block: gradients are reduce-scattered before they leave the device, the loss and norm summed."""
     updates: UpdatePolicy
     """What happens to completed gradients (``fuyou.engine.updates``), chosen at assembly."""
-    training: frozenset[int]
-    """The blocks that get gradients and hand them off (``training_blocks``)."""
-
-
-def training_blocks(layout: ModelLayout, frozen_base: bool) -> frozenset[int]:
-    """The blocks that get gradients, hand them off and are updated: none with LoRA (``frozen_base``),
-    nor a block frozen whole (``--freeze``) unless the head uses a block that trains."""
-    if frozen_base:
-        return frozenset()
-    return frozenset(
-        b
-        for b, blk in enumerate(layout.blocks)
-        if any(layout.trains(o) for o in [b] + [layout.index(n) for n in blk.borrows])
-    )
 
 
 @dataclass(frozen=True)
@@ -168,10 +154,13 @@ class StepRunner:
         self.c = ctx
         self.head = turnaround.for_adapter(ctx.adapter)
         """The turnaround: the head whole, or split by vocabulary rows (chosen once, with the model)."""
+        lay = ctx.layout
+        self._gradients = frozenset(b for b in range(len(lay.blocks)) if lay.gets_gradients(b))
+        """The blocks whose gradients backward computes (``ModelLayout.gets_gradients``), fixed with the layout."""
 
-    def trains(self, b: int) -> bool:
-        """Whether block ``b`` gets gradients, hands them off and is updated (``training_blocks``)."""
-        return b in self.c.training
+    def gets_gradients(self, b: int) -> bool:
+        """Whether backward computes block ``b``'s gradients and hands them off (``ModelLayout.gets_gradients``)."""
+        return b in self._gradients
 
     def borrowed(self) -> list[int]:
         """The blocks the head borrows (a tied embedding)."""
@@ -301,14 +290,14 @@ class StepRunner:
             st.weights[b] = self.load(st, b, refill=policy not in RECOMPUTES)
             if policy in RECOMPUTES:
                 st.params[b] = self.bind(st, b)
-            if self.trains(b):
+            if self.gets_gradients(b):
                 self.attach_grads(st, b)
             name = c.layout.blocks[b].name
             with self.computing(f"bwd {name}", f"backward of {name}"):
                 st.xs = self._backward_block(st, b)
             self.drop_params(st, b)
             st.weights.pop(b)
-            if self.trains(b):
+            if self.gets_gradients(b):
                 self.hand_off(st, b)
 
     def _backward_block(self, st: StepState, b: int) -> list[torch.Tensor | None]:

@@ -46,14 +46,14 @@ class WholeHead:
         st.weights[H] = r.load(st, H)
         borrowed = {o: r.load(st, o) for o in r.borrowed()}
         st.params[H] = r.bind(st, H, borrowed)
-        if r.trains(H):
+        if r.gets_gradients(H):
             r.attach_grads(st, H)
         with r.computing("head fwd+bwd", "the head's loss"):
             st.xs = [self._loss(r, st, k, x) for k, x in enumerate(st.xs)]
         r.drop_params(st, H)
         del borrowed
         st.weights.pop(H)
-        if r.trains(H) and c.layout.trains(H):
+        if r.gets_gradients(H) and c.layout.trains(H):
             r.hand_off(st, H)
 
     def _loss(self, r: StepRunner, st: StepState, k: int, x: torch.Tensor) -> torch.Tensor:
@@ -143,7 +143,7 @@ class SplitHead:
             if b < H:
                 st.weights[b] = r.load(st, b)
                 st.params[b] = r.bind(st, b)
-            if r.trains(b):
+            if r.gets_gradients(b):
                 r.attach_grads(st, b)
             name = c.layout.blocks[b].name
             with r.computing(f"bwd {name}", f"the loss's backward by {name}"):
@@ -154,7 +154,7 @@ class SplitHead:
                     st.xs = [self._norm_backward(x, d) for x, d in zip(st.xs, dhn)]
             r.drop_params(st, b)
             st.weights.pop(b)
-            if r.trains(b) and c.layout.trains(b):
+            if r.gets_gradients(b) and c.layout.trains(b):
                 r.hand_off(st, b)
 
     def _norm_backward(self, x: torch.Tensor, dhn: torch.Tensor) -> torch.Tensor:

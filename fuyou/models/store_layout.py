@@ -77,6 +77,11 @@ class ModelLayout:
         """Whether block ``b`` has optimizer state and is updated (not ``frozen``, not in ``frozen_blocks``)."""
         return not self.frozen and b not in self.frozen_blocks
 
+    def gets_gradients(self, b: int) -> bool:
+        """Whether backward computes block ``b``'s weight gradients and hands them off: it, or a block it
+        borrows (the head's tied embedding), is updated (``trains``). Never for a LoRA base."""
+        return any(self.trains(o) for o in [b] + [self.index(n) for n in self.blocks[b].borrows])
+
     def __post_init__(self) -> None:
         if self.state_chunk <= 0 or self.state_chunk % 32:
             raise ValueError(f"state chunk must be a positive multiple of 32 elements, got {self.state_chunk}")

@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings, strategies as st
 from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
-from fuyou.engine.device_admission import batch_peak
 from fuyou.engine.assembly import admit
+from fuyou.engine.device_admission import batch_peak
 from fuyou.engine.export import frozen_blocks, frozen_keys
 from fuyou.models.adapters import make_adapter
 from fuyou.models.store_layout import ModelLayout
