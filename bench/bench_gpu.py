@@ -32,6 +32,7 @@ timeline's device compute busy time for that step.
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import json
 import os
@@ -105,6 +106,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--ooc-cpu-memory", default=None, help="side-by-side: a third run, Fuyou under these budgets")
     ap.add_argument("--ooc-gpu-memory", default=None, help="side-by-side: a third run, Fuyou under these budgets")
     ap.add_argument("--policy", default="recompute", help="every layer's activation policy (--plan fixed)")
+    ap.add_argument(
+        "--also-fixed",
+        default=None,
+        help="side-by-side: one more Fuyou run under the same budgets with this policy on every layer (--plan fixed), "
+        "beside the planner's choice",
+    )
     ap.add_argument("--plan", choices=("fixed", "auto", "rules"), default="fixed")
     ap.add_argument("--profile", default=None, help="hardware profile for --plan auto (default: as fuyou finetune)")
     ap.add_argument("--trace", default=None, help="Chrome trace of the (first) Fuyou run's last step")
@@ -168,6 +175,23 @@ def side_by_side(ctx: Context) -> None:
         ),
         failed,
     )
+    if a.also_fixed:
+        fixed = copy.copy(ctx)
+        fixed.a = argparse.Namespace(**{**vars(a), "plan": "fixed", "policy": a.also_fixed})
+        label = f"{a.label}_{a.also_fixed}"
+        attempt(
+            fixed,
+            label,
+            lambda: fixed.fuyou(
+                label,
+                a.cpu_memory,
+                a.gpu_memory,
+                a.steps,
+                None,
+                before_close=lambda r: [ctx.ratio(r, den) for den in (plain, fy) if den],
+            ),
+            failed,
+        )
     if a.ooc_cpu_memory or a.ooc_gpu_memory:
         attempt(
             ctx,

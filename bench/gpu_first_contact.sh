@@ -19,8 +19,9 @@
 #   tests   150  python -m pytest tests/gpu: cheapest files first, NCCL last, --timeout per test (pytest-timeout,
 #                left out where missing), TF32 off, gloo/NCCL on loopback, a 45 s collective timeout; fails if
 #                any test was skipped for a reason other than a missing optional package (junit XML)
-#   p6      180  bench_gpu.py --mode side-by-side: plain PyTorch + AdamW(fused=True), then Fuyou, on a 0.75 B
-#                Llama at 64k tokens/step; then Fuyou with small --gpu-memory/--cpu-memory (blocks streamed
+#   p6      180  bench_gpu.py --mode side-by-side: plain PyTorch + AdamW(fused=True), then Fuyou as planned, then
+#                Fuyou keeping every layer's activations (--also-fixed keep: what the planner's choice cost), on a
+#                0.75 B Llama at 64k tokens/step; then Fuyou with small --gpu-memory/--cpu-memory (blocks streamed
 #                from the store); each line and ratio appended to figures.jsonl as soon as measured
 #   store    45  bench_store.py: the store's POSIX and (where usable) kvikio engines side by side, O_DIRECT
 # Stages of `second`: env 15, install 40 (skipped work if the same wheels are installed already),
@@ -302,7 +303,7 @@ stage_p6() {
   rm -f "$SCRATCH/trace-p6.json"
   # shellcheck disable=SC2086
   bench --mode side-by-side $P6_SHAPE --plan auto --cpu-memory "$P6_CPU" --steps "$P6_STEPS" \
-    --ooc-cpu-memory "$P6_OOC_CPU" --ooc-gpu-memory "$P6_OOC_GPU" --ooc-steps "$P6_OOC_STEPS" \
+    --also-fixed keep --ooc-cpu-memory "$P6_OOC_CPU" --ooc-gpu-memory "$P6_OOC_GPU" --ooc-steps "$P6_OOC_STEPS" \
     --trace "$SCRATCH/trace-p6.json"
   rc=$?
   save_trace trace-p6
