@@ -153,6 +153,8 @@ class CachingArena:
             raise
 
     def _charge(self, nbytes: int, what: object) -> None:
+        if self.allocated + nbytes > self.peak:  # a new peak or past capacity: count what was freed first, as
+            self._sweep()  # CUDA's allocator would have (arena blocks are refunded lazily, by ``_sweep``)
         if self.allocated + nbytes > self.capacity:
             raise device_full(nbytes, self.allocated, self.capacity, what)
         self.allocated += nbytes
