@@ -22,10 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.common import emit  # noqa: E402
+from fuyou.models.description import load_description  # noqa: E402
 from fuyou.planner.profile import load_profile  # noqa: E402
 from fuyou.planner.result import Budgets  # noqa: E402
 from fuyou.planner.search import InfeasibleError, Request, search  # noqa: E402
-from fuyou.planner.shapes import load_shape  # noqa: E402
 from fuyou.run.plan_choice import describe  # noqa: E402
 from fuyou.units import parse_size  # noqa: E402
 
@@ -45,7 +45,7 @@ def main() -> None:
     req = Request(seq_len=SEQ, tokens_per_step=TOKENS, clip=True)
     rows = []
     for name in a.shapes.split(","):
-        shape = load_shape(name)
+        shape = load_description(name)
         params = sum(b.numel for b in shape.blocks)
         active = sum(b.matmul_flops_per_token for b in shape.blocks) // 2
         rec = {"bench": "frontier_plan", "shape": name, "params": params, "active_params": active, "gpu": a.gpu_memory}

@@ -51,8 +51,8 @@ from transformers import LlamaConfig  # noqa: E402
 
 from bench.common import device_memory, emit, hardware_info  # noqa: E402
 from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
+from fuyou.models.description import describe_model  # noqa: E402
 from fuyou.planner.cost import FLOP_FORMULA  # noqa: E402
-from fuyou.planner.shapes import shape_from_config  # noqa: E402
 
 LR, CLIP = 1e-5, 1.0
 
@@ -283,7 +283,7 @@ class Context:
         with torch.device("meta"):
             self.shapes = {k: tuple(v.shape) for k, v in LlamaForCausalLM(cfg).state_dict().items()}
         self.params = sum(torch.Size(s).numel() for s in self.shapes.values())
-        self.fpt = shape_from_config(cfg.to_dict()).train_flops_per_token(a.seq)
+        self.fpt = describe_model(cfg).train_flops_per_token(a.seq)
         self.ids = torch.randint(
             0, a.vocab, (a.micro_batch * a.grad_accum, a.seq), generator=torch.Generator().manual_seed(0)
         )

@@ -16,10 +16,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from fuyou.models.description import load_description  # noqa: E402
 from fuyou.planner.profile import load_profile  # noqa: E402
 from fuyou.planner.result import Budgets  # noqa: E402
 from fuyou.planner.search import InfeasibleError, Request, search  # noqa: E402
-from fuyou.planner.shapes import load_shape  # noqa: E402
 
 LOHAN_TFLOPS = {8: 42.8, 16: 84.3, 32: 143.1, 64: 155.8, 128: 153.8}
 PROFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles", "lohan_4090.json")
@@ -50,7 +50,7 @@ def cell(shape: object, prof: object, batch: int, **req: object) -> tuple[str, d
 
 
 def main() -> None:
-    shape, prof = load_shape("GPT-3-13B"), load_profile(PROFILE)
+    shape, prof = load_description("GPT-3-13B"), load_profile(PROFILE)
     print("| batch | LoHan TFLOPS | SSD-resident | + RAM tiers (700 GiB) |")
     print("|---|---|---|---|")
     for batch in (8, 16, 32, 48, 64, 128):

@@ -17,11 +17,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from fuyou.models.description import load_description  # noqa: E402
 from fuyou.planner.cluster import LINKS, Cluster  # noqa: E402
 from fuyou.planner.profile import load_profile  # noqa: E402
 from fuyou.planner.result import Budgets, PlannerResult  # noqa: E402
 from fuyou.planner.search import Request, search  # noqa: E402
-from fuyou.planner.shapes import load_shape  # noqa: E402
 
 PROFILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles", "h100_rank.json")
 MODEL, SEQ, SEQS = "llama-3-70b", 1024, 32
@@ -32,7 +32,7 @@ def plan(world: int, link: str) -> PlannerResult:
     prof = load_profile(PROFILE)
     bud = Budgets(cpu_memory=prof.host_memory_bytes * 3 // 4, gpu_memory=prof.device_memory_bytes)
     req = Request(seq_len=SEQ, tokens_per_step=SEQS * SEQ, clip=True, cluster=Cluster(world, 1, LINKS[link]))
-    return search(load_shape(MODEL), prof, bud, req)
+    return search(load_description(MODEL), prof, bud, req)
 
 
 def main() -> None:

@@ -37,13 +37,13 @@ from bench.bench_engine import build_model, llama_config, make_batch  # noqa: E4
 from bench.common import emit, hardware_info  # noqa: E402
 from fuyou.device import get_backend  # noqa: E402
 from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
+from fuyou.models.description import describe_model  # noqa: E402
 from fuyou.planner import measure  # noqa: E402
 from fuyou.planner.cost import predict  # noqa: E402
 from fuyou.planner.graph import StepConfig  # noqa: E402
 from fuyou.planner.profile import HardwareProfile  # noqa: E402
 from fuyou.planner.result import Budgets  # noqa: E402
 from fuyou.planner.search import Request, search  # noqa: E402
-from fuyou.planner.shapes import shape_from_config  # noqa: E402
 from fuyou.units import parse_size  # noqa: E402
 
 # name: (model shape, batch, seq, policy, adam threads (0 = all), every block's weights and state in the RAM tier)
@@ -71,7 +71,7 @@ def profile_for(cfg: object, store_dir: str, mb: int, seq: int, threads: int, a:
     n = a.profile_repeats
     r, w, io_cpu = measure.ssd_measure([store_dir], a.ssd_mib << 20, repeats=n)
     mem = measure.host_memcpy(64 << 20, n)
-    shape = shape_from_config(cfg.to_dict())
+    shape = describe_model(cfg)
     H = len(shape.blocks) - 1
     pt, act = measure.block_compute(cfg, backend, 1, mb, seq, shape.blocks[1].fwd_flops_per_token(shape.hidden, seq), n)
     hp, _ = measure.block_compute(cfg, backend, H, mb, seq, shape.blocks[H].fwd_flops_per_token(shape.hidden, seq), n)
@@ -211,7 +211,7 @@ def setting(
     sd = {k: v.detach().clone() for k, v in build_model(cfg).state_dict().items()}
     ids = make_batch(m["vocab"], batch, seq)
     prof = profile_for(cfg, work, batch, seq, threads, a)
-    shape = shape_from_config(cfg.to_dict())
+    shape = describe_model(cfg)
     nb = len(shape.blocks)
     plan = Plan(
         grad_accum=1,

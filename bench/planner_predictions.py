@@ -22,12 +22,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench.bench_engine import llama_config  # noqa: E402
 from bench.bench_planner import MODELS, SETTINGS  # noqa: E402
+from fuyou.models.description import describe_model  # noqa: E402
 from fuyou.planner.cost import predict  # noqa: E402
 from fuyou.planner.graph import StepConfig  # noqa: E402
 from fuyou.planner.profile import ComputePoint, HardwareProfile, load_profile  # noqa: E402
 from fuyou.planner.result import Budgets  # noqa: E402
 from fuyou.planner.search import Request, search  # noqa: E402
-from fuyou.planner.shapes import shape_from_config  # noqa: E402
 from fuyou.schedule.plan import Plan  # noqa: E402
 from fuyou.units import parse_size  # noqa: E402
 
@@ -51,7 +51,7 @@ def predictions() -> dict:
     for name, (model, batch, seq, policy, _threads, ram) in SETTINGS.items():
         m = MODELS[model]
         cfg = llama_config(m["hidden"], m["layers"], m["inter"], m["heads"], m["kv_heads"], m["vocab"], seq)
-        shape = shape_from_config(cfg.to_dict())
+        shape = describe_model(cfg)
         nb = len(shape.blocks)
         for pn, prof in profs.items():
             for sched in ("overlap_backward", "overlap_next_forward"):

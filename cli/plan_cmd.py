@@ -1,7 +1,8 @@
 """``fuyou plan`` and ``fuyou profile``: the planner's commands (registered in ``cli/main.py``).
 
-``plan`` is pure Python (no torch): it reads a model config and a hardware profile and prints the
-chosen plan with its prediction. ``profile`` measures this machine (torch imported inside).
+``plan`` reads a model config (or a named shape), describes the model from its meta-device skeleton
+(``fuyou.models.description``: no memory, seconds for 405B parameters) and a hardware profile, and prints
+the chosen plan with its prediction. ``profile`` measures this machine.
 """
 
 from __future__ import annotations
@@ -115,14 +116,14 @@ def plan_cmd(
 
     With --gpus/--nodes the profile describes one rank (its GPU, its share of the cores, its own
     SSDs), budgets are per rank and --tokens-per-step is the global batch."""
+    from fuyou.models.description import load_description
     from fuyou.planner.cluster import Cluster, link_Bps
     from fuyou.planner.profile import load_profile
     from fuyou.planner.result import Budgets
     from fuyou.planner.search import Request, search
-    from fuyou.planner.shapes import load_shape
     from fuyou.units import parse_size
 
-    shape = load_shape(model)
+    shape = load_description(model)
     cluster = Cluster(gpus, nodes, link_Bps(interconnect, "--interconnect"), link_Bps(network, "--network"))
     prof = load_profile(_profile_path(profile_path))
     bud = Budgets(

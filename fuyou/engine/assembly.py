@@ -20,11 +20,11 @@ import torch
 
 from fuyou.device.base import Backend
 from fuyou.engine.config import EngineConfig
-from fuyou.engine.export import frozen_blocks, frozen_keys
 from fuyou.engine.lora import LoraState
 from fuyou.errors import ConfigError, DeviceMemoryError, FuyouWarning
 from fuyou.models.adapters import GPT2, Adapter, architecture_of, make_adapter
 from fuyou.models.blocks import split_experts
+from fuyou.models.freeze import frozen_blocks, frozen_keys
 from fuyou.models.store_layout import ModelLayout, origin_wanted
 from fuyou.schedule import rules, sizing
 from fuyou.schedule.experts import expert_group_options, spread_policies

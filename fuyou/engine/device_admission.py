@@ -3,7 +3,7 @@
 peak is held against the device's capacity and a shape that cannot fit is refused with one line.
 
 Weights and gradients per block are the layout's own (exact); what a block saves and its transients
-come from the planner's shape of the same config (``fuyou.planner.shapes``), which both sides share.
+come from the model's description (``fuyou.models.description``), which the planner plans with too.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import dataclasses
 from typing import Any
 
 from fuyou.errors import ConfigError, DeviceMemoryError
+from fuyou.models.description import describe_model
 from fuyou.models.store_layout import ModelLayout
-from fuyou.planner.shapes import shape_from_config
 from fuyou.schedule import device_memory, sizing
 from fuyou.schedule.device_memory import DevicePeak
 from fuyou.schedule.plan import Plan
@@ -35,7 +35,7 @@ def batch_peak(
     tokens under ``plan`` on a device of ``capacity`` bytes (the loss's chunk follows it; 0: none);
     None for a model the planner cannot shape (the allocation itself then decides)."""
     try:
-        shape = shape_from_config(
+        shape = describe_model(
             config.to_dict(), expert_groups=max(1, plan.expert_groups), vocab_groups=plan.vocab_groups
         )
     except ConfigError:

@@ -7,7 +7,6 @@ state chunk) in every commit's metadata.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -16,7 +15,8 @@ from typing import Any
 import torch
 
 from fuyou.errors import ConfigError, ManifestError
-from fuyou.models.blocks import BlockSpec, parse_slice
+from fuyou.models.blocks import parse_slice
+from fuyou.models.freeze import frozen_blocks, frozen_keys
 from fuyou.models.hf_io import load_config, save_streamed
 from fuyou.models.store_layout import ModelLayout
 from fuyou.storage.run_meta import EXPORT_DTYPES, StoreMeta
@@ -246,26 +246,3 @@ def _store_layout(store: TensorStore, first: str, ranked: bool) -> tuple[ModelLa
         origin=meta.origin,
     )
     return layout, config, files
-
-
-def frozen_keys(blocks: tuple[BlockSpec, ...], patterns: tuple[str, ...]) -> frozenset[str]:
-    """The store keys of the parameters ``patterns`` (``fnmatch`` globs on Hugging Face keys; an expert
-    group's slice matches as its fused tensor) freeze (``--freeze``). Raises ConfigError naming a
-    pattern that matches nothing, or when nothing would be left to train."""
-    keys = [p.key for blk in blocks for p in blk.params]
-    names = {k: (parse_slice(k) or (k,))[0] for k in keys}
-    out = frozenset(k for k in keys if any(fnmatch.fnmatchcase(names[k], pat) for pat in patterns))
-    unused = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n in names.values())]
-    if unused:
-        raise ConfigError(
-            f"--freeze {unused[0]!r} matches no parameter of this model (names look like {keys[-2]!r}); fix the pattern"
-        )
-    if patterns and len(out) == len(keys):
-        raise ConfigError("--freeze matches every parameter: nothing would train; freeze fewer, or use --lora-rank")
-    return out
-
-
-def frozen_blocks(blocks: tuple[BlockSpec, ...], patterns: tuple[str, ...]) -> frozenset[int]:
-    """The blocks whose every parameter ``patterns`` freeze: no optimizer state, never written."""
-    keys = frozen_keys(blocks, patterns)
-    return frozenset(b for b, blk in enumerate(blocks) if all(p.key in keys for p in blk.params))

@@ -484,7 +484,7 @@ def attention_kernel(config: Any) -> str:
     """``sdpa``, or ``eager`` where the attention scores are soft-capped (``attn_logit_softcapping``:
     Gemma 2), which ``sdpa`` cannot do and ``transformers`` trains with its eager attention. Eager
     attention keeps each layer's ``heads × T × T`` probabilities for backward (the planner counts them:
-    ``fuyou.planner.shapes``)."""
+    ``fuyou.models.activation_rules``)."""
     return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
 
 

@@ -66,7 +66,7 @@ class ModelLayout:
     frozen_blocks: frozenset[int] = frozenset()
     """Blocks whose every parameter is frozen (``--freeze``): compute weights only, like ``frozen``."""
     frozen_params: frozenset[str] = frozenset()
-    """Keys of the parameters ``--freeze`` freezes (``fuyou.engine.export.frozen_keys``); in a block that
+    """Keys of the parameters ``--freeze`` freezes (``fuyou.models.freeze.frozen_keys``); in a block that
     trains they live in its read-only extent ``f(b)``."""
     origin: bool = False
     """Frozen parameters are also kept exactly as the checkpoint had them, in fp32 (``o(b, c)``): set when

@@ -25,10 +25,10 @@ from dataclasses import asdict, dataclass, field
 
 from fuyou.planner.graph import StepConfig, StepGraph, simulate
 from fuyou.planner.profile import HardwareProfile
-from fuyou.planner.shapes import ModelShape
 from fuyou.schedule import device_memory, rules, sizing
 from fuyou.schedule.device_memory import DevicePeak
 from fuyou.schedule.plan import Plan
+from fuyou.schedule.shapes import ModelShape
 
 DAY_S = 86400.0
 ADAPTER_STAGED_BYTES_PER_PARAM = 12

@@ -44,10 +44,10 @@ from dataclasses import dataclass
 
 from fuyou.planner.cluster import Cluster
 from fuyou.planner.profile import HardwareProfile
-from fuyou.planner.shapes import ModelShape
 from fuyou.planner.sim import Sim
 from fuyou.schedule import rules
 from fuyou.schedule.plan import RECOMPUTES, Plan
+from fuyou.schedule.shapes import ModelShape
 from fuyou.schedule.shards import collective_bytes
 from fuyou.schedule.sizing import state_chunks
 

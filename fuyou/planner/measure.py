@@ -399,10 +399,10 @@ def model_figures(
     With ``sizes["head_tokens"]`` (``QUICK``) the head is timed at no more than that many tokens (its
     speed there stands for larger micro-batches: the planner holds the nearest point). With ``lora``
     (``LoraSettings``) the blocks are timed as a LoRA run computes them (``block_compute``)."""
-    from fuyou.planner.shapes import shape_from_config
+    from fuyou.models.description import describe_model
 
     z = {**FULL, **(sizes or {})}
-    shape = shape_from_config(config.to_dict())
+    shape = describe_model(config)
     H = len(shape.blocks) - 1
     compute, head, act = [], [], 0.0
     for mb in micro_batches:

@@ -35,10 +35,10 @@ from fuyou.planner.cost import Memory, Prediction, footprint, host_buffers, memo
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.profile import HardwareProfile
 from fuyou.planner.result import Budgets, PlannerResult
-from fuyou.planner.shapes import ModelShape
 from fuyou.schedule import sizing
 from fuyou.schedule.experts import expert_group_options
 from fuyou.schedule.plan import MIN_CHUNK, RECOMPUTES, Plan
+from fuyou.schedule.shapes import ModelShape
 from fuyou.schedule.vocab import bounding_groups
 from fuyou.units import format_size as fs
 
@@ -380,10 +380,12 @@ class _Search:
                 f"sequence length; --gpu-memory is {fs(self.b.gpu_memory)}. Raise --gpu-memory to ≥ {fs(work)}"
             )
         if work > self.b.gpu_memory:
+            shape = f"{mb} × {self.r.seq_len}" if mb > 1 else f"{self.r.seq_len}"
+            lower = "Lower --micro-batch-size or --seq-len" if mb > 1 else "Lower --seq-len"
             raise InfeasibleError(
-                f"device memory: one micro-batch of {self.r.seq_len} tokens needs a working set of "
+                f"device memory: one micro-batch of {shape} tokens needs a working set of "
                 f"{fs(work)} (weights, gradients, activations of one block, logits); --gpu-memory is "
-                f"{fs(self.b.gpu_memory)}. Lower --seq-len or raise --gpu-memory"
+                f"{fs(self.b.gpu_memory)}. {lower}, or raise --gpu-memory"
             )
         if not boundary:  # the device holds the working set: host RAM cannot hold the inputs
             raise InfeasibleError(

@@ -391,12 +391,10 @@ def _train(
     cfg: FinetuneConfig, engine: Engine, data: Any, metrics_path: str, state: dict | None, config: Any, ranks: Any
 ) -> dict[str, Any]:
     from fuyou.checkpoint.resume import decode_rng
-    from fuyou.planner.shapes import shape_from_config
+    from fuyou.models.description import describe_model
 
     total = data.total_steps
-    fpt = shape_from_config(config.to_dict()).train_flops_per_token(
-        cfg.seq_len, cfg.lora_rank is not None
-    )  # FLOP_FORMULA
+    fpt = describe_model(config).train_flops_per_token(cfg.seq_len, cfg.lora_rank is not None)  # FLOP_FORMULA
     c: dict[str, Any] = {
         "tokens": 0,
         "written": 0,

@@ -29,14 +29,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fuyou.errors import ConfigError
 from fuyou.schedule.plan import POLICIES, Plan
 from fuyou.units import parse_size
-
-if TYPE_CHECKING:
-    from fuyou.planner.shapes import Freezer
 
 MODES = ("auto", "rules")
 
@@ -184,15 +181,15 @@ def quick_profile(
     ``again``: measured anew whatever the cache holds, which then keeps the new figures."""
     from fuyou.device import get_backend
     from fuyou.machine import cache_put, cached, machine_key
+    from fuyou.models.description import describe_model
     from fuyou.planner.measure import QUICK, machine_figures, model_figures, profile_from
-    from fuyou.planner.shapes import shape_from_config
 
     backend = get_backend(kind)
     ssd = os.path.abspath(req.store_dirs[0])
     base = f"{machine_key(kind + ':' + backend.describe())}/{req.precision}"
     lora = req.lora
     tag = f"/lora{lora.rank}-{'+'.join(lora.targets)}" if lora is not None else ""
-    sig = shape_from_config(req.model_config.to_dict()).signature
+    sig = describe_model(req.model_config).signature
     keys = [f"{base}/fs{os.stat(ssd).st_dev}", f"{base}/{sig}/{req.micro_batch_size}x{req.seq_len}{tag}/{TIMING}"]
     said: list[int] = []
 
@@ -288,10 +285,9 @@ def _predicted_step_s(req: PlanRequest, prof: Any, plan: Plan) -> float:
 
 def _shape(req: PlanRequest) -> Any:
     """The planner's shape of ``req``'s model (its ``--freeze`` parts frozen)."""
-    from fuyou.planner.shapes import shape_from_config
+    from fuyou.models.description import describe_model
 
-    shape = shape_from_config(req.model_config.to_dict())
-    return shape.freeze(frozen_parts(req.model_config, req.freeze)) if req.freeze else shape
+    return describe_model(req.model_config, freeze=req.freeze)
 
 
 def _stderr(msg: str) -> None:
@@ -359,37 +355,6 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
     return ChosenPlan(plan, info, measured)
 
 
-def frozen_parts(model_config: Any, patterns: tuple[str, ...]) -> Freezer:
-    """What ``--freeze`` ``patterns`` freeze of each block of ``model_config``'s model, by the engine's own
-    rule (``fuyou.engine.export.frozen_keys``/``frozen_blocks``) at a given expert-group count: blocks
-    frozen whole at share 1, others at the share of their elements (and of their matrices' elements,
-    for FLOPs) frozen. Raises ConfigError (at once) for a pattern that matches nothing."""
-    import functools
-    import math
-
-    from fuyou.engine.export import frozen_blocks, frozen_keys
-    from fuyou.models.adapters import make_adapter
-
-    @functools.cache
-    def parts(groups: int) -> dict[str, tuple[float, float]]:
-        blocks = tuple(make_adapter(model_config, expert_groups=groups).blocks)
-        keys, whole = frozen_keys(blocks, patterns), frozen_blocks(blocks, patterns)
-        out = {}
-        for b, blk in enumerate(blocks):
-            sizes = [(p.key in keys, math.prod(p.shape), len(p.shape) >= 2) for p in blk.params]
-            frozen = sum(n for f, n, _ in sizes if f)
-            if b in whole or frozen:
-                mm = sum(n for _, n, m in sizes if m)
-                mm_frozen = sum(n for f, n, m in sizes if f and m)
-                out[blk.name] = (
-                    (1.0, 1.0) if b in whole else (frozen / sum(n for _, n, _ in sizes), mm_frozen / max(mm, 1))
-                )
-        return out
-
-    parts(1)
-    return parts
-
-
 def describe(plan: Plan) -> str:
     """One line naming a plan's knobs, for the run's log."""
     pols = plan.activation_policy[1:-1]
@@ -411,9 +376,9 @@ def _fixed_policies(req: PlanRequest) -> tuple[str, ...] | None:
     """``activations`` for every layer (embedding and head keep), as a per-block policy tuple."""
     if not req.activations:
         return None
-    from fuyou.planner.shapes import shape_from_config
+    from fuyou.models.description import describe_model
 
-    n = len(shape_from_config(req.model_config.to_dict()).blocks)
+    n = len(describe_model(req.model_config).blocks)
     return ("keep",) + (req.activations,) * (n - 2) + ("keep",)
 
 

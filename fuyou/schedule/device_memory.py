@@ -33,7 +33,8 @@ with their moments, a reduce-scattered gradient shard, the backend's libraries
 (``sizing.library_bytes``). ``F``, ``B`` and the per-block figures were measured with the CPU
 backend's allocation meter (``fuyou.device.cpu_allocations``) on SmolLM2-135M and tiny Llama, Qwen2,
 GPT-2 and mixture-of-experts models (torch 2.13, transformers 5.24); ``saved`` comes from the
-family's formula (``fuyou.planner.shapes``). Predicted ÷ measured: ``bench/bench_device_peak.py``.
+family's rule (``fuyou.models.activation_rules``, through the model's description:
+``fuyou.models.description``). Predicted ÷ measured: ``bench/bench_device_peak.py``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class DeviceBlock:
 
     name: str
     kind: str
-    """``embed`` | ``layer`` | ``experts`` | ``head`` (``fuyou.planner.shapes.BlockShape.kind``)."""
+    """``embed`` | ``layer`` | ``experts`` | ``head`` (``fuyou.schedule.shapes.BlockShape.kind``)."""
     weights: int
     """Its weights on the device while it computes (read-only part and, for the head, a tied
     embedding's included; gathered when sharded)."""
@@ -80,7 +81,7 @@ class DeviceBlock:
     the head's backward, stays on the device until its own backward."""
     bwd_fixed: int = 0
     """Bytes of a backward transient whatever the tokens: the largest weight tensor's gradient, made
-    fresh before it is added into the block's buffer (``fuyou.planner.shapes.BlockShape.bwd_fixed_elems``)."""
+    fresh before it is added into the block's buffer (``fuyou.schedule.shapes.BlockShape.bwd_fixed_elems``)."""
     rows: int = 0
     """The head's vocabulary rows (a head group's share, ``fuyou.schedule.vocab``); 0 for other blocks."""
 

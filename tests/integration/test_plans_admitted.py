@@ -13,16 +13,15 @@ from transformers import GPT2Config, LlamaConfig, Qwen2Config
 
 from fuyou.engine.assembly import admit
 from fuyou.engine.device_admission import batch_peak
-from fuyou.engine.export import frozen_blocks, frozen_keys
 from fuyou.models.adapters import make_adapter
+from fuyou.models.description import describe_model
+from fuyou.models.freeze import frozen_blocks, frozen_keys
 from fuyou.models.store_layout import ModelLayout
 from fuyou.planner.cluster import Cluster
 from fuyou.planner.cost import memory
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.result import Budgets
 from fuyou.planner.search import InfeasibleError, Request, search
-from fuyou.planner.shapes import shape_from_config
-from fuyou.run.plan_choice import frozen_parts
 from fuyou.schedule import sizing
 from fuyou.schedule.plan import MIN_CHUNK, Plan
 from tests.unit.planner.helpers import profile
@@ -154,12 +153,10 @@ freezes = st.sampled_from(
 @given(m=models, prof=profiles, bud=budgets, req=requests, freeze=freezes)
 def test_planner_plans_are_admitted_and_refusals_name_the_binding_budget(m, prof, bud, req, freeze):
     cfg, blocks = model(*m)
-    shape = shape_from_config(cfg.to_dict())
     gpt2 = m[0] == "gpt2"
     fill = {"{layers}": "transformer.h" if gpt2 else "model.layers", "{norms}": "*.ln_*" if gpt2 else "*norm*"}
     freeze = tuple(fill.get(p, p).replace("{layers}", fill["{layers}"]) for p in freeze)
-    if freeze:
-        shape = shape.freeze(frozen_parts(cfg, freeze))
+    shape = describe_model(cfg, freeze=freeze)
     if not isinstance(bud, Budgets):
         cb, spp = (4 if req.precision == "fp32" else 2), (12 if req.state_precision == "fp32" else 8)
         floor = sizing.host_need(
@@ -193,16 +190,18 @@ def test_planner_plans_are_admitted_and_refusals_name_the_binding_budget(m, prof
 
 
 def _smallest_fits(shape, prof, bud: Budgets, req: Request) -> bool:
-    """Whether the smallest step the engine runs for ``req`` — one sequence a micro-batch, every layer
-    recomputed (its input on the device, or in host RAM), one weight buffer ahead — fits both budgets
-    by the device-memory model and the host sizing the engine follows."""
+    """Whether the smallest step the engine runs for ``req`` — one sequence a micro-batch (or the
+    micro-batch ``req`` fixes), every layer recomputed (its input on the device, or in host RAM), one
+    weight buffer ahead — fits both budgets by the device-memory model and the host sizing the engine
+    follows."""
     seqs = req.tokens_per_step // (req.seq_len * req.cluster.world)
+    mb = req.micro_batch_size or 1
     cb, spp = (4 if req.precision == "fp32" else 2), (12 if req.state_precision == "fp32" else 8)
-    cfg = StepConfig(1, req.seq_len, spp, cb, req.cluster, 0, bud.gpu_memory)
+    cfg = StepConfig(mb, req.seq_len, spp, cb, req.cluster, 0, bud.gpu_memory)
     n = len(shape.blocks)
     for pol in ("recompute", "recompute_cpu"):
         plan = Plan(
-            grad_accum=seqs, prefetch_depth=1, state_chunk=MIN_CHUNK, schedule="overlap_next_forward",
+            grad_accum=seqs // mb, prefetch_depth=1, state_chunk=MIN_CHUNK, schedule="overlap_next_forward",
             park_ram_blocks=0, activation_policy=("keep",) + (pol,) * (n - 2) + ("keep",),
         )  # fmt: skip
         mem = memory(shape, plan, cfg, prof)
@@ -218,7 +217,7 @@ def test_the_issues_case_trains_inside_its_budget(tmp_path):
     from tests.integration.tiny_models import batches, tiny
 
     cfg, net = tiny("llama_tied", layers=3)
-    shape = shape_from_config(cfg.to_dict())
+    shape = describe_model(cfg)
     prof = profile(device="cpu", ssd_read_Bps=1e9, ssd_write_Bps=5e8, adam_params_per_s=2e8, device_peak_flops=5e10)
     fp = ModelLayout(tuple(make_adapter(cfg).blocks), torch.float32).footprint()
     floor = sizing.host_need(fp, sizing.fit_host(fp, Plan(schedule="overlap_next_forward"), 0))
@@ -242,7 +241,7 @@ def test_refusals_name_the_binding_budget(cpu, gpu, first):
     cfg, _ = model(*SMOLLM2_135M)
     with pytest.raises(InfeasibleError) as e:
         search(
-            shape_from_config(cfg.to_dict()),
+            describe_model(cfg),
             profile(device="cpu"),
             Budgets(cpu_memory=cpu, gpu_memory=gpu),
             Request(seq_len=256, tokens_per_step=1024, clip=True, precision="fp32"),

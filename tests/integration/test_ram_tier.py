@@ -160,15 +160,15 @@ def test_too_small_budget_fails_up_front_naming_the_ram_tier(tmp_path):
 
 
 def test_planner_ram_tier_plan_is_executable_and_runs(tmp_path):
+    from fuyou.models.description import describe_model
     from fuyou.planner.cost import ram_tier_bytes
     from fuyou.planner.result import Budgets, PlannerResult
     from fuyou.planner.search import Request, search
-    from fuyou.planner.shapes import shape_from_config
     from tests.unit.planner.helpers import profile
 
     cfg, model = tiny("llama")
     data = batches(2)
-    shape = shape_from_config(cfg.to_dict())
+    shape = describe_model(cfg)
     hw = profile(ssd_read_Bps=1e8, ssd_write_Bps=1e8, adam_params_per_s=1e9, device_peak_flops=1e12)
     res = search(shape, hw, Budgets(cpu_memory=1 << 30, gpu_memory=1 << 30), Request(seq_len=16, tokens_per_step=64))
     assert res.plan.ram_weight_blocks == NBLOCKS and res.plan.ram_state_blocks > 0

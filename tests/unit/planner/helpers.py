@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from fuyou.models.description import describe_model
 from fuyou.planner.profile import HardwareProfile
-from fuyou.planner.shapes import BlockShape, ModelShape, shape_from_config
+from fuyou.schedule.shapes import BlockShape, ModelShape
 
 FAST = 1e18  # a rate so high its durations vanish
 
@@ -47,7 +48,7 @@ def profile(**kw: float) -> HardwareProfile:
 
 def small_llama() -> ModelShape:
     """A ~120M-parameter Llama shape: 8 layers, hidden 768."""
-    return shape_from_config(
+    return describe_model(
         {
             "model_type": "llama",
             "hidden_size": 768,

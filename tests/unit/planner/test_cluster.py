@@ -9,19 +9,19 @@ from click.testing import CliRunner
 
 from fuyou.cli.main import main
 from fuyou.errors import ConfigError
+from fuyou.models.description import load_description
 from fuyou.planner.cluster import LINKS, Cluster, link_Bps
 from fuyou.planner.cost import predict
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.result import Budgets, PlannerResult
 from fuyou.planner.search import Request, search
-from fuyou.planner.shapes import load_shape
 from fuyou.schedule import rules
 from fuyou.schedule.plan import Plan
 from fuyou.schedule.shards import collective_bytes
 from tests.unit.planner.helpers import profile, small_llama
 
 GIB = 1 << 30
-SHAPE = load_shape("gpt3-13b")
+SHAPE = load_description("gpt3-13b")
 PROF = profile(device_peak_flops=165e12, ssd_read_Bps=25e9, ssd_write_Bps=20e9, adam_params_per_s=3e9)
 
 

@@ -9,10 +9,10 @@ import pytest
 from click.testing import CliRunner
 
 from fuyou.errors import ConfigError
+from fuyou.models.description import describe_model, load_description
 from fuyou.planner.profile import ComputePoint, HardwareProfile, load_profile, save_profile
 from fuyou.planner.result import Budgets, PlannerResult
 from fuyou.planner.search import Request, search
-from fuyou.planner.shapes import load_shape, shape_from_config
 from tests.unit.planner.helpers import profile, small_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -20,14 +20,14 @@ LOHAN = os.path.join(ROOT, "bench", "profiles", "lohan_4090.json")
 
 
 def test_named_shapes_and_errors(tmp_path):
-    s = load_shape("GPT-3-13B")
+    s = load_description("GPT-3-13B")
     assert s.layers == 40 and s.hidden == 5120 and 12.8e9 < s.params < 12.9e9
     assert s.blocks[-1].borrows == ("embed",)
     with pytest.raises(ConfigError, match="named shape"):
-        load_shape(str(tmp_path / "nope"))
+        load_description(str(tmp_path / "nope"))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
     with pytest.raises(ConfigError, match="bert"):
-        load_shape(str(tmp_path))
+        load_description(str(tmp_path))
 
 
 FAMILIES = (
@@ -45,33 +45,6 @@ FAMILIES = (
 )
 
 
-def test_shapes_match_the_adapter():
-    sys.path.insert(0, os.path.join(ROOT, "tests", "integration"))
-    from tiny_models import tiny
-
-    from fuyou.models.adapters import make_adapter
-    from fuyou.models.store_layout import ModelLayout
-    from fuyou.planner.shapes import shape_from_config
-
-    for fam in FAMILIES:
-        cfg, _ = tiny(fam, hidden=72)
-        ad = make_adapter(cfg)
-        lay = ModelLayout(tuple(ad.blocks))
-        s = shape_from_config(cfg.to_dict())
-        assert [b.numel for b in s.blocks] == [lay.numel(b) for b in range(len(ad.blocks))]
-        assert [b.matmul_flops_per_token for b in s.blocks] == [b.flops_per_token for b in ad.blocks]
-        if fam in ("mixtral", "qwen2_moe", "qwen3_moe"):  # split into expert groups, even and uneven
-            for g in (2, 3, 4):
-                ad, split = make_adapter(cfg, expert_groups=g), s.split(g)
-                lay = ModelLayout(tuple(ad.blocks))
-                assert [b.name for b in split.blocks] == [b.name for b in ad.blocks]
-                assert [b.numel for b in split.blocks] == [lay.numel(b) for b in range(len(ad.blocks))]
-                assert [b.matmul_flops_per_token for b in split.blocks] == [b.flops_per_token for b in ad.blocks]
-                assert sum(b.matmul_flops_per_token for b in split.blocks) == sum(
-                    b.matmul_flops_per_token for b in s.blocks
-                )
-
-
 def test_the_planner_sizes_host_memory_from_the_engines_footprint():
     """Host sizing is written once (``fuyou.schedule.sizing``); what each side feeds it must agree: the
     footprint the planner derives from a config alone equals the one the engine's layout gives (bf16),
@@ -85,7 +58,7 @@ def test_the_planner_sizes_host_memory_from_the_engines_footprint():
     for fam in FAMILIES:
         cfg, _ = tiny(fam, hidden=72)
         blocks = tuple(make_adapter(cfg).blocks)
-        shape = shape_from_config(cfg.to_dict())
+        shape = describe_model(cfg)
         assert ModelLayout(blocks).footprint() == shape.footprint(2, 12)
         assert ModelLayout(blocks, state_dtype=torch.bfloat16).footprint() == shape.footprint(2, 8)
         fp32, planned = ModelLayout(blocks, torch.float32).footprint(), shape.footprint(4, 12)
@@ -255,9 +228,9 @@ def test_soft_capped_attention_counts_the_scores_a_layer_keeps():
         return sum(n for ptr, n in seen.items() if ptr not in params)
 
     per_key = (saved_bytes(128) / 128 - saved_bytes(64) / 64) / 64
-    planned = shape_from_config(cfg.to_dict()).blocks[1].act_bytes_per_token_per_key
+    planned = describe_model(cfg).blocks[1].act_bytes_per_token_per_key
     assert planned == 8 * cfg.num_attention_heads and abs(per_key - planned) <= 0.05 * planned
-    assert shape_from_config(tiny("gemma3")[0].to_dict()).blocks[1].act_bytes_per_token_per_key == 0
+    assert describe_model(tiny("gemma3")[0]).blocks[1].act_bytes_per_token_per_key == 0
 
 
 def test_the_planner_counts_the_adapters_peft_injects():
@@ -274,8 +247,8 @@ def test_the_planner_counts_the_adapters_peft_injects():
         cfg, _ = tiny(fam, hidden=72)
         ad = make_adapter(cfg, LoraSettings(rank=3, alpha=6))
         real = sum(p.numel() for n, p in ad.model.named_parameters() if is_lora(n))
-        assert shape_from_config(cfg.to_dict()).lora_params(3) == real, fam
-    shape = shape_from_config(tiny("llama", hidden=72)[0].to_dict())
+        assert describe_model(cfg).lora_params(3) == real, fam
+    shape = describe_model(tiny("llama", hidden=72)[0].to_dict())
     from fuyou.planner.cost import memory
     from fuyou.schedule.plan import Plan
     from tests.unit.planner.helpers import profile

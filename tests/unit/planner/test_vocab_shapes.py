@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 
 from fuyou.errors import ConfigError
+from fuyou.models.description import describe_model
 from fuyou.planner.search import Budgets, Request, search
-from fuyou.planner.shapes import shape_from_config
 from fuyou.schedule import sizing
 from fuyou.schedule.plan import Plan
 from tests.unit.planner.helpers import profile
@@ -26,7 +26,7 @@ def test_split_shapes_match_the_engines_layout():
 
     for fam in ("llama", "qwen2", "phi3", "mixtral"):
         cfg, _ = tiny(fam, hidden=72)
-        s = shape_from_config(cfg.to_dict())
+        s = describe_model(cfg)
         for g in (2, 3, 5):
             ad, split = make_adapter(cfg, vocab_groups=g), s.split_vocab(g)
             lay = ModelLayout(tuple(ad.blocks))
@@ -49,7 +49,7 @@ def test_a_tied_embedding_is_not_split():
 
     for fam in ("llama_tied", "gpt2"):
         with pytest.raises(ConfigError):
-            shape_from_config(tiny(fam)[0].to_dict()).split_vocab(2)
+            describe_model(tiny(fam)[0]).split_vocab(2)
 
 
 LLAMA_550M = dict(
@@ -60,7 +60,7 @@ LLAMA_550M = dict(
 
 
 def test_the_planner_plans_a_split_embedding():
-    s = shape_from_config(LLAMA_550M, "llama-550m").split_vocab(3)
+    s = describe_model(LLAMA_550M, "llama-550m").split_vocab(3)
     r = search(s, profile(), Budgets(cpu_memory=2 * GiB, gpu_memory=8 * GiB), Request(512, 4096, clip=True))
     assert r.plan.vocab_groups == 3
     assert r.plan.activation_policy[:3] == ("keep",) * 3 and len(r.plan.activation_policy) == len(s.blocks)
@@ -70,7 +70,7 @@ def test_the_embedding_and_head_no_longer_set_the_host_floor():
     """Split by vocabulary rows, the embedding's and the head's blocks are each no larger than a decoder
     layer, so the 550 M model's smallest buffer set is sized by its layers: it fits 768 MiB (fp32
     state ÷ 8.6), which unsplit needs 6 × 144 MiB of the head's buffers + state ≈ 888 MiB."""
-    s = shape_from_config(LLAMA_550M)
+    s = describe_model(LLAMA_550M)
     layer = max(b.numel for b in s.blocks if b.kind == "layer")
     plan = Plan(schedule="overlap_next_forward")
     whole = sizing.fit_host(s.footprint(2, 12), plan, 768 * MiB)
@@ -88,7 +88,7 @@ def test_the_step_graph_reads_the_head_groups_twice_and_runs_their_forward_twice
     from fuyou.planner.cost import predict
     from fuyou.planner.graph import StepConfig
 
-    s = shape_from_config(LLAMA_550M)
+    s = describe_model(LLAMA_550M)
     split = s.split_vocab(3)
     cfg = StepConfig(micro_batch_size=2, seq_len=512, compute_bytes=2)
     plan = Plan(schedule="overlap_backward")

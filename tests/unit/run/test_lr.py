@@ -4,7 +4,7 @@ from transformers import get_scheduler
 
 from fuyou.errors import ConfigError
 from fuyou.models.adapters import make_adapter
-from fuyou.planner.shapes import shape_from_config
+from fuyou.models.description import describe_model
 from fuyou.run.lr import lr_at
 from tests.integration.tiny_models import tiny
 
@@ -82,7 +82,7 @@ def test_train_flops_count_linears_and_lm_head(family):
     if "lm_head.weight" not in dict(model.named_parameters()):  # tied: the head multiplies by the embedding
         expected += model.get_input_embeddings().weight.numel()
     layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
-    shape = shape_from_config(cfg.to_dict())
+    shape = describe_model(cfg)
     for seq in (16, 512):
         assert shape.train_flops_per_token(seq) == 6 * expected + 12 * layers * hidden * seq
     # the engine's own block FLOPs (what it runs) agree with the planner's blocks

@@ -1,0 +1,77 @@
+"""What a block saves for backward and its widest intermediate, per token, by family: the part of a
+model's description (``fuyou.models.description``) the skeleton's parameters do not give.
+
+Each figure was measured with the CPU backend's allocation meter (``fuyou.device.cpu_allocations``)
+on SmolLM2-135M and tiny Llama, Qwen2, GPT-2 and mixture-of-experts models (torch 2.13,
+transformers 5.24); ``bench/bench_device_peak.py`` holds the device-memory model built on them
+against the measured peak. Plain Python on a config dict (no torch).
+
+Units: bytes per token in bf16 (``act``: twice that in fp32 unless ``act_fp32`` says otherwise),
+elements per token (``work``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Activations:
+    """One block's figures (``fuyou.schedule.shapes.BlockShape``'s fields of the same names)."""
+
+    act_bytes_per_token: int = 0
+    act_bytes_per_token_per_key: int = 0
+    act_fp32_bytes_per_token: int = 0
+    work_elems_per_token: int = 0
+
+
+NONE = Activations()
+"""The embedding's and the head's (the loss's logits are modelled apart: ``fuyou.schedule.device_memory``)."""
+
+
+def experts_of(cfg: dict[str, Any]) -> int:
+    """Experts per mixture-of-experts layer (0: a dense model)."""
+    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+
+
+def is_moe_layer(cfg: dict[str, Any], k: int) -> bool:
+    """Whether decoder layer ``k`` is a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    step = cfg.get("decoder_sparse_step", 1) or 1
+    return bool(experts_of(cfg)) and k not in (cfg.get("mlp_only_layers") or []) and not (k + 1) % step
+
+
+def layer(cfg: dict[str, Any], k: int, groups: int = 1) -> Activations:
+    """Decoder layer ``k`` (with ``groups`` > 1 and a mixture of experts: its core, the attention,
+    router and shared expert, whose expert groups follow it)."""
+    if cfg.get("model_type") == "gpt2":
+        h = cfg["n_embd"]
+        i = cfg.get("n_inner") or 4 * h
+        # 54·h bytes at i = 4h: measured exactly in bf16 and fp32
+        return Activations(2 * (11 * h + 4 * i), 0, 4 * (11 * h + 4 * i), i)
+    h = cfg["hidden_size"]
+    i = cfg.get("intermediate_size", 4 * h)
+    nh = cfg.get("num_attention_heads", max(1, h // 128))
+    kv = (cfg.get("num_key_value_heads") or nh) * (cfg.get("head_dim") or h // nh)
+    per_key = 8 * nh if cfg.get("attn_logit_softcapping") else 0  # eager: tanh out, fp32 softmax out, probs
+    if not is_moe_layer(cfg, k):
+        # a Llama-like layer saves its norms' fp32 upcasts in bf16 too: 4·(7h + 2kv + 4i) in fp32,
+        # 2·(10h + 2kv + 4i) in bf16, both measured exactly on SmolLM2
+        return Activations(2 * (10 * h + 2 * kv + 4 * i), per_key, 4 * (7 * h + 2 * kv + 4 * i), i)
+    moe_i, top = cfg.get("moe_intermediate_size") or i, cfg.get("num_experts_per_tok", 2)
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    act = 2 * (15 * h + 2 * kv) + 2 * 4 * shared  # 15h: a dense layer's 10h + the router's (measured)
+    if groups > 1:  # the experts run in the groups
+        return Activations(act, per_key, 0, max(shared, h))
+    return Activations(act + 2 * 4 * top * moe_i, per_key, 4 * (9 * h + 2 * kv + 4 * top * moe_i), top * moe_i + shared)
+
+
+def expert_group(cfg: dict[str, Any], n: int) -> Activations:
+    """An expert group of ``n`` of a layer's experts: the family's experts module sorts every token's
+    top-k choices, other groups' masked: (2i + 2h) per choice whatever the group, 4i per token routed
+    here, 2i + h (measured)."""
+    h = cfg["hidden_size"]
+    i = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    top = cfg.get("num_experts_per_tok", 2)
+    routed_here = top * n / experts_of(cfg)  # this group's routed tokens per token, on average
+    return Activations(int(2 * (top * (2 * i + 2 * h) + 4 * i * routed_here + 2 * i + h)), 0, 0, top * i)

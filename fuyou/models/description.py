@@ -1,0 +1,179 @@
+"""One model description: the planner's ``ModelShape`` derived from the model itself.
+
+The adapter builds the model's skeleton on the meta device (``fuyou.models.adapters``) and cuts it into
+the blocks the engine streams; the store layout (``fuyou.models.store_layout``) says how many elements
+each block's flat vectors hold and which parameters ``--freeze`` moves to its read-only part. The
+planner's shape of each block comes from the same objects: elements and frozen elements from the
+layout, matmul FLOPs and LoRA's linear dimensions from the block's parameters and modules, the largest
+weight tensor (backward's fresh gradient) from its parameters. Only what a block saves for backward
+and its widest intermediate come from the family's rule (``fuyou.models.activation_rules``).
+
+Named shapes (``GPT-3-13B``, ``llama-3-8b``, ``mixtral-8x7b``…) are Hugging Face configs
+(``fuyou.schedule.shapes.NAMED``) described the same way. Building a skeleton costs no memory (meta
+tensors): about 2 s for Llama-3.1-405B's 126 layers, milliseconds for small models.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any
+
+from torch import nn
+
+from fuyou.errors import ConfigError
+from fuyou.models import activation_rules
+from fuyou.models.adapters import Adapter, make_adapter
+from fuyou.models.freeze import frozen_blocks, frozen_keys
+from fuyou.models.store_layout import ModelLayout
+from fuyou.schedule.experts import EXPERTS_PART
+from fuyou.schedule.shapes import NAMED, BlockShape, ModelShape
+
+
+def describe_model(
+    config: Any, name: str = "model", expert_groups: int = 1, vocab_groups: int = 1, freeze: tuple[str, ...] = ()
+) -> ModelShape:
+    """The ModelShape of a Hugging Face ``config`` (a ``PretrainedConfig`` or its dict), its
+    mixture-of-experts layers split into ``expert_groups``, its embedding and head into
+    ``vocab_groups`` blocks of vocabulary rows, the parameters ``freeze`` globs match frozen.
+
+    Raises ConfigError for an architecture the adapters do not support, groups that do not split the
+    experts or rows, or a ``freeze`` pattern that matches nothing (or everything).
+    """
+    cfg = _config(config, name)
+    key = json.dumps(cfg.to_dict(), sort_keys=True, default=str)
+    return _describe(key, name, expert_groups, vocab_groups, tuple(freeze))
+
+
+@functools.lru_cache(maxsize=64)
+def _describe(key: str, name: str, groups: int, vocab_groups: int, freeze: tuple[str, ...]) -> ModelShape:
+    cfg = _config(json.loads(key), name)
+    adapter = make_adapter(cfg, expert_groups=groups, vocab_groups=vocab_groups)
+    specs = tuple(adapter.blocks)
+    layout = ModelLayout(specs, frozen_blocks=frozen_blocks(specs, freeze), frozen_params=frozen_keys(specs, freeze))
+    d = cfg.to_dict()
+    blocks = tuple(_block(adapter, layout, d, b) for b in range(len(specs)))
+    hidden, layers = adapter.hidden, int(d.get("num_hidden_layers") or d.get("n_layer"))
+
+    def again(expert_groups: int, vocab_groups: int) -> ModelShape:
+        return _describe(key, name, expert_groups, vocab_groups, freeze)
+
+    return ModelShape(
+        name, blocks, hidden, layers, int(d["vocab_size"]), activation_rules.experts_of(d), groups, vocab_groups,
+        source=d, describer=again,
+    )  # fmt: skip
+
+
+def _block(adapter: Adapter, layout: ModelLayout, cfg: dict[str, Any], b: int) -> BlockShape:
+    """Block ``b`` of ``adapter`` as the planner sees it."""
+    spec = layout.blocks[b]
+    kind = _kind(adapter, b)
+    frozen = set(layout.frozen_params)
+    matrices = [p for p in spec.params if len(p.shape) >= 2]
+    mm_frozen = sum(p.numel for p in matrices if p.key in frozen)
+    mm_all = sum(p.numel for p in matrices)
+    flops = spec.flops_per_token
+    largest = max((p.numel for p in spec.params), default=0) if kind in ("layer", "experts") else 0
+    if kind == "layer":
+        rule = activation_rules.layer(cfg, _layer_of(adapter, b), adapter.expert_groups)
+    elif kind == "experts":
+        lo, hi = adapter.slices[b]
+        rule = activation_rules.expert_group(cfg, hi - lo)
+    else:
+        rule = activation_rules.NONE
+    whole = not layout.trains(b)
+    return BlockShape(
+        spec.name,
+        kind,
+        layout.numel(b),
+        flops,
+        rule.act_bytes_per_token,
+        spec.borrows,
+        rule.act_bytes_per_token_per_key,
+        _linear_dims(adapter, b, cfg) if kind == "layer" else 0,
+        keeps_input=not adapter.additive(b),
+        frozen=whole,
+        frozen_numel=layout.frozen_numel(b) if not whole else 0,
+        frozen_matmul_flops_per_token=round(flops * mm_frozen / mm_all) if mm_frozen and not whole else 0,
+        work_elems_per_token=rule.work_elems_per_token,
+        bwd_fixed_elems=largest,
+        act_fp32_bytes_per_token=rule.act_fp32_bytes_per_token,
+    )
+
+
+def _kind(adapter: Adapter, b: int) -> str:
+    """``embed`` | ``layer`` | ``experts`` | ``head`` of block ``b``."""
+    name = adapter.blocks[b].name
+    if b >= adapter.first_head:
+        return "head"
+    if name.startswith("embed"):
+        return "embed"
+    return "experts" if EXPERTS_PART in name else "layer"
+
+
+def _layer_of(adapter: Adapter, b: int) -> int:
+    """The decoder layer block ``b`` belongs to."""
+    layer_of = getattr(adapter, "layer_of", None)
+    return int(layer_of[b]) if layer_of is not None else b - 1
+
+
+def _linear_dims(adapter: Adapter, b: int, cfg: dict[str, Any]) -> int:
+    """Σ (in + out) over decoder layer block ``b``'s linear layers (``nn.Linear``, GPT-2's ``Conv1D``): a
+    LoRA adapter of rank r on each has r × this many parameters. A mixture of experts' layer counts its
+    attention only (Fuyou refuses LoRA on them)."""
+    moe = activation_rules.is_moe_layer(cfg, _layer_of(adapter, b))
+    total = 0
+    for _, mod in adapter.modules[b][1]:
+        for sub_name, sub in mod.named_modules():
+            if moe and sub_name.split(".")[0] == "mlp":
+                continue
+            if isinstance(sub, nn.Linear):
+                total += sub.in_features + sub.out_features
+            elif type(sub).__name__ == "Conv1D":
+                total += int(sub.nx) + int(sub.nf)
+    return total
+
+
+def _config(config: Any, name: str) -> Any:
+    """A ``PretrainedConfig`` of ``config`` (one already, or a dict with ``model_type``)."""
+    if not isinstance(config, dict):
+        return config
+    from transformers import AutoConfig
+
+    d = dict(config)
+    mt = d.pop("model_type", None)
+    if not mt:
+        archs = d.get("architectures") or []
+        mt = "gpt2" if "GPT2LMHeadModel" in archs else None
+    if not mt:
+        raise ConfigError(f"model config {name!r} names no model_type; pass a complete Hugging Face config.json")
+    try:
+        return AutoConfig.for_model(mt, **d)
+    except ValueError as e:
+        raise ConfigError(f"model config {name!r}: {e}") from None
+
+
+def load_description(source: str, freeze: tuple[str, ...] = ()) -> ModelShape:
+    """The ModelShape of a model directory, a ``config.json`` path, or a named shape.
+
+    Named shapes: ``gpt3-13b`` (40 layers, hidden 5120, LoHan's testbed), ``gpt3-175b``, ``llama-2-7b``,
+    ``llama-2-13b``, ``llama-3-8b``, ``llama-3-70b``, ``llama-3.1-405b``, and the mixtures of experts
+    ``mixtral-8x7b``, ``mixtral-8x22b``, ``qwen3-235b-a22b`` (case-insensitive; ``GPT-3-13B`` works).
+    Raises ConfigError if ``source`` is neither an existing path nor a known name, or its config cannot
+    be described.
+    """
+    key = source.lower().replace("_", "-").replace("gpt-3", "gpt3")
+    if not os.path.exists(source) and key in NAMED:
+        return describe_model(NAMED[key], key, freeze=freeze)
+    path = os.path.join(source, "config.json") if os.path.isdir(source) else source
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"{source!r} is not a model directory, a config.json or a named shape ({', '.join(sorted(NAMED))})"
+        )
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read model config {path}: {e}") from None
+    return describe_model(cfg, os.path.basename(os.path.dirname(os.path.abspath(path))) or path, freeze=freeze)

@@ -1,0 +1,335 @@
+"""A model as the planner sees it: per block, parameter count, FLOPs and activation bytes per token.
+
+Plain data (no torch), so the cost model and the search run without a model. The shapes are made
+from the model itself by ``fuyou.models.description`` (its meta-device skeleton, the engine's own
+blocks and store layout): one description for the engine and the planner. ``NAMED`` holds published
+configs (``fuyou plan GPT-3-13B``) described the same way.
+
+Units: parameters in elements, FLOPs per token (2 per multiply-add), bytes per token in bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fuyou.errors import ConfigError
+from fuyou.schedule.device_memory import DeviceBlock
+from fuyou.schedule.shards import shard_len
+from fuyou.schedule.sizing import Footprint
+
+NAMED = {
+    # LoHan's GPT-3 13B shape (GPT-2 architecture: LayerNorm, GELU MLP 4h, tied head, learned positions)
+    "gpt3-13b": {
+        "model_type": "gpt2",
+        "n_layer": 40,
+        "n_embd": 5120,
+        "n_head": 40,
+        "vocab_size": 50257,
+        "n_positions": 2048,
+    },
+    "gpt3-175b": {
+        "model_type": "gpt2",
+        "n_layer": 96,
+        "n_embd": 12288,
+        "n_head": 96,
+        "vocab_size": 50257,
+        "n_positions": 2048,
+    },
+    "llama-2-7b": {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32000,
+    },
+    "llama-2-13b": {
+        "model_type": "llama",
+        "num_hidden_layers": 40,
+        "hidden_size": 5120,
+        "intermediate_size": 13824,
+        "num_attention_heads": 40,
+        "num_key_value_heads": 40,
+        "vocab_size": 32000,
+    },
+    "llama-3-8b": {
+        "model_type": "llama",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+    },
+    "llama-3-70b": {
+        "model_type": "llama",
+        "num_hidden_layers": 80,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+    },
+    "llama-3.1-405b": {
+        "model_type": "llama",
+        "num_hidden_layers": 126,
+        "hidden_size": 16384,
+        "intermediate_size": 53248,
+        "num_attention_heads": 128,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+    },
+    "mixtral-8x7b": {
+        "model_type": "mixtral",
+        "num_hidden_layers": 32,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 32000,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "mixtral-8x22b": {
+        "model_type": "mixtral",
+        "num_hidden_layers": 56,
+        "hidden_size": 6144,
+        "intermediate_size": 16384,
+        "num_attention_heads": 48,
+        "num_key_value_heads": 8,
+        "vocab_size": 32768,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    },
+    "qwen3-235b-a22b": {
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": 94,
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
+}
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """One streamed block: owned parameter elements (store layout, with alignment gaps) and costs."""
+
+    name: str
+    kind: str
+    """``embed`` (the embedding, or one of its vocabulary groups: ``fuyou.schedule.vocab``) | ``layer`` |
+    ``experts`` (an expert group of a split mixture-of-experts layer) | ``head``."""
+    numel: int
+    """Elements of the block's flat vectors (as ``ModelLayout.numel``)."""
+    matmul_flops_per_token: int
+    """Forward FLOPs per token of the matmuls (2 per multiply-add; a tied head counted here)."""
+    act_bytes_per_token: int = 0
+    """Bytes the block saves for backward per token (bf16), what ``keep``/``swap_*`` hold or move."""
+    borrows: tuple[str, ...] = ()
+    act_bytes_per_token_per_key: int = 0
+    """More saved bytes per token for each position it attends to (bf16): eager attention's
+    ``heads × T × T`` scores (soft-capped attention: ``fuyou.models.adapters.attention_kernel``)."""
+    linear_dims: int = 0
+    """Σ (in + out) over the block's linear layers (``nn.Linear``/``Conv1D``): a LoRA adapter of rank r
+    on every one has r × this many parameters (``peft``'s ``all-linear``; dense families: Fuyou
+    refuses LoRA on a mixture of experts)."""
+    keeps_input: bool = True
+    """Whether backward needs the block's input (kept, or offloaded by ``recompute_cpu``): not an
+    expert group's, which adds to its input (``fuyou.engine.activations``)."""
+    frozen: bool = False
+    """Frozen whole (``--freeze``): no optimizer state, no gradient leaves the device, never written."""
+    frozen_numel: int = 0
+    """Elements of the block's read-only part: parameters ``--freeze`` freezes in a block that trains
+    (``ModelLayout.frozen_numel``): read like weights, no state, gradient or writes; ``numel`` is the rest."""
+    frozen_matmul_flops_per_token: int = 0
+    """The part of ``matmul_flops_per_token`` whose weights that read-only part holds (no weight gradient)."""
+    work_elems_per_token: int = 0
+    """Elements per token of the block's widest intermediate (a gated MLP's intermediate size): what
+    its forward and backward transients scale with (``fuyou.schedule.device_memory``)."""
+    bwd_fixed_elems: int = 0
+    """Elements of a transient backward makes whatever the tokens: each weight's gradient is made
+    fresh, then added into the block's gradient buffer, so the largest weight tensor's size (an MLP
+    matrix; a mixture of experts' fused ``[E, 2I, h]`` gate_up_proj)."""
+    act_fp32_bytes_per_token: int = 0
+    """Saved bytes per token in fp32 where not twice the bf16 figure (0: twice it). A Llama-like layer
+    saves its norms' fp32 upcasts in bf16 too: 4·(7h + 2kv + 4i) in fp32, 2·(10h + 2kv + 4i) in bf16,
+    both measured exactly on SmolLM2 with the CPU backend's allocation meter."""
+
+    def saved_bytes_per_token(self, compute_bytes: int, seq_len: int) -> float:
+        """Bytes the block saves for backward per token at ``compute_bytes`` per element and ``seq_len``."""
+        per_key = self.act_bytes_per_token_per_key * seq_len * compute_bytes / 2
+        if compute_bytes == 4 and self.act_fp32_bytes_per_token:
+            return self.act_fp32_bytes_per_token + per_key
+        return self.act_bytes_per_token * compute_bytes / 2 + per_key
+
+    def fwd_flops_per_token(self, hidden: int, seq_len: int) -> int:
+        """Forward FLOPs per token including attention scores for layers (4·d·T, no causal halving)."""
+        return self.matmul_flops_per_token + (4 * hidden * seq_len if self.kind == "layer" else 0)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model's blocks and the dimensions the cost model needs."""
+
+    name: str
+    blocks: tuple[BlockShape, ...]
+    hidden: int
+    layers: int
+    vocab: int
+    experts: int = 0
+    """Experts per mixture-of-experts layer (0: a dense model)."""
+    expert_groups: int = 1
+    """Expert-group blocks each mixture-of-experts layer is split into (``Plan.expert_groups``)."""
+    vocab_groups: int = 1
+    """Blocks the embedding and the LM head are each split into by vocabulary rows (``Plan.vocab_groups``)."""
+    source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    """The config dict the shape was made from."""
+    describer: Callable[[int, int], ModelShape] | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The same model at (expert groups, vocabulary groups): ``fuyou.models.description.describe``."""
+
+    def route_holders(self) -> list[int]:
+        """The last expert group of each split layer: each layer keeps one ``tokens × hidden`` route
+        from its core's forward to its backward, on the device, or in host memory when this
+        block's policy is ``recompute_cpu`` (``fuyou.engine.activations``)."""
+        return [
+            b
+            for b, blk in enumerate(self.blocks)
+            if blk.kind == "experts" and (b + 1 == len(self.blocks) or self.blocks[b + 1].kind != "experts")
+        ]
+
+    def split(self, groups: int) -> ModelShape:
+        """This model with its mixture-of-experts layers split into ``groups`` expert groups."""
+        if groups == self.expert_groups:
+            return self
+        if not self.experts:
+            raise ConfigError(f"{self.name} has no experts to split into {groups} groups")
+        return self._again(groups, self.vocab_groups)
+
+    def split_vocab(self, groups: int) -> ModelShape:
+        """This model with its embedding and LM head each split into ``groups`` blocks of vocabulary rows
+        (the engine's ``fuyou.models.blocks.split_vocab``). Raises ConfigError for a tied embedding (the head borrows
+        the whole matrix) or a family the engine does not split (GPT-2)."""
+        if groups == self.vocab_groups:
+            return self
+        if self.blocks[-1].borrows or self.source.get("model_type") == "gpt2":
+            raise ConfigError(f"{self.name}'s embedding (tied, or GPT-2's) cannot be split into vocabulary groups")
+        return self._again(self.expert_groups, groups)
+
+    def _again(self, expert_groups: int, vocab_groups: int) -> ModelShape:
+        """The same model at other group counts (``describer``). Raises ConfigError for a shape made by
+        hand (no ``describer``)."""
+        if self.describer is None:
+            raise ConfigError(f"{self.name} was not described from a model config: it cannot be split again")
+        return self.describer(expert_groups, vocab_groups)
+
+    @property
+    def signature(self) -> str:
+        """``hidden×layers×vocab``: which model a profile's measurements were taken on."""
+        return f"{self.hidden}x{self.layers}x{self.vocab}"
+
+    @property
+    def params(self) -> int:
+        """Elements of every parameter, frozen or not (store layout)."""
+        return sum(b.numel + b.frozen_numel for b in self.blocks)
+
+    def lora_params(self, rank: int) -> int:
+        """Parameters of LoRA adapters of ``rank`` on every linear layer (``all-linear``)."""
+        return rank * sum(b.linear_dims for b in self.blocks)
+
+    def train_flops_per_token(self, seq_len: int, frozen: bool = False) -> int:
+        """Model FLOPs per token, what achieved TFLOPS and MFU are computed from (the run's report too):
+        6 · N_matmul + 12 · L · d · T. N_matmul counts every weight used in a matrix multiply (linear
+        layers and the LM head, tied or not; embedding lookups and norms excluded); the second term
+        is attention's QKᵀ and AV, 2 · 2 · L · d · T per token forward, × 3 for forward + backward,
+        without causal halving (PaLM's MFU accounting). Recomputation is not counted: model FLOPs,
+        not hardware FLOPs. A frozen base (LoRA, ``frozen``) computes no weight gradients: 4 · N_matmul
+        (the adapters' own FLOPs are not counted); nor does a block frozen whole (``BlockShape.frozen``),
+        nor a block's read-only part (``BlockShape.frozen_matmul_flops_per_token``)."""
+        per = (
+            sum(
+                4 * b.matmul_flops_per_token
+                if frozen or b.frozen
+                else 6 * b.matmul_flops_per_token - 2 * b.frozen_matmul_flops_per_token
+                for b in self.blocks
+            )
+            // 2
+        )
+        return per + 12 * self.layers * self.hidden * seq_len
+
+    def sharded(self, world: int) -> ModelShape:
+        """What one of ``world`` data-parallel ranks stores, streams and updates: every block's numel
+        is its largest shard's (``fuyou.schedule.shards.shard_len``); FLOPs and activations stay
+        the whole model's (every rank computes on whole, gathered blocks). ``self`` on one rank."""
+        if world == 1:
+            return self
+        blocks = tuple(
+            dataclasses.replace(
+                b,
+                numel=shard_len(b.numel, world),
+                frozen_numel=shard_len(b.frozen_numel, world) if b.frozen_numel else 0,
+            )
+            for b in self.blocks
+        )
+        return dataclasses.replace(self, blocks=blocks)
+
+    def device_blocks(
+        self, compute_bytes: int, seq_len: int, world: int = 1, frozen: bool = False
+    ) -> list[DeviceBlock]:
+        """Each block as device memory sees it (``fuyou.schedule.device_memory``) at ``compute_bytes``
+        per element and ``seq_len``: its weights (the head's with the blocks it borrows; with
+        ``world`` ranks gathered, plus the shard they come from), its gradients (none for a block
+        frozen whole, or any with ``frozen``: a LoRA run's base), saved bytes and widest
+        intermediate per token."""
+        cb, own = compute_bytes, self.sharded(world).blocks
+        names = [b.name for b in self.blocks]
+
+        def wg(i: int) -> tuple[int, int]:
+            blk, sh = self.blocks[i], own[i]
+            grad = 0 if frozen or blk.frozen else cb * (sh.numel if world > 1 else blk.numel)
+            if world == 1:
+                return cb * (blk.numel + blk.frozen_numel), grad
+            return (world + 1) * (cb * sh.numel + cb * sh.frozen_numel), (world + 1) * grad
+
+        out, holders = [], set(self.route_holders())
+        lenders = set(self.blocks[-1].borrows)
+        for i, blk in enumerate(self.blocks):
+            w, g = wg(i)
+            for o in blk.borrows:
+                bw, bg = wg(names.index(o))
+                w, g = w + bw, g + bg
+            out.append(
+                DeviceBlock(
+                    blk.name, blk.kind, w, g, blk.saved_bytes_per_token(cb, seq_len), cb * blk.work_elems_per_token,
+                    blk.keeps_input or i in holders, blk.name in lenders, cb * blk.bwd_fixed_elems,
+                    blk.matmul_flops_per_token // (2 * self.hidden) if blk.kind == "head" else 0,
+                )
+            )  # fmt: skip
+        return out
+
+    def footprint(self, compute_bytes: int, state_bytes_per_param: int) -> Footprint:
+        """What host-memory sizing (``fuyou.schedule.sizing``) needs: weights of ``compute_bytes`` per
+        element (the store's 64-byte tensor gaps counted at bf16's 32 elements: exact for bf16, a few
+        bytes high for fp32), and state of ``state_bytes_per_param``."""
+        names = [b.name for b in self.blocks]
+        return Footprint(
+            tuple(compute_bytes * b.numel for b in self.blocks),
+            tuple(b.numel for b in self.blocks),
+            compute_bytes,
+            state_bytes_per_param,
+            tuple(names.index(o) for o in self.blocks[-1].borrows),
+            frozen=tuple(i for i, b in enumerate(self.blocks) if b.frozen),
+            frozen_numels=tuple(b.frozen_numel for b in self.blocks)
+            if any(b.frozen_numel for b in self.blocks)
+            else (),
+        )

@@ -1,0 +1,103 @@
+"""The one model description (``fuyou.models.description``): the planner's shapes from the model's own
+skeleton and the engine's store layout — parameter counts as published, FLOPs as the 6·N rule gives,
+frozen parts and expert groups exactly as the engine lays them out."""
+
+from __future__ import annotations
+
+import pytest
+
+from fuyou.errors import ConfigError
+from fuyou.models.adapters import make_adapter
+from fuyou.models.description import describe_model, load_description
+from fuyou.models.freeze import frozen_keys
+from fuyou.models.store_layout import ModelLayout
+from fuyou.schedule.shapes import NAMED, BlockShape, ModelShape
+from tests.integration.tiny_models import tiny
+
+
+@pytest.mark.parametrize(
+    "name, params",
+    [  # the published parameter counts (model cards / safetensors index totals)
+        ("llama-2-7b", 6_738_415_616),
+        ("llama-3-8b", 8_030_261_248),
+        ("mixtral-8x7b", 46_702_792_704),
+        ("qwen3-235b-a22b", 235_093_634_560),
+    ],
+)
+def test_named_shapes_have_the_published_parameter_counts(name, params):
+    assert load_description(name).params == params
+
+
+def test_model_flops_are_six_times_the_matmul_parameters():
+    """Llama-3-8B: every weight but the embedding and the norms is in a matmul (the untied head too)."""
+    c = NAMED["llama-3-8b"]
+    h, L, v = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    matmul = 8_030_261_248 - v * h - (2 * L + 1) * h
+    s = load_description("llama-3-8b")
+    assert s.train_flops_per_token(0) == 6 * matmul
+    assert s.train_flops_per_token(1024) == 6 * matmul + 12 * L * h * 1024
+
+
+FAMILIES = (
+    "llama",
+    "llama_tied",
+    "qwen2",
+    "gpt2",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blocks_are_the_engines_own(family):
+    """Names, elements and FLOPs per block are the adapter's blocks and the store layout's, split or not;
+    the largest weight tensor is backward's fixed transient."""
+    cfg, _ = tiny(family, hidden=72)
+    moe = family in ("mixtral", "qwen2_moe", "qwen3_moe")
+    for groups in (1, 2, 3) if moe else (1,):
+        ad = make_adapter(cfg, expert_groups=groups)
+        lay = ModelLayout(tuple(ad.blocks))
+        s = describe_model(cfg).split(groups) if moe else describe_model(cfg)
+        assert [b.name for b in s.blocks] == [b.name for b in ad.blocks]
+        assert [b.numel for b in s.blocks] == [lay.numel(b) for b in range(len(ad.blocks))]
+        assert [b.matmul_flops_per_token for b in s.blocks] == [b.flops_per_token for b in ad.blocks]
+        for blk, spec in zip(s.blocks, ad.blocks):
+            if blk.kind in ("layer", "experts"):
+                assert blk.bwd_fixed_elems == max(p.numel for p in spec.params)
+
+
+def test_phi3s_fused_gate_up_is_its_largest_gradient():
+    cfg, _ = tiny("phi3", hidden=64)
+    layer = describe_model(cfg).blocks[1]
+    assert layer.bwd_fixed_elems == 2 * cfg.intermediate_size * cfg.hidden_size
+
+
+def test_freeze_patterns_give_the_layouts_read_only_parts():
+    cfg, _ = tiny("llama", hidden=64)
+    patterns = ("*.self_attn.q_proj.weight", "model.embed_tokens.*")
+    s = describe_model(cfg, freeze=patterns)
+    blocks = tuple(make_adapter(cfg).blocks)
+    lay = ModelLayout(blocks, frozen_blocks=frozenset({0}), frozen_params=frozen_keys(blocks, patterns))
+    assert [b.frozen for b in s.blocks] == [True, False, False, False]
+    assert [b.frozen_numel for b in s.blocks[1:]] == [lay.frozen_numel(b) for b in range(1, len(blocks))]
+    assert s.blocks[1].frozen_numel == cfg.hidden_size**2
+    with pytest.raises(ConfigError, match="matches no parameter"):
+        describe_model(cfg, freeze=("nothing.*",))
+
+
+def test_refusals_are_one_line():
+    cfg, _ = tiny("gpt2", hidden=64)
+    with pytest.raises(ConfigError, match="no experts"):
+        describe_model(cfg, expert_groups=2)
+    with pytest.raises(ConfigError, match="cannot be split into vocabulary groups"):
+        describe_model(cfg).split_vocab(2)
+    with pytest.raises(ConfigError, match="names no model_type"):
+        describe_model({"hidden_size": 8})
+    hand = ModelShape("hand", (BlockShape("embed", "embed", 8, 0),), 8, 0, 4, experts=4)
+    with pytest.raises(ConfigError, match="not described from a model config"):
+        hand.split(2)
