@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import click
 
 from fuyou.schedule.plan import POLICIES
+
+if TYPE_CHECKING:
+    from fuyou.planner.shapes import ModelShape
 
 DEFAULT_PROFILE = "$FUYOU_CACHE/hw.json (default ~/.cache/fuyou/hw.json)"
 """How the default profile path reads in help texts; ``_default_profile()`` is the path."""
@@ -33,6 +37,19 @@ def _profile_path(path: str | None) -> str:
             "(hand-written examples: bench/profiles/)"
         )
     return path
+
+
+def _load_shape(model: str) -> ModelShape:
+    """The shape of ``model`` (``fuyou.planner.shapes.load_shape``); a hub id's config.json comes from the
+    Hugging Face cache (fetched if needed: ``fuyou.models.hub``), and the shape keeps the id as its name."""
+    import dataclasses
+
+    from fuyou.models.hub import CONFIG_FILES, is_hub_id, resolve_model
+    from fuyou.planner.shapes import load_shape
+
+    if not is_hub_id(model):
+        return load_shape(model)
+    return dataclasses.replace(load_shape(resolve_model(model, CONFIG_FILES)), name=model)
 
 
 @click.command("plan")
@@ -111,7 +128,8 @@ def plan_cmd(
     lora_rank: int | None,
     json_out: str | None,
 ) -> None:
-    """Plan a run of MODEL (a model directory, a config.json, or a named shape such as GPT-3-13B).
+    """Plan a run of MODEL (a model directory, a config.json, a hub id ORG/NAME[@REVISION] whose config.json is
+    fetched into the Hugging Face cache, or a named shape such as GPT-3-13B).
 
     With --gpus/--nodes the profile describes one rank (its GPU, its share of the cores, its own
     SSDs), budgets are per rank and --tokens-per-step is the global batch."""
@@ -119,10 +137,9 @@ def plan_cmd(
     from fuyou.planner.profile import load_profile
     from fuyou.planner.result import Budgets
     from fuyou.planner.search import Request, search
-    from fuyou.planner.shapes import load_shape
     from fuyou.units import parse_size
 
-    shape = load_shape(model)
+    shape = _load_shape(model)
     cluster = Cluster(gpus, nodes, link_Bps(interconnect, "--interconnect"), link_Bps(network, "--network"))
     prof = load_profile(_profile_path(profile_path))
     bud = Budgets(
@@ -249,7 +266,9 @@ def print_result(res: object, params: int) -> None:
 @click.option(
     "--ssd", "ssd_dirs", multiple=True, required=True, type=click.Path(), help="Store directory (repeat per SSD)."
 )
-@click.option("--model", help="Model directory (or its config.json's directory) for per-layer compute times.")
+@click.option(
+    "--model", help="Model directory (or its config.json, or a hub id ORG/NAME) for per-layer compute times."
+)
 @click.option("--seq-len", type=int, default=256, show_default=True)
 @click.option("--micro-batches", default="1,2,4", show_default=True, help="Micro-batch sizes to time the layer at.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
@@ -285,6 +304,9 @@ def profile_cmd(
     if model:
         from fuyou.models.hf_io import load_config
 
+        from fuyou.models.hub import CONFIG_FILES, resolve_model
+
+        model = resolve_model(model, CONFIG_FILES)
         config = load_config(os.path.dirname(model) if model.endswith(".json") else model)
     try:
         mbs = tuple(int(x) for x in micro_batches.split(","))
