@@ -266,9 +266,7 @@ def print_result(res: object, params: int) -> None:
 @click.option(
     "--ssd", "ssd_dirs", multiple=True, required=True, type=click.Path(), help="Store directory (repeat per SSD)."
 )
-@click.option(
-    "--model", help="Model directory (or its config.json, or a hub id ORG/NAME) for per-layer compute times."
-)
+@click.option("--model", help="Model directory (or its config.json, or a hub id ORG/NAME) for per-layer compute times.")
 @click.option("--seq-len", type=int, default=256, show_default=True)
 @click.option("--micro-batches", default="1,2,4", show_default=True, help="Micro-batch sizes to time the layer at.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
@@ -303,7 +301,6 @@ def profile_cmd(
     config = None
     if model:
         from fuyou.models.hf_io import load_config
-
         from fuyou.models.hub import CONFIG_FILES, resolve_model
 
         model = resolve_model(model, CONFIG_FILES)

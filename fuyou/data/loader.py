@@ -68,9 +68,9 @@ class PackedDataset:
     @property
     def fingerprint(self) -> str:
         """Identifies the data (every source, in order) and packing a resume state belongs to."""
-        return (
-            f"{self.index.fingerprint}:{len(self.records)}:{self.n_tokens}:{self.seq_len}:{int(self.shuffle)}"
-        ) + (":documents" if self.packing == "documents" else "")
+        return (f"{self.index.fingerprint}:{len(self.records)}:{self.n_tokens}:{self.seq_len}:{int(self.shuffle)}") + (
+            ":documents" if self.packing == "documents" else ""
+        )
 
     def order(self, epoch: int) -> np.ndarray:
         """Record numbers in the order epoch ``epoch`` visits them (int64)."""

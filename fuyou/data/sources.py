@@ -249,7 +249,9 @@ def _hub_dataset(spec: str, columns: Mapping[str, str]) -> TableSource:
     return TableSource(spec, table.dataset, columns)
 
 
-def open_sources(specs: str | os.PathLike[str] | Sequence[str], columns: Mapping[str, str] | None = None) -> list[Source]:
+def open_sources(
+    specs: str | os.PathLike[str] | Sequence[str], columns: Mapping[str, str] | None = None
+) -> list[Source]:
     """The sources ``--data`` names, in the order given (each glob's matches sorted; repeats dropped).
 
     Raises DataError for a missing file, a glob without matches, an unreadable table, a dataset id
