@@ -92,8 +92,8 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 )
 @click.option(
     "--columns",
-    help="Read fields named otherwise: TARGET=COLUMN pairs, e.g. prompt=instruction,completion=output or "
-    "messages=dialog (targets: text, prompt, completion, messages).",
+    help="Read fields named otherwise: TARGET=COLUMN pairs, e.g. prompt=instruction+input,completion=output or "
+    "messages=dialog (targets: text, prompt, completion, messages; a+b joins two text columns).",
 )
 @click.option("--output", type=click.Path(), help="Run directory (model/, metrics.jsonl, run.json).")
 @click.option("--ssd", multiple=True, type=click.Path(), help="Store directory; repeat once per SSD.")

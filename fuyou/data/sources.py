@@ -48,7 +48,8 @@ Reader = Callable[[int, int], dict[str, Any]]
 
 
 def parse_columns(columns: str | Mapping[str, str] | None) -> dict[str, str]:
-    """``{target: source column}`` from ``"prompt=instruction,completion=output"`` or a mapping.
+    """``{target: source column}`` from ``"prompt=instruction,completion=output"`` or a mapping; a source
+    ``a+b`` joins the text of several columns (``prompt=instruction+input``).
 
     Raises ConfigError (naming ``--columns``) for a malformed pair, a target other than
     :data:`TARGETS`, or a target given twice.
@@ -93,19 +94,32 @@ def _sharegpt(turns: list[Any], name: str, number: int) -> list[Any]:
     return out
 
 
+def _column(record: dict[str, Any], target: str, source: str, name: str, number: int) -> Any:
+    """The value ``--columns target=source`` gives: one column's, or for ``a+b`` the non-empty text of each
+    joined by a newline (Alpaca's ``instruction+input``). Raises DataError (``name:number``) for a missing
+    column, or a joined one that is not text."""
+    parts = source.split("+")
+    for col in parts:
+        if col not in record:
+            raise DataError(
+                f"{name}:{number}: no column {col!r} (--columns {target}={source}); the record has {sorted(record)}"
+            )
+    if len(parts) == 1:
+        return record[source]
+    values = [record[c] for c in parts]
+    bad = [c for c, v in zip(parts, values) if v is not None and not isinstance(v, str)]
+    if bad:
+        raise DataError(f"{name}:{number}: column {bad[0]!r} of --columns {target}={source} is not text")
+    return "\n".join(v for v in values if v)
+
+
 def normalize(record: dict[str, Any], columns: Mapping[str, str], name: str, number: int) -> dict[str, Any]:
     """``record`` with the ``columns`` mapping applied and ShareGPT conversations as ``messages``.
 
     Raises DataError (``name:number``) when a mapped column is missing, or as :func:`_sharegpt`.
     """
     if columns:
-        for target, source in columns.items():
-            if source not in record:
-                raise DataError(
-                    f"{name}:{number}: no column {source!r} (--columns {target}={source}); "
-                    f"the record has {sorted(record)}"
-                )
-        mapped = {target: record[source] for target, source in columns.items()}
+        mapped = {target: _column(record, target, source, name, number) for target, source in columns.items()}
         record = {k: v for k, v in record.items() if k not in TARGETS} | mapped
     if "messages" not in record and isinstance(record.get("conversations"), list):
         record = {**record, "messages": record["conversations"]}

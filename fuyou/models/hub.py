@@ -111,14 +111,15 @@ def hub_error(e: BaseException, source: str, repo_type: str = "model") -> Config
     if isinstance(e, RevisionNotFoundError):
         return ConfigError(f"{what} {source}: no such revision on the hub; check the branch, tag or commit after '@'")
     if isinstance(e, (LocalEntryNotFoundError, OfflineModeIsEnabled)):
+        where = f"{source} is no local path, and {what} {source} is not in the hub cache ({cache})"
         if _offline():
             return ConfigError(
-                f"{what} {source} is not in the hub cache ({cache}) and HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE "
-                "to download it, or point HF_HUB_CACHE at a cache that holds it"
+                f"{where} while HF_HUB_OFFLINE is set; unset HF_HUB_OFFLINE to download it, or point HF_HUB_CACHE "
+                "at a cache that holds it"
             )
         return ConfigError(
-            f"{what} {source} is not in the hub cache ({cache}) and the hub cannot be reached; check the network "
-            "(or HF_ENDPOINT), or point HF_HUB_CACHE at a cache that holds it"
+            f"{where} and the hub cannot be reached; check the network (or HF_ENDPOINT), or point HF_HUB_CACHE "
+            "at a cache that holds it"
         )
     if isinstance(e, HfHubHTTPError):
         return ConfigError(f"downloading {what} {source} from the hub failed: {' '.join(str(e).split())[:200]}")

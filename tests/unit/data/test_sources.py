@@ -113,6 +113,11 @@ def test_column_mapping_and_sharegpt(tiny_tok: Any) -> None:
         {"role": "assistant", "content": "ok"},
     ]
     assert parse_columns({"messages": "dialog"}) == {"messages": "dialog"}
+    both = parse_columns("prompt=instruction+input,completion=output")
+    assert normalize(ALPACA[0] | {"input": "a b"}, both, "f", 1)["prompt"] == f"{PC[0]['prompt']}\na b"
+    assert normalize(ALPACA[0], both, "f", 1)["prompt"] == PC[0]["prompt"]  # an empty input adds nothing
+    with pytest.raises(DataError, match=r"f:7: column 'input' of --columns prompt=instruction\+input is not text"):
+        normalize(ALPACA[0] | {"input": 3}, both, "f", 7)
     for bad, words in (("prompt", "TARGET=COLUMN"), ("label=output", "not a field"), ("text=a,text=b", "twice")):
         with pytest.raises(ConfigError, match=words):
             parse_columns(bad)
