@@ -18,8 +18,9 @@ from fuyou.errors import ConfigError
 MODEL_FILES = (
     "config.json",
     "generation_config.json",
-    "*.safetensors",
-    "*.safetensors.index.json",
+    "model.safetensors",
+    "model-*.safetensors",  # transformers' shards; not e.g. Mistral's consolidated.safetensors (the same weights again)
+    "model.safetensors.index.json",
     "tokenizer*",
     "special_tokens_map.json",
     "added_tokens.json",
@@ -55,7 +56,8 @@ def resolve_model(source: str, files: tuple[str, ...] = MODEL_FILES, repo_type: 
     hub repository ``ORG/NAME[@REVISION]`` holding ``files`` (glob patterns), downloaded if needed.
 
     Raises ConfigError, in one line naming the fix, for an unknown repository or revision, a gated
-    repository without access, a repository missing from the cache while offline, or no network.
+    repository without access, a repository missing from the cache while offline, no network, or (with the
+    default ``files``) a model without safetensors weights.
     """
     parsed = None if os.path.exists(source) else parse_hub_id(source)
     if parsed is None:
@@ -64,12 +66,18 @@ def resolve_model(source: str, files: tuple[str, ...] = MODEL_FILES, repo_type: 
     from huggingface_hub import snapshot_download
 
     try:
-        return str(snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=list(files)))
+        path = str(snapshot_download(repo_id, repo_type=repo_type, revision=revision, allow_patterns=list(files)))
     except Exception as e:  # noqa: BLE001 - each hub failure becomes one line below; others pass through
         err = hub_error(e, source, repo_type)
         if err is None:
             raise
         raise err from e
+    if files == MODEL_FILES and not any(n.startswith("model") and n.endswith(".safetensors") for n in os.listdir(path)):
+        raise ConfigError(
+            f"model {source} has no safetensors weights in transformers' layout (model.safetensors or "
+            "model-*-of-*.safetensors), which Fuyou reads; pick a revision or repository that has them"
+        )
+    return path
 
 
 def _offline() -> bool:

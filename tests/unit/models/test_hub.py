@@ -49,6 +49,19 @@ def test_resolves_a_cached_model_offline(hub_cache):
     )
 
 
+def test_a_model_without_safetensors_weights_is_refused(hub_cache, tmp_path):
+    src = tmp_path / "bin-only"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "pytorch_model.bin").write_bytes(b"pickle")
+    add_to_hub_cache(hub_cache[0], "org/bin-only", str(src))
+    with pytest.raises(ConfigError, match="org/bin-only has no safetensors weights"):
+        resolve_model("org/bin-only")
+    assert os.path.isfile(
+        os.path.join(resolve_model("org/bin-only", CONFIG_FILES), "config.json")
+    )  # plan needs no weights
+
+
 def test_a_local_path_wins(hub_cache, tmp_path, monkeypatch):
     local = tmp_path / "org" / "tiny"
     local.mkdir(parents=True)
