@@ -199,6 +199,7 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     summary.update(
         profile_check=check,
         model=model_dir,
+        model_id=cfg.model if cfg.model and is_hub_id(cfg.model) else None,  # the hub id it was resolved from
         pretrained=pretrained,
         output=result,
         metrics=metrics_path,

@@ -52,7 +52,7 @@ def test_finetune_and_plan_a_model_by_hub_id_offline(tmp_path, model_dir):
     r = fuyou(["finetune", "org/tiny-llama", "--data", data, "--output", str(out), "--steps", "2", *COMMON], env)
     assert r.returncode == 0, r.stderr
     summary = json.loads((out / "run.json").read_text())
-    assert summary["model"] == snap and summary["steps"] == 2
+    assert summary["model"] == snap and summary["model_id"] == "org/tiny-llama" and summary["steps"] == 2
     assert (out / "model" / "tokenizer.json").is_file() and (out / "model" / "model.safetensors.index.json").is_file()
     assert not os.path.islink(out / "model" / "tokenizer.json")  # copied out of the cache, not linked into it
 
