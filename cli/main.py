@@ -84,7 +84,17 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 
 @main.command()
 @click.argument("model_dir", required=False)
-@click.option("--data", type=click.Path(), help="JSONL training data (text / prompt+completion / messages).")
+@click.option(
+    "--data",
+    multiple=True,
+    help="Training data (repeatable; globs allowed): JSONL or Parquet files, a datasets save_to_disk directory, or a "
+    "hub dataset id ORG/NAME; records of text / prompt+completion / messages (ShareGPT conversations too).",
+)
+@click.option(
+    "--columns",
+    help="Read fields named otherwise: TARGET=COLUMN pairs, e.g. prompt=instruction+input,completion=output or "
+    "messages=dialog (targets: text, prompt, completion, messages; a+b joins two text columns).",
+)
 @click.option("--output", type=click.Path(), help="Run directory (model/, metrics.jsonl, run.json).")
 @click.option("--ssd", multiple=True, type=click.Path(), help="Store directory; repeat once per SSD.")
 @click.option("--cpu-memory", help="Host-memory budget, e.g. 64GiB.")
@@ -179,7 +189,8 @@ def finetune(
     betas: str | None,
     **flags: object,
 ) -> None:
-    """Fine-tune MODEL_DIR (a Hugging Face directory) out of core; without one, run the built-in demo."""
+    """Fine-tune MODEL_DIR (a Hugging Face directory, or a hub id ORG/NAME[@REVISION] resolved through the Hugging
+    Face cache) out of core; without one, run the built-in demo."""
     from fuyou.run.config import load_yaml, merge
     from fuyou.run.loop import finetune as run
 
@@ -188,8 +199,9 @@ def finetune(
         given["model"] = model_dir
     if betas:
         given["betas"] = _pairs(betas)
-    if "ssd" in given:
-        given["ssd"] = tuple(given["ssd"])  # type: ignore[arg-type]
+    for key in ("ssd", "data"):
+        if key in given:
+            given[key] = tuple(given[key])  # type: ignore[arg-type]
     if no_progress:
         given["progress"] = False
     if overwrite:  # only when given: an absent flag must not override `overwrite: true` in --config

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import click
 
 from fuyou.schedule.plan import POLICIES
+
+if TYPE_CHECKING:
+    from fuyou.schedule.shapes import ModelShape
 
 DEFAULT_PROFILE = "$FUYOU_CACHE/hw.json (default ~/.cache/fuyou/hw.json)"
 """How the default profile path reads in help texts; ``_default_profile()`` is the path."""
@@ -34,6 +38,20 @@ def _profile_path(path: str | None) -> str:
             "(hand-written examples: bench/profiles/)"
         )
     return path
+
+
+def _load_shape(model: str) -> ModelShape:
+    """The description of ``model`` (``fuyou.models.description.load_description``); a hub id's config.json
+    comes from the Hugging Face cache (fetched if needed: ``fuyou.models.hub``), and the shape keeps the id as
+    its name."""
+    import dataclasses
+
+    from fuyou.models.description import load_description
+    from fuyou.models.hub import CONFIG_FILES, is_hub_id, resolve_model
+
+    if not is_hub_id(model):
+        return load_description(model)
+    return dataclasses.replace(load_description(resolve_model(model, CONFIG_FILES)), name=model)
 
 
 @click.command("plan")
@@ -112,18 +130,18 @@ def plan_cmd(
     lora_rank: int | None,
     json_out: str | None,
 ) -> None:
-    """Plan a run of MODEL (a model directory, a config.json, or a named shape such as GPT-3-13B).
+    """Plan a run of MODEL (a model directory, a config.json, a hub id ORG/NAME[@REVISION] whose config.json is
+    fetched into the Hugging Face cache, or a named shape such as GPT-3-13B).
 
     With --gpus/--nodes the profile describes one rank (its GPU, its share of the cores, its own
     SSDs), budgets are per rank and --tokens-per-step is the global batch."""
-    from fuyou.models.description import load_description
     from fuyou.planner.cluster import Cluster, link_Bps
     from fuyou.planner.profile import load_profile
     from fuyou.planner.result import Budgets
     from fuyou.planner.search import Request, search
     from fuyou.units import parse_size
 
-    shape = load_description(model)
+    shape = _load_shape(model)
     cluster = Cluster(gpus, nodes, link_Bps(interconnect, "--interconnect"), link_Bps(network, "--network"))
     prof = load_profile(_profile_path(profile_path))
     bud = Budgets(
@@ -250,7 +268,7 @@ def print_result(res: object, params: int) -> None:
 @click.option(
     "--ssd", "ssd_dirs", multiple=True, required=True, type=click.Path(), help="Store directory (repeat per SSD)."
 )
-@click.option("--model", help="Model directory (or its config.json's directory) for per-layer compute times.")
+@click.option("--model", help="Model directory (or its config.json, or a hub id ORG/NAME) for per-layer compute times.")
 @click.option("--seq-len", type=int, default=256, show_default=True)
 @click.option("--micro-batches", default="1,2,4", show_default=True, help="Micro-batch sizes to time the layer at.")
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
@@ -285,7 +303,9 @@ def profile_cmd(
     config = None
     if model:
         from fuyou.models.hf_io import load_config
+        from fuyou.models.hub import CONFIG_FILES, resolve_model
 
+        model = resolve_model(model, CONFIG_FILES)
         config = load_config(os.path.dirname(model) if model.endswith(".json") else model)
     try:
         mbs = tuple(int(x) for x in micro_batches.split(","))

@@ -1,4 +1,4 @@
-"""Training data: JSONL records → tokens with loss labels → packed, shuffled, resumable batches.
+"""Training data: JSONL, Parquet or ``datasets`` records (``fuyou.data.sources``) → tokens with loss labels → packed, shuffled, resumable batches.
 
 Typical use::
 
@@ -35,6 +35,8 @@ _EXPORTS = {
     "build_datasets": "fuyou.data.build",
     "check_seq_len": "fuyou.data.build",
     "write_demo_dataset": "fuyou.data.demo_corpus",
+    "open_sources": "fuyou.data.sources",
+    "parse_columns": "fuyou.data.sources",
 }
 __all__ = sorted(_EXPORTS)
 

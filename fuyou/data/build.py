@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fuyou.data.formats import TEXT, check_format_name
 from fuyou.data.index import build_index, split_records
 from fuyou.data.loader import PackedDataset
+from fuyou.data.sources import parse_columns
 from fuyou.data.tokenize import Encoder
 from fuyou.errors import ConfigError
 
@@ -28,7 +30,7 @@ def check_seq_len(seq_len: int, max_positions: int | None = None) -> int:
 
 
 def build_datasets(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Sequence[str],
     tokenizer: Any,
     seq_len: int,
     *,
@@ -39,10 +41,13 @@ def build_datasets(
     eval_path: str | os.PathLike[str] | None = None,
     split_seed: int = 0,
     packing: str = "auto",
+    columns: str | Mapping[str, str] | None = None,
 ) -> tuple[PackedDataset, PackedDataset | None]:
     """Index, validate and split the data; return ``(train, held_out or None)``.
 
-    ``path`` is the training JSONL; ``seq_len`` tokens per packed sequence; ``data_format`` is
+    ``path`` is the training data: a JSONL file or ``--data`` specs (files, globs, Parquet, ``datasets``
+    directories, hub dataset ids: ``fuyou.data.sources``), read through the ``columns`` mapping
+    (``prompt=instruction,completion=output`` or a dict); ``seq_len`` tokens per packed sequence; ``data_format`` is
     ``auto`` or a format name; ``seed`` orders the training records per epoch;
     ``max_positions`` is the model's maximum sequence length (None = unchecked). The held-out set
     is either ``eval_fraction`` of the records of ``path`` (split with ``split_seed``) or the
@@ -63,8 +68,9 @@ def build_datasets(
         raise ConfigError(f"eval fraction must be in [0, 1), got {eval_fraction}")
     if eval_fraction > 0 and eval_path is not None:
         raise ConfigError("give either an eval fraction or an eval file, not both")
+    cols = parse_columns(columns)
     encoder = Encoder(tokenizer)
-    index = build_index(path, encoder, data_format)
+    index = build_index(path, encoder, data_format, cols)
     train_ids, eval_ids = split_records(index.n_records, eval_fraction, split_seed, index.path)
     name = index.path if eval_fraction <= 0 else f"{index.path} (training split)"
     if packing not in ("auto", "concat", "documents"):
@@ -77,7 +83,7 @@ def build_datasets(
         held = f"{index.path} (held-out {eval_fraction:g} split)"
         held_out = PackedDataset(index, encoder, seq_len, eval_ids, shuffle=False, name=held, packing=packing)
     elif eval_path is not None:
-        eval_index = build_index(eval_path, encoder, data_format)
+        eval_index = build_index(eval_path, encoder, data_format, cols)
         held = f"{eval_index.path} (held-out file)"
         held_out = PackedDataset(eval_index, encoder, seq_len, shuffle=False, name=held, packing=packing)
     return train, held_out

@@ -1,8 +1,10 @@
-"""The first pass over a JSONL file: validate every record and record where it is and its size.
+"""The first pass over the data: validate every record and record where it is and its size.
 
-The index holds three small arrays per record (byte offset int64, line number int64, token count
-int32: 20 bytes a record) and no text or tokens, so a file of any size is indexed in constant
-memory apart from them. Validating the whole file up front means a malformed line 900,000 fails
+The data is one or more sources (``fuyou.data.sources``: JSONL files, Parquet files, ``datasets``
+directories), read in order as one sequence of records. The index holds four small arrays per record
+(source number int32, position int64 — a JSONL line's byte offset or a table's row —, line or row
+number int64, token count int32: 24 bytes a record) and no text or tokens, so data of any size is
+indexed in constant memory apart from them. Validating the whole file up front means a malformed line 900,000 fails
 the run before the first step, not hours into it; the token counts give the exact number of packed
 sequences per epoch and let a resumed run find its position without re-reading the data before it.
 """
@@ -11,34 +13,45 @@ from __future__ import annotations
 
 import os
 from array import array
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from fuyou.data.formats import MESSAGES, DataError, check_format_name, iter_records, resolve_format
+from fuyou.data.formats import MESSAGES, DataError, check_format_name, resolve_format
+from fuyou.data.sources import JsonlSource, Source, TableSource, open_sources
 from fuyou.data.tokenize import IGNORE_INDEX, Encoder
 
 
 @dataclass(frozen=True)
 class RecordIndex:
-    """Where each record of one JSONL file is and how many tokens it encodes to."""
+    """Where each record of the data is and how many tokens it encodes to."""
 
-    path: str
-    """The JSONL file."""
+    sources: tuple[Source, ...]
+    """The files or tables, in order (``fuyou.data.sources``)."""
     fmt: str
     """The format every record is in (``text``, ``prompt_completion`` or ``messages``)."""
+    source_ids: np.ndarray
+    """int32 [n_records]: which of ``sources`` each record is in."""
     offsets: np.ndarray
-    """int64 [n_records]: byte offset of each record's line in the file."""
+    """int64 [n_records]: where each record is in its source (a JSONL line's byte offset, a table's row)."""
     lines: np.ndarray
-    """int64 [n_records]: 1-based line number of each record (for error messages)."""
+    """int64 [n_records]: 1-based line (JSONL) or row (tables) number of each record (for error messages)."""
     lengths: np.ndarray
     """int32 [n_records]: tokens each record encodes to (ids and labels alike)."""
     n_loss_tokens: int
-    """Tokens with a label other than -100, over the whole file."""
-    file_size: int
-    """Size of the file in bytes when indexed; a change during the run is reported."""
-    mtime_ns: int
-    """Modification time of the file when indexed (ns); a change during the run is reported."""
+    """Tokens with a label other than -100, over all the data."""
+
+    @property
+    def path(self) -> str:
+        """The data's name in messages: the one source, or the first and how many more."""
+        first = self.sources[0].name
+        return first if len(self.sources) == 1 else f"{first} (+{len(self.sources) - 1} more)"
+
+    @property
+    def fingerprint(self) -> str:
+        """Identifies the data for a resume: the sources' fingerprints in order (one JSONL file: ``name:bytes``)."""
+        return "+".join(s.fingerprint for s in self.sources)
 
     @property
     def n_records(self) -> int:
@@ -51,29 +64,41 @@ class RecordIndex:
         return int(self.lengths.sum(dtype=np.int64))
 
 
-def build_index(path: str | os.PathLike[str], encoder: Encoder, data_format: str = "auto") -> RecordIndex:
-    """Stream ``path`` once: check every record, tokenize it, and record offset/line/length.
+def build_index(
+    data: str | os.PathLike[str] | Sequence[str] | Sequence[Source],
+    encoder: Encoder,
+    data_format: str = "auto",
+    columns: Mapping[str, str] | None = None,
+) -> RecordIndex:
+    """Stream the data once: check every record, tokenize it, and record source/position/number/length.
 
-    ``data_format`` is ``auto`` (detect from the first record, all must match) or a format name.
-    Raises ConfigError for an unknown format name and DataError for a missing file, a malformed
-    or mismatched record (``file:line``), a ``messages`` file and a tokenizer without a chat
-    template, an empty file, or a file in which no token carries loss.
+    ``data``: a JSONL path, ``--data`` specs (``fuyou.data.sources.open_sources``, with the ``columns``
+    mapping) or sources already open. ``data_format`` is ``auto`` (detect from the first record; every
+    record of every source must match) or a format name. Raises ConfigError for an unknown format name
+    and DataError for a missing file, a malformed or mismatched record (``file:line`` or ``name:row``),
+    ``messages`` data and a tokenizer without a chat template, data without records, or data in which
+    no token carries loss.
     """
     auto = check_format_name(data_format) == "auto"
     fmt: str | None = None if auto else data_format
-    offsets, lines, lengths = array("q"), array("q"), array("i")
+    opened = not isinstance(data, (str, os.PathLike)) and all(isinstance(s, (JsonlSource, TableSource)) for s in data)
+    sources: list[Source] = list(data) if opened else open_sources(data, columns)  # type: ignore[arg-type]
+    ids_of, offsets, lines, lengths = array("i"), array("q"), array("q"), array("i")
     n_loss = 0
-    p = os.fspath(path)
-    for line_no, offset, record in iter_records(p):
-        first = not offsets
-        fmt = resolve_format(record, fmt, auto, p, line_no)
-        if first and fmt == MESSAGES:
-            encoder.check_chat_template(p)
-        ids, labels = encoder.encode(record, fmt, p, line_no)
-        offsets.append(offset)
-        lines.append(line_no)
-        lengths.append(len(ids))
-        n_loss += sum(1 for t in labels if t != IGNORE_INDEX)
+    for k, src in enumerate(sources):
+        p = src.name
+        for line_no, offset, record in src.records():
+            first = not offsets
+            fmt = resolve_format(record, fmt, auto, p, line_no)
+            if first and fmt == MESSAGES:
+                encoder.check_chat_template(p)
+            ids, labels = encoder.encode(record, fmt, p, line_no)
+            ids_of.append(k)
+            offsets.append(offset)
+            lines.append(line_no)
+            lengths.append(len(ids))
+            n_loss += sum(1 for t in labels if t != IGNORE_INDEX)
+    p = sources[0].name if len(sources) == 1 else f"{sources[0].name} (+{len(sources) - 1} more)"
     if not offsets or fmt is None:
         raise DataError(f"{p}: the data file has no records (it is empty or only blank lines)")
     if n_loss == 0:
@@ -82,14 +107,13 @@ def build_index(path: str | os.PathLike[str], encoder: Encoder, data_format: str
             f"{len(offsets):,} records); nothing to train on"
         )
     return RecordIndex(
-        path=p,
+        sources=tuple(sources),
         fmt=fmt,
+        source_ids=np.frombuffer(ids_of, dtype=np.int32).copy(),
         offsets=np.frombuffer(offsets, dtype=np.int64).copy(),
         lines=np.frombuffer(lines, dtype=np.int64).copy(),
         lengths=np.frombuffer(lengths, dtype=np.int32).copy(),
         n_loss_tokens=n_loss,
-        file_size=os.path.getsize(p),
-        mtime_ns=os.stat(p).st_mtime_ns,
     )
 
 

@@ -1,7 +1,7 @@
 """Packed sequences in a seeded per-epoch order, batched, resumable at an exact position.
 
 Order: epoch ``e`` visits the records in ``numpy.random.default_rng([seed, e]).permutation``
-order (or file order with ``shuffle=False``), re-reads each from its byte offset, tokenizes it and
+order (or file order with ``shuffle=False``), re-reads each from its source (a JSONL line's byte offset, a table's row), tokenizes it and
 packs the stream (see :mod:`fuyou.data.packing`). Shuffling is per record, so each epoch packs
 differently. The sequence stream runs on across epochs; a batch is the next ``batch_size``
 sequences. The position is ``(epoch, index)`` of the next sequence: a restored loader finds it
@@ -11,7 +11,7 @@ tokens before it, so the continued stream is identical to an uninterrupted one.
 
 from __future__ import annotations
 
-import os
+import contextlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from itertools import islice
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fuyou.data.formats import DataError, read_record_at, validate_record
+from fuyou.data.formats import DataError, validate_record
 from fuyou.data.index import RecordIndex
 from fuyou.data.packing import PACKINGS, locate, num_sequences, pack
 from fuyou.data.tokenize import Encoder
@@ -31,7 +31,7 @@ STATE_VERSION = 1
 
 
 class PackedDataset:
-    """Sequences of ``seq_len`` tokens packed from a subset of an indexed JSONL file (``packing``:
+    """Sequences of ``seq_len`` tokens packed from a subset of the indexed data (``packing``:
     ``concat`` or ``documents``, ``fuyou.data.packing``).
 
     Raises DataError at construction when the subset holds fewer tokens than one sequence.
@@ -67,11 +67,10 @@ class PackedDataset:
 
     @property
     def fingerprint(self) -> str:
-        """Identifies the data and packing a resume state belongs to."""
-        return (
-            f"{os.path.basename(self.index.path)}:{self.index.file_size}:"
-            f"{len(self.records)}:{self.n_tokens}:{self.seq_len}:{int(self.shuffle)}"
-        ) + (":documents" if self.packing == "documents" else "")
+        """Identifies the data (every source, in order) and packing a resume state belongs to."""
+        return (f"{self.index.fingerprint}:{len(self.records)}:{self.n_tokens}:{self.seq_len}:{int(self.shuffle)}") + (
+            ":documents" if self.packing == "documents" else ""
+        )
 
     def order(self, epoch: int) -> np.ndarray:
         """Record numbers in the order epoch ``epoch`` visits them (int64)."""
@@ -92,19 +91,21 @@ class PackedDataset:
         yield from islice(packed, self.sequences_per_epoch - start)
 
     def _encoded(self, records: np.ndarray) -> Iterator[tuple[list[int], list[int]]]:
-        """Re-read and tokenize ``records`` in order; DataError if the file changed meanwhile."""
-        idx, path = self.index, self.index.path
-        st = os.stat(path) if os.path.isfile(path) else None
-        if st is None or (st.st_size, st.st_mtime_ns) != (idx.file_size, idx.mtime_ns):
-            raise DataError(f"{path}: the data file changed or vanished since it was indexed")
-        with open(path, "rb") as f:
+        """Re-read and tokenize ``records`` in order (each source opened when first needed); DataError if a
+        source changed meanwhile."""
+        idx = self.index
+        with contextlib.ExitStack() as opened:
+            readers: dict[int, Any] = {}
             for r in records:
-                line = int(idx.lines[r])
-                record = read_record_at(f, int(idx.offsets[r]), path, line)
-                validate_record(record, idx.fmt, path, line)
-                ids, labels = self.encoder.encode(record, idx.fmt, path, line)
+                k, line = int(idx.source_ids[r]), int(idx.lines[r])
+                if k not in readers:
+                    readers[k] = opened.enter_context(idx.sources[k].open())
+                name = idx.sources[k].name
+                record = readers[k](int(idx.offsets[r]), line)
+                validate_record(record, idx.fmt, name, line)
+                ids, labels = self.encoder.encode(record, idx.fmt, name, line)
                 if len(ids) != int(idx.lengths[r]):
-                    raise DataError(f"{path}:{line}: record changed since it was indexed")
+                    raise DataError(f"{name}:{line}: record changed since it was indexed")
                 yield ids, labels
 
     def batches_once(self, batch_size: int) -> Iterator[Batch]:

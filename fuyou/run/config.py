@@ -7,6 +7,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from fuyou.data.sources import parse_columns
 from fuyou.engine.balance import MODES as BALANCE_MODES
 from fuyou.errors import ConfigError
 from fuyou.models.lora import LoraSettings
@@ -21,9 +22,12 @@ class FinetuneConfig:
     """Settings of one fine-tuning run; the names are the CLI flags with ``-`` → ``_``."""
 
     model: str | None = None
-    """Hugging Face model directory; None: the built-in demo model."""
-    data: str | None = None
-    """JSONL file; None: the built-in demo text."""
+    """Hugging Face model directory or hub id ``ORG/NAME[@REVISION]`` (``fuyou.models.hub``); None: the demo model."""
+    data: str | tuple[str, ...] | None = None
+    """Training data (``--data``, repeatable): JSONL or Parquet files, globs, ``datasets`` directories, hub dataset
+    ids (``fuyou.data.sources``), kept as a tuple; None: the built-in demo text."""
+    columns: str | dict[str, str] | None = None
+    """Field names of the data as Fuyou's: ``prompt=instruction,completion=output`` (or a mapping in YAML)."""
     output: str = "fuyou-run"
     """Run directory: model/, metrics.jsonl, run.json."""
     ssd: tuple[str, ...] = ()
@@ -94,6 +98,14 @@ class FinetuneConfig:
 
     def __post_init__(self) -> None:
         p = []
+        if isinstance(self.data, (str, list)):  # one spec, or a YAML list of them
+            object.__setattr__(self, "data", (self.data,) if isinstance(self.data, str) else tuple(self.data))
+        if self.data == ():
+            object.__setattr__(self, "data", None)
+        try:
+            parse_columns(self.columns)
+        except ConfigError as e:
+            p.append(str(e))
         ints = {"seq_len": 2, "micro_batch_size": 1, "grad_accum": 1}
         for name, low in ints.items():
             v = getattr(self, name)

@@ -31,7 +31,8 @@ class RunData:
 
 
 def build_data(cfg: FinetuneConfig, tokenizer: Any, config: Any, world: int = 1) -> RunData:
-    """Index the JSONL (or write the demo text), split off held-out data, make the batch loader of
+    """Index the data (``--data``: files, globs, Parquet, ``datasets`` directories, hub dataset ids; or write the
+    demo text), split off held-out data, make the batch loader of
     global batches: ``micro_batch_size × grad_accum × world`` sequences, of which each of the
     ``world`` ranks trains its slice (every rank walks the same order, so a resumed loader state puts
     every rank at its exact position).
@@ -63,6 +64,7 @@ def build_data(cfg: FinetuneConfig, tokenizer: Any, config: Any, world: int = 1)
             max_positions=max_pos,
             eval_fraction=cfg.eval_fraction,
             packing=cfg.packing,
+            columns=cfg.columns,
         )
     loader = BatchLoader(train, batch_size=cfg.micro_batch_size * cfg.grad_accum * world)
     total = loader.total_steps(steps=cfg.steps, epochs=cfg.epochs if cfg.steps is None else None)

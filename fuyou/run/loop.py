@@ -21,6 +21,7 @@ from typing import Any
 
 from fuyou.engine import Engine, EngineConfig, StepResult
 from fuyou.errors import ConfigError, FuyouWarning
+from fuyou.models.hub import is_hub_id, resolve_model
 from fuyou.planner.cost import FLOP_FORMULA
 from fuyou.run.config import FinetuneConfig
 from fuyou.run.lr import lr_at
@@ -58,8 +59,15 @@ def _remove_empty(path: str) -> None:
 
 
 def _model(cfg: FinetuneConfig) -> tuple[str, bool]:
+    """(the model's local directory, whether it is the user's): ``--model`` as given, or the snapshot of a hub id
+    ``ORG/NAME[@REVISION]`` (``fuyou.models.hub``: downloaded into the hub cache if needed), or the demo model."""
     if cfg.model:
-        return cfg.model, True
+        if not is_hub_id(cfg.model):
+            return cfg.model, True
+        path = resolve_model(cfg.model)
+        if cfg.progress:
+            _log(f"model: {cfg.model} from the Hugging Face hub cache ({path})")
+        return path, True
     from fuyou.run.demo import demo_model_dir
 
     return demo_model_dir()
@@ -191,6 +199,7 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     summary.update(
         profile_check=check,
         model=model_dir,
+        model_id=cfg.model if cfg.model and is_hub_id(cfg.model) else None,  # the hub id it was resolved from
         pretrained=pretrained,
         output=result,
         metrics=metrics_path,
@@ -215,7 +224,8 @@ def _export(cfg: FinetuneConfig, engine: Any, out: str) -> str:
     if cfg.lora is None:
         engine.export(os.path.join(out, "model"))
         return os.path.join(out, "model")
-    engine.export_adapter(os.path.join(out, "adapter"), base=cfg.model)
+    base = cfg.model.split("@")[0] if cfg.model and is_hub_id(cfg.model) else cfg.model  # PEFT names no revision
+    engine.export_adapter(os.path.join(out, "adapter"), base=base)
     if cfg.merge:
         engine.export(os.path.join(out, "model"))
     return os.path.join(out, "adapter")

@@ -159,6 +159,6 @@ def test_file_changed_after_indexing(tmp_path: Path, tiny_tok: Any) -> None:
     path.write_text(path.read_text().replace("hello world", "a b c d e f", 1))  # same size
     with pytest.raises(DataError, match="changed or vanished since it was indexed"):
         next(train.sequences(0))  # new modification time
-    os.utime(path, ns=(train.index.mtime_ns, train.index.mtime_ns))
+    os.utime(path, ns=(train.index.sources[0].mtime_ns, train.index.sources[0].mtime_ns))
     with pytest.raises(DataError, match=r"f\.jsonl:\d: record changed since it was indexed"):
         list(train.sequences(0))
