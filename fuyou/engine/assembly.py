@@ -20,7 +20,7 @@ import torch
 
 from fuyou.device.base import Backend
 from fuyou.engine.config import EngineConfig
-from fuyou.engine.lora import LoraState
+from fuyou.engine.lora import LoraState, NoAdapters
 from fuyou.errors import ConfigError, DeviceMemoryError, FuyouWarning
 from fuyou.models.adapters import GPT2, Adapter, architecture_of, make_adapter
 from fuyou.models.blocks import split_experts
@@ -41,7 +41,7 @@ class ModelParts:
     """What ``assemble_model`` decided."""
 
     adapter: Adapter
-    lora: LoraState | None
+    lora: LoraState | NoAdapters
     """The trainable LoRA weights and their AdamW (None: full fine-tuning)."""
     plan: Plan
     """The plan the engine runs: ``cfg.plan`` with its schedule resolved, fitted to the host budget."""
@@ -71,7 +71,7 @@ def assemble_model(
     adapter = make_adapter(config, cfg.lora, groups, vocab)
     adapter.frozen_keys = frozen_keys(tuple(adapter.blocks), cfg.freeze)
     lora = (
-        None
+        NoAdapters()
         if cfg.lora is None
         else LoraState(
             adapter.model,
@@ -91,8 +91,8 @@ def assemble_model(
         stored = StoreMeta.from_json(store.meta, store.dirs[0])  # the step every rank agreed on
         plan = dataclasses.replace(plan, state_chunk=layout.state_chunk)
         source = stored.source_dtype
-    if lora is not None:  # staged through one host buffer of the pool
-        layout = dataclasses.replace(layout, adapter_bytes=lora.extent().nbytes)
+    # the adapters' extent is staged through one host buffer of the pool
+    layout = dataclasses.replace(layout, adapter_bytes=sum(e.nbytes for e in lora.extents()))
     plan = admit(layout, plan, cfg.cpu_bytes, backend.memory().capacity, store is not None, backend.name)
     adapter.prepare(backend.device)  # the first device allocation: after the floor check
     layout = dataclasses.replace(layout, state_chunk=plan.state_chunk)

@@ -115,7 +115,7 @@ class Engine:
             self.pool.reserve(c.name, c.nbytes, c.count)
         self.store = store or TensorStore.create(
             rank_dirs(cfg.ssd_dirs, rank, world),
-            self.layout.extents() + ([self.lora.extent()] if self.lora is not None else []),
+            self.layout.extents() + self.lora.extents(),
             io=cfg.io,
             direct=cfg.direct,
             checksums=cfg.checksums,
@@ -133,8 +133,7 @@ class Engine:
             )
             if store is not None:
                 self.tier.load()
-                if self.lora is not None:
-                    self.lora.load_from(self.store, self.progress.step, self.pool)
+                self.lora.load_from(self.store, self.progress.step, self.pool)
         except BaseException:
             if store is None:
                 self.store.close()
@@ -279,8 +278,7 @@ class Engine:
         the host budget). The first committed version is complete."""
         for b, blk in enumerate(self.layout.blocks):
             self._import_block(b, tensors([p.key for p in blk.params]))
-        if self.lora is not None:
-            self.lora.save_to(self.store, self.pool)
+        self.lora.save_to(self.store, self.pool)
         self.tier.commit(self.commit_meta())
 
     def _import_block(self, b: int, src: dict[str, torch.Tensor]) -> None:
@@ -433,9 +431,8 @@ class Engine:
         key = (micro_batch, seq_len, accum)
         if key in self._admitted:
             return
-        adapters = self.lora.numel if self.lora is not None else 0
         cap = self.backend.memory().capacity
-        peak = batch_peak(self.adapter.config, self.layout, self.plan, *key, adapters, self.backend.name, cap)
+        peak = batch_peak(self.adapter.config, self.layout, self.plan, *key, self.lora.numel, self.backend.name, cap)
         admit_batch(peak, cap, *key)
         self._admitted.add(key)
         if peak is not None and (self.predicted_peak is None or peak.nbytes > self.predicted_peak.nbytes):
@@ -502,11 +499,7 @@ class Engine:
         Call before checkpoints and exports. Raises StoreError if a write or commit fails.
         """
         self.updates.settle()
-        if self.lora is not None:  # a frozen base: the adapters are all that changed
-            self.lora.save_to(self.store, self.pool)
-            self.tier.commit(self.commit_meta())
-            return
-        self.tier.persist(self.commit_meta())
+        self.lora.commit(self.store, self.pool, self.tier, self.commit_meta())
 
     # ------------------------------------------------------------------ results
     def master_weights(self, everywhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
@@ -534,17 +527,14 @@ class Engine:
             out_dtype,
             self.source_dir,
             self._gather_to_root(),
-            None if self.lora is None else self.lora.merged,
+            self.lora.merged,
         )
 
     def export_adapter(self, out_dir: str, base: str | None = None) -> None:
         """Write the LoRA adapters as a PEFT adapter directory (``peft.PeftModel.from_pretrained``
         loads it onto the base, which ``adapter_config.json`` names: ``base``, default the model
         directory imported). Raises ConfigError when this run trains no LoRA."""
-        if self.lora is None:
-            raise ConfigError("this run trains no LoRA adapters (give --lora-rank); export the full model instead")
-        if self.comm.rank == 0:  # every rank holds the same adapters
-            self.lora.save(out_dir, base or self.source_dir)
+        self.lora.save(out_dir, base or self.source_dir, write=self.comm.rank == 0)  # every rank holds the same
 
     def _gather_to_root(self) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
         return self.comm.gather_to_root if self.comm.world > 1 else None

@@ -115,6 +115,16 @@ class LoraState:
 
     EXTENT = "lora"
 
+    def extents(self) -> list[ExtentSpec]:
+        """The store extents the adapters add: their ``extent``."""
+        return [self.extent()]
+
+    def commit(self, store: Any, pool: HostBufferPool, tier: Any, meta: dict[str, Any]) -> None:
+        """``Engine.flush``'s commit: the adapters written to their extent and a version committed by the
+        run's ``RamTier`` ``tier``; a frozen base changed nothing else."""
+        self.save_to(store, pool)
+        tier.commit(meta)
+
     def extent(self) -> ExtentSpec:
         """The store extent holding every adapter weight and its AdamW moments (fp32)."""
         specs = []
@@ -186,10 +196,12 @@ class LoraState:
         """The LoRA weights by parameter name (host copies)."""
         return {n: p.detach().cpu().clone() for n, p in self.params.items()}
 
-    def save(self, out_dir: str, base: str | None) -> None:
+    def save(self, out_dir: str, base: str | None, write: bool = True) -> None:
         """Write a PEFT adapter directory: ``adapter_config.json`` (``base`` as the base model's path)
         and ``adapter_model.safetensors`` with ``peft``'s key names. Written to ``out_dir.partial``
-        and renamed, so ``out_dir`` is never half-written."""
+        and renamed, so ``out_dir`` is never half-written. ``write=False``: nothing (another rank writes)."""
+        if not write:
+            return
         import shutil
 
         from safetensors.torch import save_file
@@ -202,3 +214,31 @@ class LoraState:
         save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
+
+
+class NoAdapters:
+    """What a run without LoRA has in ``LoraState``'s place (full fine-tuning, ``--freeze``): no adapters to
+    store, restore, merge or export; a flush persists the RAM tier's changes."""
+
+    numel = 0
+    """Trainable adapter parameters: none."""
+    merged = None
+    """No LoRA update to merge into exported weights."""
+
+    def extents(self) -> list[ExtentSpec]:
+        """No store extent of its own."""
+        return []
+
+    def save_to(self, store: Any, pool: HostBufferPool) -> None:
+        """Nothing to write."""
+
+    def load_from(self, store: Any, step: int, pool: HostBufferPool) -> None:
+        """Nothing to restore."""
+
+    def commit(self, store: Any, pool: HostBufferPool, tier: Any, meta: dict[str, Any]) -> None:
+        """``Engine.flush``'s commit: the RAM tier's changed extents written and a version committed."""
+        tier.persist(meta)
+
+    def save(self, out_dir: str, base: str | None, write: bool = True) -> None:
+        """Refused: ConfigError (one line, on every rank)."""
+        raise ConfigError("this run trains no LoRA adapters (give --lora-rank); export the full model instead")

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from fuyou.device.base import Backend
 from fuyou.engine.adam_stage import AdamStage
-from fuyou.engine.lora import LoraState
+from fuyou.engine.lora import LoraState, NoAdapters
 from fuyou.optim.norm import sum_squares_lazy
 from fuyou.schedule import rules
 from fuyou.schedule.plan import Plan
@@ -257,10 +257,10 @@ class LoraAdapters(UpdatePolicy):
         return True
 
 
-def for_run(ctx: UpdateContext, lora: LoraState | None, last_gradient: int) -> UpdatePolicy:
+def for_run(ctx: UpdateContext, lora: LoraState | NoAdapters, last_gradient: int) -> UpdatePolicy:
     """The update policy of a run: LoRA adapters (``lora``), clipping (``Plan.clips``), or update in
     backward (``last_gradient``: the block whose gradient completes a step)."""
-    if lora is not None:
+    if isinstance(lora, LoraState):
         return LoraAdapters(ctx, lora)
     if ctx.plan.clips:
         return ClipOverlapNextForward(ctx)

@@ -45,6 +45,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from fuyou.engine import Engine, StepResult
+from fuyou.engine.lora import LoraState
 from fuyou.errors import ConfigError, FuyouWarning
 from fuyou.models.lora import ADAPTER, LoraSettings, base_key, is_lora
 from fuyou.run.plan_choice import (
@@ -300,7 +301,9 @@ class FuyouTrainer(Trainer):
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write the trained weights as a Hugging Face directory (streamed safetensors), plus the tokenizer."""
         out = str(output_dir or self.args.output_dir)
-        if self.engine.lora is not None:  # a PEFT model: its adapter directory, as PeftModel.save_pretrained writes
+        if isinstance(
+            self.engine.lora, LoraState
+        ):  # a PEFT model: its adapter directory, as PeftModel.save_pretrained writes
             self.engine.export_adapter(out, base=getattr(self.engine.adapter.config, "_name_or_path", None) or None)
         else:
             self.engine.export(out)  # in the model's own dtype, as Trainer saves it; every rank; rank 0 writes
@@ -312,7 +315,7 @@ class FuyouTrainer(Trainer):
         out = super().train(*args, **kwargs)
         self.engine.flush()
         self._check_profile()
-        if self.engine.lora is not None:  # a PEFT model: its base stayed frozen, its adapters trained
+        if isinstance(self.engine.lora, LoraState):  # a PEFT model: its base stayed frozen, its adapters trained
             trained = self.engine.lora.state_dict()
             peft_model: Any = self._model()
             named = dict(peft_model.get_base_model().named_parameters())
