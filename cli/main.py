@@ -6,6 +6,7 @@ Errors Fuyou raises on purpose print as one line (no traceback unless ``--debug`
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -147,8 +148,20 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
     "the experts' use over the whole step, micro per micro-batch (the HF model's own loss), off: none.",
 )
 @click.option("--eval-fraction", type=float, help="Share of the data held out for evaluation.")
-@click.option("--save-every", type=int, help="Checkpoint every N steps (copy-free hard links); 0 = never.")
-@click.option("--keep-checkpoints", type=int, help="Checkpoints to keep (default 2).")
+@click.option("--eval-data", type=click.Path(), help="JSONL evaluated instead of a held-out share of --data.")
+@click.option("--eval-every", type=int, help="Also evaluate the held-out loss every N steps (default: before/after).")
+@click.option(
+    "--keep-best",
+    is_flag=True,
+    default=None,
+    help="Checkpoint at every evaluation and keep the one with the lowest held-out loss (needs --eval-every).",
+)
+@click.option(
+    "--save-every",
+    help="Checkpoint every N steps (200) or span of wall time (30min, 2h); 0 = never. Default 30min. "
+    "Copy-free: each kept checkpoint pins at most one version of the state on the SSD.",
+)
+@click.option("--keep-checkpoints", type=int, help="Checkpoints to keep (default 2; a resume prunes to it first).")
 @click.option("--resume", help="auto (newest intact checkpoint, else start fresh) or a checkpoint directory.")
 @click.option(
     "--overwrite", is_flag=True, help="Let a fresh start replace an earlier run in OUTPUT/--ssd (else it refuses)."
@@ -182,6 +195,7 @@ def finetune(
     """Fine-tune MODEL_DIR (a Hugging Face directory) out of core; without one, run the built-in demo."""
     from fuyou.run.config import load_yaml, merge
     from fuyou.run.loop import finetune as run
+    from fuyou.run.stop import RunInterrupted, resume_command
 
     given = {k: v for k, v in flags.items() if v is not None and v != ()}
     if model_dir:
@@ -203,7 +217,16 @@ def finetune(
             err=True,
         )
     cfg = merge(file_values, given)
-    summary = run(cfg)
+    try:
+        summary = run(cfg)
+    except RunInterrupted as e:
+        how = "the same torchrun launch of" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        again = f"; resume with {how}:\n  {resume_command(sys.argv)}".replace(" :", ":") if e.rank == 0 else ""
+        click.echo(f"{e}{again}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # before training started: nothing to save
+        click.echo("interrupted before training started; nothing was saved", err=True)
+        sys.exit(130)
     if not cfg.progress and summary.get("rank", 0) == 0:
         click.echo(
             f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} → {summary['last_loss']:.4f}, "
