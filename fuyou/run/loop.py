@@ -22,10 +22,9 @@ from typing import Any
 from fuyou.engine import Engine, EngineConfig, StepResult
 from fuyou.errors import ConfigError, FuyouWarning
 from fuyou.planner.cost import FLOP_FORMULA
-from fuyou.run.config import FinetuneConfig
+from fuyou.run.config import FinetuneConfig, save_interval
 from fuyou.run.lr import lr_at
 from fuyou.run.plan_choice import WARMUP_STEPS, ChosenPlan, PlanRequest, check_profile, choose_plan, device_kind
-from fuyou.run.config import save_interval
 from fuyou.run.report import Progress, peak_rss, summary_table
 from fuyou.run.stop import RunInterrupted, StopRequest
 from fuyou.run.tensorboard import TensorBoardLog, require_tensorboard
@@ -462,9 +461,8 @@ def _train(
             per = slice(ranks.rank * n, (ranks.rank + 1) * n)
             engine.set_lr(lr_at(step, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, total))
             engine.timeline.clear()
-            st = _disk_full_named(
-                lambda: engine.train_step(ids[per], labels[per], None if pos is None else pos[per]), engine
-            )
+            with _pins_named(engine):
+                st = engine.train_step(ids[per], labels[per], None if pos is None else pos[per])
             rec = _record(step, st, fpt, ranks.world)
             c["tokens"] += st.tokens * ranks.world
             c["written"] += st.ssd_write_bytes
@@ -565,13 +563,14 @@ def _interrupted(signum: int, step: int, saved: bool, engine: Engine, ranks: Any
     )
 
 
-def _disk_full_named(fn: Any, engine: Engine) -> Any:
-    """``fn()``, with a disk-full StoreSpaceError extended by what the checkpoints hold (``space_note``)."""
+@contextlib.contextmanager
+def _pins_named(engine: Engine) -> Iterator[None]:
+    """Extend a disk-full StoreSpaceError raised inside by what the checkpoints hold (``space_note``)."""
     from fuyou.checkpoint.room import space_note
     from fuyou.errors import StoreSpaceError
 
     try:
-        return fn()
+        yield
     except StoreSpaceError as e:
         if "disk full" not in str(e):
             raise
