@@ -244,11 +244,16 @@ def finetune(
     show_default=True,
     help="auto: the dtype of the checkpoint the run started from (its frozen weights then come out bit-identical).",
 )
-def export(store_dirs: tuple[str, ...], out_dir: str, dtype: str) -> None:
+@click.option(
+    "--checkpoint",
+    help="Export this checkpoint of the run (its name, e.g. step-00000200, or best: the --keep-best one) "
+    "instead of its last step.",
+)
+def export(store_dirs: tuple[str, ...], out_dir: str, dtype: str, checkpoint: str | None) -> None:
     """Write the current weights of a run's store (STORE_DIRS…) as a Hugging Face directory OUT_DIR."""
     from fuyou.engine.export import export_store
 
-    export_store(list(store_dirs), out_dir, dtype)
+    export_store(list(store_dirs), out_dir, dtype, checkpoint)
     click.echo(f"exported to {out_dir}")
 
 
