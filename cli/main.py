@@ -12,7 +12,7 @@ import sys
 import click
 
 from fuyou import __version__
-from fuyou.run.tensorboard import REPORT_TO
+from fuyou.run.reporters import REPORT_TO
 from fuyou.schedule.plan import POLICIES
 
 
@@ -113,9 +113,9 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 @click.option("--trace", type=click.Path(), help="Write a Perfetto trace of the last step here.")
 @click.option(
     "--report-to",
-    type=click.Choice(list(REPORT_TO)),
-    help="tensorboard: also log each step (loss, held-out loss, lr, grad norm, speed, busy fractions, SSD GB) "
-    "to OUTPUT/tensorboard (needs the report extra). Default none.",
+    help=f"{' | '.join(REPORT_TO)}, or several joined by commas (tensorboard,wandb): also log each step (loss, "
+    "held-out loss, lr, grad norm, speed, busy fractions, SSD GB) to OUTPUT/tensorboard (the report extra) "
+    "and/or Weights & Biases (the wandb extra; WANDB_MODE=offline works without network). Default none.",
 )
 @click.option("--data-format", type=click.Choice(["auto", "text", "prompt_completion", "messages"]))
 @click.option(

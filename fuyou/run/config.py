@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from fuyou.engine.balance import MODES as BALANCE_MODES
 from fuyou.errors import ConfigError
 from fuyou.models.lora import LoraSettings
+from fuyou.run import reporters
 from fuyou.run.lr import SCHEDULES
-from fuyou.run.tensorboard import REPORT_TO
 from fuyou.schedule.plan import POLICIES
 from fuyou.units import parse_size
 
@@ -57,7 +57,8 @@ class FinetuneConfig:
     """Perfetto trace of the last step, if set."""
     report_to: str = "none"
     """``tensorboard``: also log each step's metrics as TensorBoard scalars in OUTPUT/tensorboard
-    (``fuyou.run.tensorboard``; needs the ``report`` extra); ``none``: metrics.jsonl only."""
+    (``fuyou.run.tensorboard``; needs the ``report`` extra); ``wandb``: to Weights & Biases
+    (``fuyou.run.wandb_log``; the ``wandb`` extra); both: ``tensorboard,wandb``; ``none``: metrics.jsonl only."""
     data_format: str = "auto"
     packing: str = "auto"
     """``documents`` (each packed document attends only to itself), ``concat`` (documents run on into
@@ -153,8 +154,10 @@ class FinetuneConfig:
             p.append(f"--prefetch-depth must be an integer ≥ 1, got {self.prefetch_depth!r}")
         if self.activations is not None and self.activations not in POLICIES:
             p.append(f"--activations must be one of {', '.join(POLICIES)}, got {self.activations!r}")
-        if self.report_to not in REPORT_TO:
-            p.append(f"--report-to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
+        try:
+            reporters.parse(self.report_to)
+        except ConfigError as e:
+            p.append(str(e))
         if self.packing not in ("auto", "concat", "documents"):
             p.append(f"--packing must be auto, concat or documents, got {self.packing!r}")
         if self.lora_rank is None and (self.merge or self.lora_alpha is not None):
@@ -243,6 +246,8 @@ def load_yaml(path: str) -> dict:
             out[key] = tuple(out[key]) if isinstance(out[key], list) else tuple(out[key].split(","))
     if "freeze" in out:  # one glob, or a list of them
         out["freeze"] = (out["freeze"],) if isinstance(out["freeze"], str) else tuple(out["freeze"] or ())
+    if isinstance(out.get("report_to"), list):  # report-to: [tensorboard, wandb]
+        out["report_to"] = ",".join(str(x) for x in out["report_to"])
     if "betas" in out:
         out["betas"] = tuple(float(b) for b in out["betas"])
     return out

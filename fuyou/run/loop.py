@@ -22,12 +22,14 @@ from typing import Any
 from fuyou.engine import Engine, EngineConfig, StepResult
 from fuyou.errors import ConfigError, FuyouWarning
 from fuyou.planner.cost import FLOP_FORMULA
+from fuyou.run import reporters
 from fuyou.run.config import FinetuneConfig, save_interval
 from fuyou.run.lr import lr_at
 from fuyou.run.plan_choice import WARMUP_STEPS, ChosenPlan, PlanRequest, check_profile, choose_plan, device_kind
 from fuyou.run.report import Progress, peak_rss, summary_table
 from fuyou.run.stop import RunInterrupted, StopRequest
-from fuyou.run.tensorboard import TensorBoardLog, require_tensorboard
+from fuyou.run.tensorboard import TensorBoardLog
+from fuyou.run.wandb_log import WandbLog
 from fuyou.units import parse_size
 
 
@@ -147,8 +149,8 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     stripes = _stripes(cfg, ranks)
     if not cfg.resume:  # before any slow work: refuse to start over an earlier run unless --overwrite
         _on_every_rank(ranks, lambda: check_fresh_start(out, stripes, cfg.overwrite))
-    if cfg.report_to == "tensorboard":  # rank 0 logs: it needs the package, and every rank stops without it
-        _on_every_rank(ranks, lambda: require_tensorboard() if ranks.root else None)
+    if reporters.parse(cfg.report_to):  # rank 0 logs: it needs the packages, and every rank stops without them
+        _on_every_rank(ranks, lambda: reporters.require(reporters.parse(cfg.report_to)) if ranks.root else None)
     model_dir, pretrained = _model(cfg)
     config = load_config(model_dir)
     architecture_of(config)  # unsupported models fail before any data is read
@@ -447,12 +449,17 @@ def _train(
             _truncate_lines(metrics_path, start)
     batches: Iterator = data.train_batches()
     progress = Progress(total, enabled=cfg.progress)
-    tb = TensorBoardLog(cfg.output, start) if cfg.report_to == "tensorboard" and ranks.root else None
-    if tb and state is None:
-        tb.eval_loss(0, c["eval_before"])
+    names = reporters.parse(cfg.report_to) if ranks.root else ()
     every, seconds = save_interval(cfg.save_every)
     last_save = time.monotonic()
-    with open(metrics, "a") as mf, progress, tb or contextlib.nullcontext(), StopRequest() as stop:
+    with (
+        open(metrics, "a") as mf,
+        progress,
+        reporters.open_reporters(names, cfg.output, start, _settings(cfg)) as tb,
+        StopRequest() as stop,
+    ):
+        if state is None:
+            tb.eval_loss(0, c["eval_before"])
         progress.advance_to(start)
         for step in range(start, total):
             t0 = time.perf_counter()
@@ -475,12 +482,10 @@ def _train(
             evaluated = cfg.eval_every and done % cfg.eval_every == 0 and done < total
             if evaluated:
                 rec["eval_loss"] = _evaluate(engine, data.eval_batches)
-                if tb:
-                    tb.eval_loss(done, rec["eval_loss"])
+                tb.eval_loss(done, rec["eval_loss"])
             mf.write(json.dumps(rec) + "\n")
             mf.flush()
-            if tb:
-                tb.step(rec)
+            tb.step(rec)
             stopping, due = _agree(ranks, stop.signum or 0, bool(seconds) and time.monotonic() - last_save >= seconds)
             best = cfg.keep_best and evaluated and _improves(c, rec["eval_loss"])
             if best:
@@ -495,8 +500,7 @@ def _train(
         if cfg.trace:
             engine.timeline.to_chrome_trace(cfg.trace)
         eval_after = _evaluate(engine, data.eval_batches)
-        if tb:
-            tb.eval_loss(total, eval_after)
+        tb.eval_loss(total, eval_after)
     return {
         "steps": total,
         "tokens": c["tokens"],
@@ -515,11 +519,17 @@ def _train(
         "cpu_memory_bytes": parse_size(cfg.cpu_memory),
         "flop_formula": FLOP_FORMULA,
         "store_dirs": list(_store_template(cfg, ranks.world)),
-        "tensorboard": tb.log_dir if tb else None,
+        "tensorboard": tb.dir_of(TensorBoardLog),
+        "wandb": tb.dir_of(WandbLog),
         "best_checkpoint": _best_path(engine, c.get("best")),
         "best_eval_loss": (c.get("best") or {}).get("eval_loss"),
         "steady_step_s": statistics.median(c["step_times"][WARMUP_STEPS:]) if c["step_times"][WARMUP_STEPS:] else None,
     }
+
+
+def _settings(cfg: FinetuneConfig) -> dict[str, Any]:
+    """The run's settings as JSON values (W&B records them as its run's config)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()}
 
 
 def _agree(ranks: Any, signum: int, due: bool) -> tuple[int, bool]:
