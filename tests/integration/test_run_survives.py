@@ -198,3 +198,37 @@ def test_on_a_full_disk_keep_checkpoints_on_resume_prunes_before_it_needs_the_ro
         assert r.returncode == 0, r.stderr[-3000:]
         assert len(list_checkpoints([ssd])) == 1
         same_as_clean(out, clean)
+
+
+@pytest.mark.slow  # ~50 s
+def test_ctrl_c_in_torchruns_terminal_stops_every_rank_at_one_step_and_the_resume_is_exact(tmp_path, inputs):
+    """The terminal's SIGINT reaches torchrun and both ranks (one process group); torchrun then sends
+    its workers SIGTERM, which must not cut their checkpoint short."""
+    model, data, _ = inputs
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "fuyou"]
+    clean, out = str(tmp_path / "clean"), str(tmp_path / "run")
+    mb = ("--micro-batch-size", "1", "--grad-accum", "2")
+    p = subprocess.run(
+        launch + args(model, data, clean, *mb), cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env=env_without_ranks(),
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    p = subprocess.Popen(
+        launch + args(model, data, out, *mb), cwd=ROOT, env=env_without_ranks(), stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    wait_for_steps([p], out, 3)
+    os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
+    _, err = p.communicate(timeout=120)
+    assert p.returncode != 0, err[-3000:]  # torchrun itself ends with its own SignalException traceback
+    stops = {line.split("after step ")[1].split(";")[0] for line in err.splitlines() if "stopped on SIGINT" in line}
+    assert len(stops) == 1 and err.count("stopped on SIGINT") == 2, err[-3000:]  # both ranks, one step
+    done = int(stops.pop())
+    for r in range(2):
+        assert list_checkpoints([os.path.join(out, "store", f"rank{r}")])[0] == f"step-{done:08d}"
+    r = subprocess.run(
+        launch + resume_line(err), cwd=ROOT, capture_output=True, text=True, timeout=600, env=env_without_ranks()
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.load(open(os.path.join(out, "run.json")))["resumed_from_step"] == done
+    same_as_clean(out, clean)

@@ -37,3 +37,15 @@ def test_save_every_takes_steps_or_wall_time():
             save_interval(bad)
     with pytest.raises(ConfigError, match="--keep-best needs --eval-every"):
         FinetuneConfig(keep_best=True)
+
+
+def test_a_second_sigint_under_torchrun_at_once_is_its_forward_not_a_second_ctrl_c(monkeypatch):
+    """torchrun's agent passes the terminal's Ctrl-C on to workers the terminal already signalled."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    said = []
+    with StopRequest(said.append) as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # would os._exit(130) outside torchrun
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.signum == signal.SIGINT
+    assert len(said) == 3 and all("still finishing the step" in s for s in said[1:]), said
