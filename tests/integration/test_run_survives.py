@@ -28,8 +28,14 @@ STEPS = 10
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory):
-    model, data = cli_inputs(tmp_path_factory.mktemp("survive"))
+def model_data(tmp_path_factory):
+    return cli_inputs(tmp_path_factory.mktemp("survive"))
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, model_data):
+    """(model, data, an uninterrupted run's directory)."""
+    model, data = model_data
     clean = str(tmp_path_factory.mktemp("clean") / "run")
     p = subprocess.run(
         [sys.executable, "-m", "fuyou", *args(model, data, clean)], cwd=ROOT, capture_output=True, text=True,
@@ -83,8 +89,9 @@ def same_as_clean(out: str, clean: str) -> None:
     assert wc.keys() == wo.keys() and all(torch.equal(wc[k], wo[k]) for k in wc)
 
 
-def test_sigterm_checkpoints_prints_the_resume_command_and_the_resume_is_exact(tmp_path, inputs):
-    model, data, clean = inputs
+def test_sigterm_checkpoints_prints_the_resume_command_and_it_finishes_the_run(tmp_path, model_data):
+    """The default tier's check (~15 s); the slow tests below compare resumed runs with uninterrupted ones."""
+    model, data = model_data
     out = str(tmp_path / "run")
     p = start(args(model, data, out))  # checkpoints are on by default (every 30 minutes): none yet
     wait_for_steps([p], out, 3)
@@ -101,7 +108,7 @@ def test_sigterm_checkpoints_prints_the_resume_command_and_the_resume_is_exact(t
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.load(open(os.path.join(out, "run.json")))["resumed_from_step"] == done
-    same_as_clean(out, clean)
+    assert len(losses(out)) == STEPS
 
 
 @pytest.mark.slow  # ~25 s
