@@ -221,7 +221,8 @@ def finetune(
         summary = run(cfg)
     except RunInterrupted as e:
         how = "the same torchrun launch of" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-        again = f"; resume with {how}:\n  {resume_command(sys.argv)}".replace(" :", ":") if e.rank == 0 else ""
+        again = f"; resume with {how}:\n  {resume_command(sys.argv)}".replace(" :", ":")
+        again = again if e.rank == 0 and e.checkpoint else ""
         click.echo(f"{e}{again}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:  # before training started: nothing to save

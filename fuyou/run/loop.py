@@ -486,12 +486,13 @@ def _train(
             mf.write(json.dumps(rec) + "\n")
             mf.flush()
             tb.step(rec)
-            stopping, due = _agree(ranks, stop.signum or 0, bool(seconds) and time.monotonic() - last_save >= seconds)
-            best = cfg.keep_best and evaluated and _improves(c, rec["eval_loss"])
+            due = bool(seconds) and time.monotonic() - last_save >= seconds
+            better = bool(cfg.keep_best and evaluated and _improves(c, rec["eval_loss"]))
+            stopping, due, best = _agree(ranks, stop.signum or 0, due, better)
             if best:
                 c["best"] = {"eval_loss": rec["eval_loss"], "checkpoint": checkpoint_name(done), "step": done}
             saved = False
-            if stopping or best or ((every and done % every == 0 or due) and done < total):
+            if (stopping and (every or seconds)) or best or ((every and done % every == 0 or due) and done < total):
                 c["stall"] += _checkpoint(cfg, engine, data, done, c, ranks)
                 saved, last_save = True, time.monotonic()
             progress.update(rec)
@@ -532,14 +533,14 @@ def _settings(cfg: FinetuneConfig) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()}
 
 
-def _agree(ranks: Any, signum: int, due: bool) -> tuple[int, bool]:
-    """(stop signal or 0, checkpoint due) the same on every rank: the first signal any rank got (by
-    rank order); a time-based checkpoint when rank 0's clock says so. One small gather per step with
-    several ranks."""
+def _agree(ranks: Any, signum: int, due: bool, best: bool) -> tuple[int, bool, bool]:
+    """(stop signal or 0, checkpoint due, new best held-out loss) the same on every rank: the first
+    signal any rank got (by rank order); a time-based checkpoint and ``--keep-best``'s verdict as rank
+    0 sees them (its clock, its held-out loss). One small gather per step with several ranks."""
     if ranks.world == 1:
-        return signum, due
-    votes = ranks.gather((signum, due))
-    return next((v[0] for v in votes if v[0]), 0), votes[0][1]
+        return signum, due, best
+    votes = ranks.gather((signum, due, best))
+    return next((v[0] for v in votes if v[0]), 0), votes[0][1], votes[0][2]
 
 
 def _improves(c: dict, loss: float | None) -> bool:
@@ -565,7 +566,11 @@ def _interrupted(signum: int, step: int, saved: bool, engine: Engine, ranks: Any
     where = checkpoint_name(step) if saved else None
     raise RunInterrupted(
         f"stopped on {name} after step {step}"
-        + (f"; checkpoint {where} saved in {engine.store.dirs[0]}" if where else " (checkpoints off: --save-every 0)"),
+        + (
+            f"; checkpoint {where} saved in {engine.store.dirs[0]}"
+            if where
+            else "; nothing saved (checkpoints are off: --save-every 0)"
+        ),
         signum,
         step,
         where,

@@ -239,3 +239,16 @@ def test_ctrl_c_in_torchruns_terminal_stops_every_rank_at_one_step_and_the_resum
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.load(open(os.path.join(out, "run.json")))["resumed_from_step"] == done
     same_as_clean(out, clean)
+
+
+@pytest.mark.slow  # ~10 s
+def test_with_checkpoints_off_a_signal_only_stops_and_says_nothing_was_saved(tmp_path, model_data):
+    model, data = model_data
+    out = str(tmp_path / "run")
+    p = start(args(model, data, out, "--save-every", "0"))
+    wait_for_steps([p], out, 2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 143, err[-3000:]
+    assert "nothing saved (checkpoints are off: --save-every 0)" in err and "resume with" not in err, err[-3000:]
+    assert list_checkpoints([os.path.join(out, "store")]) == []
