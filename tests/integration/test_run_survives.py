@@ -177,7 +177,8 @@ def test_on_a_full_disk_keep_checkpoints_on_resume_prunes_before_it_needs_the_ro
     model, data, clean = inputs
     with mounted(str(tmp_path / "ssd"), "tmpfs", "size=600m") as ssd:
         out = str(tmp_path / "run")
-        common = ("--ssd", ssd, "--save-every", "1")
+        # the clean run's profile: no quick profile measured on (and filling) the small disk, the same plan
+        common = ("--ssd", ssd, "--save-every", "1", "--profile", os.path.join(clean, "profile.json"))
         p = start(args(model, data, out, *common))
         wait_for_steps([p], out, 4)
         p.send_signal(signal.SIGINT)
