@@ -179,10 +179,14 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     _say_precision(precision)
     metrics_path = cfg.metrics or os.path.join(out, "metrics.jsonl")
     try:
-        summary = _train(cfg, engine, data, metrics_path, state, config, ranks)
-        result = _export(cfg, engine, out)
-    finally:
-        engine.close()
+        with _pins_named(engine):  # a disk that fills up: say what the checkpoints hold
+            summary = _train(cfg, engine, data, metrics_path, state, config, ranks)
+            result = _export(cfg, engine, out)
+    except BaseException:
+        with contextlib.suppress(Exception):  # closing flushes: on a full disk it fails again, and would hide why
+            engine.close()
+        raise
+    engine.close()
     log = _log if cfg.progress else lambda s: None
     req = plan_request(cfg, config, stripes, ranks.world)
     check = check_profile(chosen, req, summary.pop("steady_step_s"), log) if ranks.root else None
@@ -468,8 +472,7 @@ def _train(
             per = slice(ranks.rank * n, (ranks.rank + 1) * n)
             engine.set_lr(lr_at(step, cfg.lr, cfg.lr_schedule, cfg.warmup_steps, total))
             engine.timeline.clear()
-            with _pins_named(engine):
-                st = engine.train_step(ids[per], labels[per], None if pos is None else pos[per])
+            st = engine.train_step(ids[per], labels[per], None if pos is None else pos[per])
             rec = _record(step, st, fpt, ranks.world)
             c["tokens"] += st.tokens * ranks.world
             c["written"] += st.ssd_write_bytes
@@ -580,7 +583,11 @@ def _interrupted(signum: int, step: int, saved: bool, engine: Engine, ranks: Any
 
 @contextlib.contextmanager
 def _pins_named(engine: Engine) -> Iterator[None]:
-    """Extend a disk-full StoreSpaceError raised inside by what the checkpoints hold (``space_note``)."""
+    """Extend a disk-full StoreSpaceError raised inside by what the checkpoints hold (``space_note``);
+    a bare ENOSPC/EDQUOT OSError (a manifest or checkpoint file that did not fit) becomes one too.
+    Whatever did not fit was never published: the last commit and checkpoints stay intact."""
+    import errno
+
     from fuyou.checkpoint.room import space_note
     from fuyou.errors import StoreSpaceError
 
@@ -590,6 +597,14 @@ def _pins_named(engine: Engine) -> Iterator[None]:
         if "disk full" not in str(e):
             raise
         raise StoreSpaceError(f"{e}; {space_note(list(engine.store.dirs))}") from e
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        raise StoreSpaceError(
+            f"disk full{where}: {e.strerror}; free space or add another --ssd directory; "
+            f"{space_note(list(engine.store.dirs))}"
+        ) from e
 
 
 def _device_figures(engine: Any) -> dict:

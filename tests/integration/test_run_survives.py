@@ -253,3 +253,28 @@ def test_with_checkpoints_off_a_signal_only_stops_and_says_nothing_was_saved(tmp
     assert p.returncode == 143, err[-3000:]
     assert "nothing saved (checkpoints are off: --save-every 0)" in err and "resume with" not in err, err[-3000:]
     assert list_checkpoints([os.path.join(out, "store")]) == []
+
+
+@pytest.mark.root
+@pytest.mark.slow  # ~25 s
+def test_a_disk_that_fills_mid_run_names_what_the_checkpoints_pin_and_nothing_is_lost(tmp_path, inputs):
+    model, data, clean = inputs
+    with mounted(str(tmp_path / "ssd"), "tmpfs", "size=600m") as ssd:
+        out = str(tmp_path / "run")
+        common = ("--ssd", ssd, "--save-every", "1", "--profile", os.path.join(clean, "profile.json"))
+        p = start(args(model, data, out, *common))
+        wait_for_steps([p], out, 3)
+        st = os.statvfs(ssd)
+        _ballast(os.path.join(ssd, "ballast"), st.f_bavail * st.f_frsize - 4096)  # another program fills it
+        _, err = p.communicate(timeout=120)
+        line = err.strip().splitlines()[-1]
+        assert p.returncode == 1 and line.startswith("error: disk full"), err[-3000:]
+        assert "checkpoint(s) pin" in line and "MiB the live store no longer uses: step-" in line, line
+        assert "Traceback" not in err, err[-3000:]
+        os.unlink(os.path.join(ssd, "ballast"))
+        r = subprocess.run(
+            [sys.executable, "-m", "fuyou", *args(model, data, out, *common, "--resume", "auto")], cwd=ROOT,
+            capture_output=True, text=True, timeout=600, env=env_without_ranks(),
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-3000:]
+        same_as_clean(out, clean)
