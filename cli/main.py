@@ -6,12 +6,13 @@ Errors Fuyou raises on purpose print as one line (no traceback unless ``--debug`
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
 
 from fuyou import __version__
-from fuyou.run.tensorboard import REPORT_TO
+from fuyou.run.reporters import REPORT_TO
 from fuyou.schedule.plan import POLICIES
 
 
@@ -122,9 +123,9 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
 @click.option("--trace", type=click.Path(), help="Write a Perfetto trace of the last step here.")
 @click.option(
     "--report-to",
-    type=click.Choice(list(REPORT_TO)),
-    help="tensorboard: also log each step (loss, held-out loss, lr, grad norm, speed, busy fractions, SSD GB) "
-    "to OUTPUT/tensorboard (needs the report extra). Default none.",
+    help=f"{' | '.join(REPORT_TO)}, or several joined by commas (tensorboard,wandb): also log each step (loss, "
+    "held-out loss, lr, grad norm, speed, busy fractions, SSD GB) to OUTPUT/tensorboard (the report extra) "
+    "and/or Weights & Biases (the wandb extra; WANDB_MODE=offline works without network). Default none.",
 )
 @click.option("--data-format", type=click.Choice(["auto", "text", "prompt_completion", "messages"]))
 @click.option(
@@ -157,8 +158,20 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
     "the experts' use over the whole step, micro per micro-batch (the HF model's own loss), off: none.",
 )
 @click.option("--eval-fraction", type=float, help="Share of the data held out for evaluation.")
-@click.option("--save-every", type=int, help="Checkpoint every N steps (copy-free hard links); 0 = never.")
-@click.option("--keep-checkpoints", type=int, help="Checkpoints to keep (default 2).")
+@click.option("--eval-data", type=click.Path(), help="JSONL evaluated instead of a held-out share of --data.")
+@click.option("--eval-every", type=int, help="Also evaluate the held-out loss every N steps (default: before/after).")
+@click.option(
+    "--keep-best",
+    is_flag=True,
+    default=None,
+    help="Checkpoint at every evaluation and keep the one with the lowest held-out loss (needs --eval-every).",
+)
+@click.option(
+    "--save-every",
+    help="Checkpoint every N steps (200) or span of wall time (30min, 2h); 0 = never. Default 30min. "
+    "Copy-free: each kept checkpoint pins at most one version of the state on the SSD.",
+)
+@click.option("--keep-checkpoints", type=int, help="Checkpoints to keep (default 2; a resume prunes to it first).")
 @click.option("--resume", help="auto (newest intact checkpoint, else start fresh) or a checkpoint directory.")
 @click.option(
     "--overwrite", is_flag=True, help="Let a fresh start replace an earlier run in OUTPUT/--ssd (else it refuses)."
@@ -193,6 +206,7 @@ def finetune(
     Face cache) out of core; without one, run the built-in demo."""
     from fuyou.run.config import load_yaml, merge
     from fuyou.run.loop import finetune as run
+    from fuyou.run.stop import RunInterrupted, resume_command
 
     given = {k: v for k, v in flags.items() if v is not None and v != ()}
     if model_dir:
@@ -215,7 +229,17 @@ def finetune(
             err=True,
         )
     cfg = merge(file_values, given)
-    summary = run(cfg)
+    try:
+        summary = run(cfg)
+    except RunInterrupted as e:
+        how = "the same torchrun launch of" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        again = f"; resume with {how}:\n  {resume_command(sys.argv)}".replace(" :", ":")
+        again = again if e.rank == 0 and e.checkpoint else ""
+        click.echo(f"{e}{again}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # before training started: nothing to save
+        click.echo("interrupted before training started; nothing was saved", err=True)
+        sys.exit(130)
     if not cfg.progress and summary.get("rank", 0) == 0:
         click.echo(
             f"done: {summary['steps']} steps, loss {summary['first_loss']:.4f} → {summary['last_loss']:.4f}, "
@@ -233,11 +257,16 @@ def finetune(
     show_default=True,
     help="auto: the dtype of the checkpoint the run started from (its frozen weights then come out bit-identical).",
 )
-def export(store_dirs: tuple[str, ...], out_dir: str, dtype: str) -> None:
+@click.option(
+    "--checkpoint",
+    help="Export this checkpoint of the run (its name, e.g. step-00000200, or best: the --keep-best one) "
+    "instead of its last step.",
+)
+def export(store_dirs: tuple[str, ...], out_dir: str, dtype: str, checkpoint: str | None) -> None:
     """Write the current weights of a run's store (STORE_DIRS…) as a Hugging Face directory OUT_DIR."""
     from fuyou.engine.export import export_store
 
-    export_store(list(store_dirs), out_dir, dtype)
+    export_store(list(store_dirs), out_dir, dtype, checkpoint)
     click.echo(f"exported to {out_dir}")
 
 

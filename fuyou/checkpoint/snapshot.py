@@ -326,11 +326,12 @@ def restore(stripes: list[str], name: str) -> dict:
     return read_manifest(src[0], TRAINER)
 
 
-def prune(stripes: list[str], keep: int) -> list[str]:
+def prune(stripes: list[str], keep: int, protect: tuple[str, ...] = ()) -> list[str]:
     """Delete all but the ``keep`` newest checkpoints (by training step) and leftover ``.partial`` ones;
-    return the deleted. Set-aside checkpoints are never touched."""
+    return the deleted. Checkpoints named in ``protect`` (``--keep-best``'s) stay whatever their rank;
+    set-aside checkpoints are never touched."""
     names = list_checkpoints(stripes)
-    doomed = names[keep:]
+    doomed = [n for n in names[keep:] if n not in protect]
     root = os.path.join(stripes[0], CKPT)
     partials = [n for n in os.listdir(root) if n.endswith(PARTIAL)] if os.path.isdir(root) else []
     for name in doomed:

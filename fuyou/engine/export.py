@@ -24,6 +24,8 @@ from fuyou.storage.store import TensorStore
 from fuyou.transfer.ram_tier import RamTier, refuse_stale
 
 HF_FILES = "hf-model-files"
+CHECKPOINTS = "checkpoints"
+"""Where a store keeps its checkpoints (``fuyou.checkpoint.snapshot.CKPT``, which this layer does not import)."""
 
 
 def export_dtype(dtype: str, meta: StoreMeta) -> torch.dtype:
@@ -166,18 +168,42 @@ def export_layout(
     save_streamed(out_dir, gen, config, dtype, copy_from=copy_from)
 
 
-def _store_dirs(paths: list[str]) -> list[str]:
+def _store_dirs(paths: list[str], checkpoint: str | None = None) -> list[str]:
     """Store directories from a run directory (its run.json) or as given; a multi-rank run's hold
-    ``{rank}``."""
-    if len(paths) == 1 and os.path.isfile(os.path.join(paths[0], "run.json")):
-        with open(os.path.join(paths[0], "run.json")) as f:
-            return list(json.load(f)["store_dirs"])
-    return paths
+    ``{rank}``. ``checkpoint``: that checkpoint's directories in them instead (``best``: the
+    ``--keep-best`` one run.json names). Raises ConfigError for ``best`` without a run that kept one."""
+    run = os.path.join(paths[0], "run.json")
+    summary = None
+    if len(paths) == 1 and os.path.isfile(run):
+        with open(run) as f:
+            summary = json.load(f)
+        paths = list(summary["store_dirs"])
+    if checkpoint == "best":
+        best = (summary or {}).get("best_checkpoint")
+        if not best:
+            raise ConfigError(
+                f"--checkpoint best needs a run directory whose run.json names a best checkpoint (a finished run "
+                f"with --eval-every N --keep-best); {paths[0]} is not one: pass the checkpoint's name"
+            )
+        checkpoint = os.path.basename(best)
+    return [os.path.join(d, CHECKPOINTS, checkpoint) for d in paths] if checkpoint else paths
 
 
-def export_store(paths: list[str], out_dir: str, dtype: str = "auto") -> None:
+def _model_files(first: str) -> str:
+    """The model-files directory of the store in ``first``; a checkpoint (``<store>/checkpoints/<name>``)
+    shares its store's."""
+    files = os.path.join(first, HF_FILES)
+    parent = os.path.dirname(os.path.abspath(first).rstrip("/"))
+    if not os.path.isdir(files) and os.path.basename(parent) == CHECKPOINTS:
+        return os.path.join(os.path.dirname(parent), HF_FILES)
+    return files
+
+
+def export_store(paths: list[str], out_dir: str, dtype: str = "auto", checkpoint: str | None = None) -> None:
     """``fuyou export``: a run directory or store directories → a Hugging Face model directory. A run
-    of several ranks (``torchrun``) is read from every rank's store, block by block.
+    of several ranks (``torchrun``) is read from every rank's store, block by block. ``checkpoint``:
+    export that checkpoint of the run (its name, or ``best``: ``--keep-best``'s) instead of its last
+    step; a checkpoint's own directory (``<store>/checkpoints/<name>``) works as a store directory too.
 
     Raises ManifestError if the store lacks the model files or layout facts (not a Fuyou run store),
     StoreError if its last committed step kept host-RAM-tier extents never written back (export a
@@ -186,7 +212,7 @@ def export_store(paths: list[str], out_dir: str, dtype: str = "auto") -> None:
     """
     from fuyou.storage.dirs import RANK_FIELDS, rank_dirs
 
-    template = _store_dirs(paths)
+    template = _store_dirs(paths, checkpoint)
     ranked = any(f in d for d in template for f in RANK_FIELDS)
     first = rank_dirs(template, 0, 2 if ranked else 1, 0)
     with TensorStore.open(first) as store:
@@ -223,7 +249,7 @@ def _store_layout(store: TensorStore, first: str, ranked: bool) -> tuple[ModelLa
     store whose first directory is ``first``; raises ManifestError / StoreError as ``export_store``."""
     from fuyou.models.adapters import make_adapter
 
-    files = os.path.join(first, HF_FILES)
+    files = _model_files(first)
     if not os.path.isdir(files):
         raise ManifestError(
             f"{first} is not a Fuyou training store (no model files); pass a run directory or the --ssd "

@@ -11,10 +11,15 @@ from fuyou.data.sources import parse_columns
 from fuyou.engine.balance import MODES as BALANCE_MODES
 from fuyou.errors import ConfigError
 from fuyou.models.lora import LoraSettings
+from fuyou.run import reporters
 from fuyou.run.lr import SCHEDULES
-from fuyou.run.tensorboard import REPORT_TO
 from fuyou.schedule.plan import POLICIES
 from fuyou.units import parse_size
+
+DEFAULT_SAVE_EVERY = "30min"
+"""Checkpoint every 30 minutes of wall time by default: at most half an hour of training lost to a
+crash or preemption, for a stall of milliseconds (hard links) and at most one pinned version of the
+state per kept checkpoint on the SSD."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,8 @@ class FinetuneConfig:
     """Perfetto trace of the last step, if set."""
     report_to: str = "none"
     """``tensorboard``: also log each step's metrics as TensorBoard scalars in OUTPUT/tensorboard
-    (``fuyou.run.tensorboard``; needs the ``report`` extra); ``none``: metrics.jsonl only."""
+    (``fuyou.run.tensorboard``; needs the ``report`` extra); ``wandb``: to Weights & Biases
+    (``fuyou.run.wandb_log``; the ``wandb`` extra); both: ``tensorboard,wandb``; ``none``: metrics.jsonl only."""
     data_format: str = "auto"
     packing: str = "auto"
     """``documents`` (each packed document attends only to itself), ``concat`` (documents run on into
@@ -76,11 +82,20 @@ class FinetuneConfig:
     """A mixture of experts' balance loss: ``global`` (expert use counted over the whole step),
     ``micro`` (per micro-batch) or ``off`` (``fuyou.engine.balance``); dense models ignore it."""
     eval_fraction: float = 0.05
-    """Share of the data held out for the before/after evaluation loss."""
-    save_every: int = 0
-    """Checkpoint every N steps (hard links to the committed state: seconds, not a copy); 0 = never."""
+    """Share of the data held out for the evaluation loss (before the run, every ``eval_every`` steps, after)."""
+    eval_data: str | None = None
+    """A separate JSONL file (same format as ``data``) to evaluate on instead of the held-out share."""
+    eval_every: int = 0
+    """Evaluate the held-out loss every N steps as well (0: only before and after the run)."""
+    keep_best: bool = False
+    """Checkpoint at every evaluation and keep the one with the lowest held-out loss whatever
+    ``keep_checkpoints`` prunes (``checkpoints/best`` names it)."""
+    save_every: int | str = DEFAULT_SAVE_EVERY
+    """Checkpoint every N steps (an integer) or every span of wall time (``30min``, ``2h``, ``90s``);
+    0 = never. Copy-free (hard links to the committed state): each kept checkpoint pins at most one
+    version of the state on the SSD."""
     keep_checkpoints: int = 2
-    """Checkpoints kept (older ones are deleted)."""
+    """Checkpoints kept (older ones are deleted; on ``--resume`` before training starts)."""
     resume: str | None = None
     """``auto`` (newest intact checkpoint, else a fresh start) or a checkpoint path."""
     overwrite: bool = False
@@ -133,8 +148,14 @@ class FinetuneConfig:
             p.append(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             p.append(f"--device must be auto, cuda or cpu, got {self.device!r}")
-        if not isinstance(self.save_every, int) or self.save_every < 0:
-            p.append(f"--save-every must be an integer ≥ 0, got {self.save_every!r}")
+        try:
+            save_interval(self.save_every)
+        except ConfigError as e:
+            p.append(str(e))
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            p.append(f"--eval-every must be an integer ≥ 0, got {self.eval_every!r}")
+        if self.keep_best and not self.eval_every:
+            p.append("--keep-best needs --eval-every N (the evaluations it compares)")
         if not isinstance(self.keep_checkpoints, int) or self.keep_checkpoints < 1:
             p.append(f"--keep-checkpoints must be an integer ≥ 1, got {self.keep_checkpoints!r}")
         if not isinstance(self.overwrite, bool):
@@ -145,8 +166,10 @@ class FinetuneConfig:
             p.append(f"--prefetch-depth must be an integer ≥ 1, got {self.prefetch_depth!r}")
         if self.activations is not None and self.activations not in POLICIES:
             p.append(f"--activations must be one of {', '.join(POLICIES)}, got {self.activations!r}")
-        if self.report_to not in REPORT_TO:
-            p.append(f"--report-to must be one of {', '.join(REPORT_TO)}, got {self.report_to!r}")
+        try:
+            reporters.parse(self.report_to)
+        except ConfigError as e:
+            p.append(str(e))
         if self.packing not in ("auto", "concat", "documents"):
             p.append(f"--packing must be auto, concat or documents, got {self.packing!r}")
         if self.lora_rank is None and (self.merge or self.lora_alpha is not None):
@@ -184,6 +207,29 @@ class FinetuneConfig:
         return self.ssd or (os.path.join(self.output, "store"),)
 
 
+def save_interval(value: int | str) -> tuple[int, float]:
+    """``--save-every`` as (steps, seconds): ``12`` → (12, 0); ``30min`` → (0, 1800.0); ``0`` → (0, 0),
+    no checkpoints. Units: s, m/min, h. Raises ConfigError for anything else."""
+    text = str(value).strip().lower()
+    if isinstance(value, bool):
+        text = ""
+    if text.isdigit():
+        return int(text), 0.0
+    for unit, seconds in (("min", 60), ("s", 1), ("m", 60), ("h", 3600)):
+        if text.endswith(unit):
+            try:
+                amount = float(text[: -len(unit)])
+            except ValueError:
+                break
+            if amount > 0 and math.isfinite(amount):
+                return 0, amount * seconds
+            break
+    raise ConfigError(
+        f"--save-every must be a number of steps (e.g. 200), a span of wall time (e.g. 30min, 2h, 90s) "
+        f"or 0 (never), got {value!r}"
+    )
+
+
 FIELDS = {f.name for f in dataclasses.fields(FinetuneConfig)}
 
 
@@ -212,6 +258,8 @@ def load_yaml(path: str) -> dict:
             out[key] = tuple(out[key]) if isinstance(out[key], list) else tuple(out[key].split(","))
     if "freeze" in out:  # one glob, or a list of them
         out["freeze"] = (out["freeze"],) if isinstance(out["freeze"], str) else tuple(out["freeze"] or ())
+    if isinstance(out.get("report_to"), list):  # report-to: [tensorboard, wandb]
+        out["report_to"] = ",".join(str(x) for x in out["report_to"])
     if "betas" in out:
         out["betas"] = tuple(float(b) for b in out["betas"])
     return out

@@ -12,7 +12,7 @@ import torch
 from fuyou.run.config import FinetuneConfig
 
 EVAL_BATCHES = 8
-"""Held-out batches evaluated before and after training (at most)."""
+"""Held-out batches evaluated at each evaluation (at most)."""
 
 
 @dataclass
@@ -32,7 +32,7 @@ class RunData:
 
 def build_data(cfg: FinetuneConfig, tokenizer: Any, config: Any, world: int = 1) -> RunData:
     """Index the data (``--data``: files, globs, Parquet, ``datasets`` directories, hub dataset ids; or write the
-    demo text), split off held-out data, make the batch loader of
+    demo text), split off held-out data (or read ``--eval-data``), make the batch loader of
     global batches: ``micro_batch_size × grad_accum × world`` sequences, of which each of the
     ``world`` ranks trains its slice (every rank walks the same order, so a resumed loader state puts
     every rank at its exact position).
@@ -62,7 +62,8 @@ def build_data(cfg: FinetuneConfig, tokenizer: Any, config: Any, world: int = 1)
             data_format=cfg.data_format,
             seed=cfg.seed,
             max_positions=max_pos,
-            eval_fraction=cfg.eval_fraction,
+            eval_fraction=0.0 if cfg.eval_data else cfg.eval_fraction,
+            eval_path=cfg.eval_data,
             packing=cfg.packing,
             columns=cfg.columns,
         )

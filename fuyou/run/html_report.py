@@ -204,9 +204,12 @@ def _overview(run: RunRecord) -> str:
 
 
 def _held_out(run: RunRecord) -> list[tuple[int, float]]:
-    """The held-out losses as (step, loss): before training (step 0) and after it (the last step)."""
+    """The held-out losses as (step, loss): before training (step 0), at each ``--eval-every``
+    evaluation (the steps' ``eval_loss``) and after it (the last step)."""
     s = run.summary or {}
-    points = [(0, s.get("eval_loss_before")), (int(s.get("steps", run.steps[-1]["step"])), s.get("eval_loss_after"))]
+    along = [(int(r["step"]), r.get("eval_loss")) for r in run.steps]
+    last = int(s.get("steps", run.steps[-1]["step"]))
+    points = [(0, s.get("eval_loss_before")), *along, (last, s.get("eval_loss_after"))]
     return [(x, float(y)) for x, y in points if y is not None]
 
 
@@ -217,9 +220,10 @@ def _loss(run: RunRecord) -> str:
     ax.plot(steps, loss, marker=_marker(run), color="#4c72b0", label="train loss (each step's batch)")
     if held:
         xs, ys = zip(*held)
-        ax.plot(xs, ys, "s--", color="#c44e52", label="held-out loss (before / after training)")
-        for i, (x, y) in enumerate(held):  # the first label right of its point, the last one left: inside the axes
-            last = i == len(held) - 1 and len(held) > 1
+        ax.plot(xs, ys, "s--", color="#c44e52", label="held-out loss (before, every --eval-every steps, after)")
+        ends = [held[0], held[-1]] if len(held) > 1 else held  # labelled: the first and the last
+        for i, (x, y) in enumerate(ends):  # the first label right of its point, the last one left: inside the axes
+            last = i == len(ends) - 1 and len(ends) > 1
             ax.annotate(
                 f"{y:.4f}",
                 (x, y),
@@ -234,7 +238,10 @@ def _loss(run: RunRecord) -> str:
     ax.legend(loc="best")
     rows = [("train loss", f"{loss[0]:.4f} (step {steps[0]}) → {loss[-1]:.4f} (step {steps[-1]})")]
     if held:
-        rows.append(("held-out loss", " → ".join(f"{y:.4f} (step {x})" for x, y in held)))
+        shown = held if len(held) <= 6 else [*held[:2], *held[-3:]]  # the table stays one line
+        best = min(held, key=lambda p: p[1])
+        text = " → ".join(f"{y:.4f} (step {x})" for x, y in shown) + (" …" if len(shown) < len(held) else "")
+        rows.append(("held-out loss", text + (f"; lowest {best[1]:.4f} at step {best[0]}" if len(held) > 2 else "")))
     elif run.finished:
         rows.append(("held-out loss", "none: the run held out no data (--eval-fraction 0)"))
     else:

@@ -23,11 +23,14 @@ from fuyou.engine import Engine, EngineConfig, StepResult
 from fuyou.errors import ConfigError, FuyouWarning
 from fuyou.models.hub import is_hub_id, resolve_model
 from fuyou.planner.cost import FLOP_FORMULA
-from fuyou.run.config import FinetuneConfig
+from fuyou.run import reporters
+from fuyou.run.config import FinetuneConfig, save_interval
 from fuyou.run.lr import lr_at
 from fuyou.run.plan_choice import WARMUP_STEPS, ChosenPlan, PlanRequest, check_profile, choose_plan, device_kind
 from fuyou.run.report import Progress, peak_rss, summary_table
-from fuyou.run.tensorboard import TensorBoardLog, require_tensorboard
+from fuyou.run.stop import RunInterrupted, StopRequest
+from fuyou.run.tensorboard import TensorBoardLog
+from fuyou.run.wandb_log import WandbLog
 from fuyou.units import parse_size
 
 
@@ -154,8 +157,8 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     stripes = _stripes(cfg, ranks)
     if not cfg.resume:  # before any slow work: refuse to start over an earlier run unless --overwrite
         _on_every_rank(ranks, lambda: check_fresh_start(out, stripes, cfg.overwrite))
-    if cfg.report_to == "tensorboard":  # rank 0 logs: it needs the package, and every rank stops without it
-        _on_every_rank(ranks, lambda: require_tensorboard() if ranks.root else None)
+    if reporters.parse(cfg.report_to):  # rank 0 logs: it needs the packages, and every rank stops without them
+        _on_every_rank(ranks, lambda: reporters.require(reporters.parse(cfg.report_to)) if ranks.root else None)
     model_dir, pretrained = _model(cfg)
     config = load_config(model_dir)
     architecture_of(config)  # unsupported models fail before any data is read
@@ -184,10 +187,14 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     _say_precision(precision)
     metrics_path = cfg.metrics or os.path.join(out, "metrics.jsonl")
     try:
-        summary = _train(cfg, engine, data, metrics_path, state, config, ranks)
-        result = _export(cfg, engine, out)
-    finally:
-        engine.close()
+        with _pins_named(engine):  # a disk that fills up: say what the checkpoints hold
+            summary = _train(cfg, engine, data, metrics_path, state, config, ranks)
+            result = _export(cfg, engine, out)
+    except BaseException:
+        with contextlib.suppress(Exception):  # closing flushes: on a full disk it fails again, and would hide why
+            engine.close()
+        raise
+    engine.close()
     log = _log if cfg.progress else lambda s: None
     req = plan_request(cfg, config, stripes, ranks.world)
     check = check_profile(chosen, req, summary.pop("steady_step_s"), log) if ranks.root else None
@@ -234,12 +241,12 @@ def _export(cfg: FinetuneConfig, engine: Any, out: str) -> str:
 def _on_every_rank(ranks: Any, check: Any) -> None:
     """Run ``check`` on every rank; if it raises on any, raise on all (this rank's error, or one naming
     the rank that refused), so no rank goes on alone."""
-    from fuyou.errors import ConfigError
+    from fuyou.errors import FuyouError
 
     err: Exception | None = None
     try:
         check()
-    except ConfigError as e:
+    except FuyouError as e:
         err = e
     refused = [r for r, ok in enumerate(ranks.gather(err is None)) if not ok]
     if err is not None:
@@ -332,18 +339,37 @@ def _start(
     chosen = ranks.decide(lambda: choose_plan(req, log=_log if cfg.progress else lambda s: None))
     ec = _engine_config(cfg, req, chosen, ranks.world)
     if point is None:
-        return Engine.from_pretrained(model_dir, ec), None, chosen
-    name, state = point
-    restore(stripes, name)
-    return Engine.resume(ec), state, chosen
+        engine, state = Engine.from_pretrained(model_dir, ec), None
+    else:
+        restore(stripes, point[0])
+        engine, state = Engine.resume(ec), point[1]
+    try:
+        _on_every_rank(ranks, lambda: _check_room(cfg, engine))
+    except BaseException:
+        engine.close()
+        raise
+    return engine, state, chosen
+
+
+def _check_room(cfg: FinetuneConfig, engine: Engine) -> None:
+    """Refuse (StoreSpaceError) a run whose kept checkpoints will not fit on its --ssd filesystems
+    (``fuyou.checkpoint.room``); a run without checkpoints, or LoRA's (whose base no step rewrites,
+    so a checkpoint pins only the adapters), is not checked."""
+    from fuyou.checkpoint.room import check_room
+    from fuyou.run.config import save_interval
+
+    if save_interval(cfg.save_every) == (0, 0.0) or cfg.lora is not None:
+        return
+    check_room(list(engine.store.dirs), engine.store.committed()[1], cfg.keep_checkpoints)
 
 
 def _make_way(cfg: FinetuneConfig, stripes: list[str], point: tuple[str, dict] | None, root: bool = True) -> None:
     """Clear what the starting run would collide with: ``--overwrite`` on a fresh start deletes the
-    earlier run; otherwise checkpoints are only set aside, and the old run.json and model/ removed
+    earlier run; otherwise checkpoints are only set aside (a resume then prunes the older ones to
+    ``--keep-checkpoints``, keeping the one it resumes from and ``--keep-best``'s), and the old run.json and model/ removed
     (this run writes new ones) once it is clear that a finished model is not being replaced. Only
     rank 0 (``root``) touches the run directory's shared files; every rank its own store."""
-    from fuyou.checkpoint import remove_all
+    from fuyou.checkpoint import prune, remove_all
     from fuyou.checkpoint.resume import set_aside_newer
     from fuyou.run.directory import check_fresh_after_auto, clear_finished
 
@@ -356,6 +382,9 @@ def _make_way(cfg: FinetuneConfig, stripes: list[str], point: tuple[str, dict] |
         check_fresh_after_auto(cfg.output, cfg.overwrite)
     if cfg.resume:
         set_aside_newer(stripes, point[0] if point else None)
+        if point is not None:  # --keep-checkpoints K applies before training needs the room they pin
+            best = (point[1].get("counters") or {}).get("best") or {}
+            prune(stripes, cfg.keep_checkpoints, tuple(n for n in (point[0], best.get("checkpoint")) if n))
     if root:
         clear_finished(cfg.output)
 
@@ -374,7 +403,8 @@ def _evaluate(engine: Engine, batches: list) -> float | None:
 
 def _checkpoint(cfg: FinetuneConfig, engine: Engine, data: Any, step: int, counters: dict, ranks: Any) -> float:
     """Save a checkpoint after ``step`` steps; return the training stall in seconds. With several ranks
-    each takes its own, then rank 0 marks it held by all; only then are older ones pruned."""
+    each takes its own, then rank 0 marks it held by all; only then are older ones pruned (never
+    ``--keep-best``'s, ``counters["best"]``)."""
     from fuyou.checkpoint import prune, take
     from fuyou.checkpoint.resume import checkpoint_name, encode_rng, mark_all_ranks
 
@@ -393,14 +423,15 @@ def _checkpoint(cfg: FinetuneConfig, engine: Engine, data: Any, step: int, count
         if ranks.root:
             mark_all_ranks(list(engine.store.dirs), checkpoint_name(step), ranks.world)
         ranks.barrier()  # marked: the older ones may go
-    prune(list(engine.store.dirs), cfg.keep_checkpoints)
+    best = (counters.get("best") or {}).get("checkpoint")
+    prune(list(engine.store.dirs), cfg.keep_checkpoints, (best,) if best else ())
     return time.perf_counter() - t0
 
 
 def _train(
     cfg: FinetuneConfig, engine: Engine, data: Any, metrics_path: str, state: dict | None, config: Any, ranks: Any
 ) -> dict[str, Any]:
-    from fuyou.checkpoint.resume import decode_rng
+    from fuyou.checkpoint.resume import checkpoint_name, decode_rng
     from fuyou.models.description import describe_model
 
     total = data.total_steps
@@ -415,6 +446,7 @@ def _train(
         "stall": 0.0,
         "step_times": [],
         "eval_before": None,
+        "best": None,
     }
     start = 0
     metrics = metrics_path if ranks.root else os.devnull  # rank 0 writes the run's metrics
@@ -429,10 +461,17 @@ def _train(
             _truncate_lines(metrics_path, start)
     batches: Iterator = data.train_batches()
     progress = Progress(total, enabled=cfg.progress)
-    tb = TensorBoardLog(cfg.output, start) if cfg.report_to == "tensorboard" and ranks.root else None
-    if tb and state is None:
-        tb.eval_loss(0, c["eval_before"])
-    with open(metrics, "a") as mf, progress, tb or contextlib.nullcontext():
+    names = reporters.parse(cfg.report_to) if ranks.root else ()
+    every, seconds = save_interval(cfg.save_every)
+    last_save = time.monotonic()
+    with (
+        open(metrics, "a") as mf,
+        progress,
+        reporters.open_reporters(names, cfg.output, start, _settings(cfg)) as tb,
+        StopRequest() as stop,
+    ):
+        if state is None:
+            tb.eval_loss(0, c["eval_before"])
         progress.advance_to(start)
         for step in range(start, total):
             t0 = time.perf_counter()
@@ -443,10 +482,6 @@ def _train(
             engine.timeline.clear()
             st = engine.train_step(ids[per], labels[per], None if pos is None else pos[per])
             rec = _record(step, st, fpt, ranks.world)
-            mf.write(json.dumps(rec) + "\n")
-            mf.flush()
-            if tb:
-                tb.step(rec)
             c["tokens"] += st.tokens * ranks.world
             c["written"] += st.ssd_write_bytes
             c["read"] += st.ssd_read_bytes
@@ -454,14 +489,30 @@ def _train(
             c["loss"] = st.loss
             c["wall"] += time.perf_counter() - t0
             c["step_times"].append(st.step_time_s)
-            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < total:
-                c["stall"] += _checkpoint(cfg, engine, data, step + 1, c, ranks)
+            done = step + 1
+            evaluated = cfg.eval_every and done % cfg.eval_every == 0 and done < total
+            if evaluated:
+                rec["eval_loss"] = _evaluate(engine, data.eval_batches)
+                tb.eval_loss(done, rec["eval_loss"])
+            mf.write(json.dumps(rec) + "\n")
+            mf.flush()
+            tb.step(rec)
+            due = bool(seconds) and time.monotonic() - last_save >= seconds
+            better = bool(cfg.keep_best and evaluated and _improves(c, rec["eval_loss"]))
+            stopping, due, best = _agree(ranks, stop.signum or 0, due, better)
+            if best:
+                c["best"] = {"eval_loss": rec["eval_loss"], "checkpoint": checkpoint_name(done), "step": done}
+            saved = False
+            if (stopping and (every or seconds)) or best or ((every and done % every == 0 or due) and done < total):
+                c["stall"] += _checkpoint(cfg, engine, data, done, c, ranks)
+                saved, last_save = True, time.monotonic()
             progress.update(rec)
+            if stopping:
+                _interrupted(stopping, done, saved, engine, ranks)
         if cfg.trace:
             engine.timeline.to_chrome_trace(cfg.trace)
         eval_after = _evaluate(engine, data.eval_batches)
-        if tb:
-            tb.eval_loss(total, eval_after)
+        tb.eval_loss(total, eval_after)
     return {
         "steps": total,
         "tokens": c["tokens"],
@@ -480,9 +531,88 @@ def _train(
         "cpu_memory_bytes": parse_size(cfg.cpu_memory),
         "flop_formula": FLOP_FORMULA,
         "store_dirs": list(_store_template(cfg, ranks.world)),
-        "tensorboard": tb.log_dir if tb else None,
+        "tensorboard": tb.dir_of(TensorBoardLog),
+        "wandb": tb.dir_of(WandbLog),
+        "best_checkpoint": _best_path(engine, c.get("best")),
+        "best_eval_loss": (c.get("best") or {}).get("eval_loss"),
         "steady_step_s": statistics.median(c["step_times"][WARMUP_STEPS:]) if c["step_times"][WARMUP_STEPS:] else None,
     }
+
+
+def _settings(cfg: FinetuneConfig) -> dict[str, Any]:
+    """The run's settings as JSON values (W&B records them as its run's config)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.__dict__.items()}
+
+
+def _agree(ranks: Any, signum: int, due: bool, best: bool) -> tuple[int, bool, bool]:
+    """(stop signal or 0, checkpoint due, new best held-out loss) the same on every rank: the first
+    signal any rank got (by rank order); a time-based checkpoint and ``--keep-best``'s verdict as rank
+    0 sees them (its clock, its held-out loss). One small gather per step with several ranks."""
+    if ranks.world == 1:
+        return signum, due, best
+    votes = ranks.gather((signum, due, best))
+    return next((v[0] for v in votes if v[0]), 0), votes[0][1], votes[0][2]
+
+
+def _improves(c: dict, loss: float | None) -> bool:
+    """Whether held-out ``loss`` is lower than ``--keep-best``'s best so far."""
+    best = c.get("best")
+    return loss is not None and (best is None or loss < best["eval_loss"])
+
+
+def _best_path(engine: Engine, best: dict | None) -> str | None:
+    """The ``--keep-best`` checkpoint's directory (in the first store directory), or None."""
+    from fuyou.checkpoint.snapshot import CKPT
+
+    return os.path.join(engine.store.dirs[0], CKPT, best["checkpoint"]) if best else None
+
+
+def _interrupted(signum: int, step: int, saved: bool, engine: Engine, ranks: Any) -> None:
+    """Raise RunInterrupted after a stop signal: ``step`` steps done, checkpointed if ``saved``."""
+    import signal as sig
+
+    from fuyou.checkpoint.resume import checkpoint_name
+
+    name = sig.Signals(signum).name
+    where = checkpoint_name(step) if saved else None
+    raise RunInterrupted(
+        f"stopped on {name} after step {step}"
+        + (
+            f"; checkpoint {where} saved in {engine.store.dirs[0]}"
+            if where
+            else "; nothing saved (checkpoints are off: --save-every 0)"
+        ),
+        signum,
+        step,
+        where,
+        ranks.rank,
+    )
+
+
+@contextlib.contextmanager
+def _pins_named(engine: Engine) -> Iterator[None]:
+    """Extend a disk-full StoreSpaceError raised inside by what the checkpoints hold (``space_note``);
+    a bare ENOSPC/EDQUOT OSError (a manifest or checkpoint file that did not fit) becomes one too.
+    Whatever did not fit was never published: the last commit and checkpoints stay intact."""
+    import errno
+
+    from fuyou.checkpoint.room import space_note
+    from fuyou.errors import StoreSpaceError
+
+    try:
+        yield
+    except StoreSpaceError as e:
+        if "disk full" not in str(e):
+            raise
+        raise StoreSpaceError(f"{e}; {space_note(list(engine.store.dirs))}") from e
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        raise StoreSpaceError(
+            f"disk full{where}: {e.strerror}; free space or add another --ssd directory; "
+            f"{space_note(list(engine.store.dirs))}"
+        ) from e
 
 
 def _device_figures(engine: Any) -> dict:

@@ -14,9 +14,6 @@ from typing import Any
 
 from fuyou.errors import ConfigError
 
-REPORT_TO = ("none", "tensorboard")
-"""The values of ``--report-to``."""
-
 LOG_DIR = "tensorboard"
 """The event files' directory, inside the run directory."""
 
