@@ -17,6 +17,20 @@ from transformers import (
 )
 
 VOCAB = 96
+FAMILIES = (
+    "llama",
+    "llama_tied",
+    "qwen2",
+    "gpt2",
+    "phi3",
+    "gemma",
+    "gemma2",
+    "gemma3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+)
+"""One tiny model of each family the adapters support, for tests that go through all of them."""
 
 
 def tiny(family: str, layers: int = 2, hidden: int = 64):

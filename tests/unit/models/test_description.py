@@ -12,7 +12,7 @@ from fuyou.models.description import describe_model, load_description
 from fuyou.models.freeze import frozen_keys
 from fuyou.models.store_layout import ModelLayout
 from fuyou.schedule.shapes import NAMED, BlockShape, ModelShape
-from tests.integration.tiny_models import tiny
+from tests.integration.tiny_models import FAMILIES, tiny
 
 
 @pytest.mark.parametrize(
@@ -36,21 +36,6 @@ def test_model_flops_are_six_times_the_matmul_parameters():
     s = load_description("llama-3-8b")
     assert s.train_flops_per_token(0) == 6 * matmul
     assert s.train_flops_per_token(1024) == 6 * matmul + 12 * L * h * 1024
-
-
-FAMILIES = (
-    "llama",
-    "llama_tied",
-    "qwen2",
-    "gpt2",
-    "phi3",
-    "gemma",
-    "gemma2",
-    "gemma3",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -13,6 +13,7 @@ from fuyou.models.description import describe_model, load_description
 from fuyou.planner.profile import ComputePoint, HardwareProfile, load_profile, save_profile
 from fuyou.planner.result import Budgets, PlannerResult
 from fuyou.planner.search import Request, search
+from tests.integration.tiny_models import FAMILIES
 from tests.unit.planner.helpers import profile, small_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -28,21 +29,6 @@ def test_named_shapes_and_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "hidden_size": 8}))
     with pytest.raises(ConfigError, match="bert"):
         load_description(str(tmp_path))
-
-
-FAMILIES = (
-    "llama",
-    "llama_tied",
-    "qwen2",
-    "gpt2",
-    "phi3",
-    "gemma",
-    "gemma2",
-    "gemma3",
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-)
 
 
 def test_the_planner_sizes_host_memory_from_the_engines_footprint():
