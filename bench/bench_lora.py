@@ -157,7 +157,7 @@ def main() -> None:
         finally:
             for eng in fuyou.values():
                 eng.close()
-        report(args, runs, hw, lora.lora.numel if lora.lora else 0, sum(p.numel() for p in hf.parameters()), tiers)
+        report(args, runs, hw, lora.lora.numel, sum(p.numel() for p in hf.parameters()), tiers)
 
 
 def report(

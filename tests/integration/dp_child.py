@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from fuyou.engine import Engine, EngineConfig, Plan
+from fuyou.engine.lora import LoraState
 from fuyou.models.adapters import make_adapter
 from fuyou.models.lora import LoraSettings
 from fuyou.transfer.collectives import OneRank
@@ -81,7 +82,7 @@ def main(spec_path: str, out: str) -> None:
         norms.append(st.grad_norm)
         read, written, comm = read + st.ssd_read_bytes, written + st.ssd_write_bytes, comm + st.comm_bytes
     weights = dict(eng.master_weights())
-    if eng.lora is not None:  # the adapters (the same on every rank), beside the frozen base
+    if isinstance(eng.lora, LoraState):  # the adapters (the same on every rank), beside the frozen base
         weights |= {k: v.detach().cpu().clone() for k, v in eng.lora.params.items()}
     eng.close()
     if spec.get("mismatch"):  # rank 1's live store goes back a step: resuming must refuse on every rank

@@ -7,6 +7,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from fuyou import FuyouTrainer, FuyouTrainingArguments
+from fuyou.engine.lora import LoraState
 from fuyou.errors import ConfigError
 from tests.integration.tiny_models import VOCAB, tiny
 
@@ -276,7 +277,7 @@ def test_a_peft_model_trains_its_adapters_as_plain_trainer_does(tmp_path):
     ref_pm = copy.deepcopy(pm)
     data = dataset()
     ref, fy = plain_and_fuyou(tmp_path, ref_pm, pm, data)
-    assert fy.engine.lora is not None
+    assert isinstance(fy.engine.lora, LoraState)
     assert losses(fy) == pytest.approx(losses(ref), rel=1e-5)
     want = {n: p for n, p in ref_pm.named_parameters() if p.requires_grad}
     got = dict(pm.named_parameters())
