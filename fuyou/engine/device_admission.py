@@ -45,7 +45,7 @@ def batch_peak(
     fp = layout.footprint()
     cb = fp.compute_bytes
     blocks = []
-    for b, blk in enumerate(shape.device_blocks(cb, seq_len)):
+    for b, blk in enumerate(shape.device_blocks(cb, seq_len, micro_batch)):
         own = [b] + [layout.index(o) for o in layout.blocks[b].borrows]
         weights = sum(fp.device_bytes(o) - _grad_device_bytes(fp, o) for o in own)
         grads = sum(_grad_device_bytes(fp, o) for o in own if layout.trains(o) and not plan.frozen)

@@ -5,8 +5,10 @@ the blocks the engine streams; the store layout (``fuyou.models.store_layout``) 
 each block's flat vectors hold and which parameters ``--freeze`` moves to its read-only part. The
 planner's shape of each block comes from the same objects: elements and frozen elements from the
 layout, matmul FLOPs and LoRA's linear dimensions from the block's parameters and modules, the largest
-weight tensor (backward's fresh gradient) from its parameters. Only what a block saves for backward
-and its widest intermediate come from the family's rule (``fuyou.models.activation_rules``).
+weight tensor (backward's fresh gradient) from its parameters. What a block holds on the device while
+it computes — saved tensors, forward and backward transients — is measured on its own modules at the
+run's sequence length and dtype, on fake tensors (``probe``: ``fuyou.models.activation_probe``); the
+family's rule (``fuyou.models.activation_rules``) stands in where the modules cannot run on them.
 
 Named shapes (``GPT-3-13B``, ``llama-3-8b``, ``mixtral-8x7b``…) are Hugging Face configs
 (``fuyou.schedule.shapes.NAMED``) described the same way. Building a skeleton costs no memory (meta
@@ -18,15 +20,18 @@ from __future__ import annotations
 import functools
 import json
 import os
+import threading
 from typing import Any
 
 from torch import nn
 
 from fuyou.errors import ConfigError
 from fuyou.models import activation_rules
+from fuyou.models.activation_probe import probe_block
 from fuyou.models.adapters import Adapter, make_adapter
 from fuyou.models.freeze import frozen_blocks, frozen_keys
 from fuyou.models.store_layout import ModelLayout
+from fuyou.schedule.device_memory import BlockMemory
 from fuyou.schedule.experts import EXPERTS_PART
 from fuyou.schedule.shapes import NAMED, BlockShape, ModelShape
 
@@ -61,8 +66,42 @@ def _describe(key: str, name: str, groups: int, vocab_groups: int, freeze: tuple
 
     return ModelShape(
         name, blocks, hidden, layers, int(d["vocab_size"]), activation_rules.experts_of(d), groups, vocab_groups,
-        source=d, describer=again,
+        source=d, describer=again, probe=_Prober(adapter),
     )  # fmt: skip
+
+
+class _Prober:
+    """Each block's device memory measured on ``adapter``'s own modules (``activation_probe``), once
+    per block kind (its parameters' shapes, attention kind, expert group size), compute size and
+    micro-batch shape: the layers of a model share one measurement."""
+
+    def __init__(self, adapter: Adapter) -> None:
+        self.adapter = adapter
+        self.cache: dict[tuple, BlockMemory | None] = {}
+        self.lock = threading.Lock()
+        types = getattr(adapter.config, "layer_types", None) or []
+        self.kinds = [self._kind(adapter, b, types) for b in range(len(adapter.blocks))]
+
+    @staticmethod
+    def _kind(a: Adapter, b: int, types: list[str]) -> tuple:
+        layer = _layer_of(a, b)
+        return (
+            _kind(a, b),
+            tuple(p.shape for p in a.blocks[b].params),
+            types[layer] if 0 <= layer < len(types) else None,
+            a.route_of(b) is not None,
+            a.additive(b),
+        )
+
+    def __call__(self, b: int, compute_bytes: int, seq_len: int, micro_batch: int) -> BlockMemory | None:
+        key = (self.kinds[b], compute_bytes, seq_len, micro_batch)
+        got = self.cache.get(key, self)
+        if got is not self:
+            return got  # type: ignore[return-value]  # a BlockMemory or None, cached
+        with self.lock:
+            if key not in self.cache:
+                self.cache[key] = probe_block(self.adapter, b, compute_bytes, seq_len, micro_batch)
+            return self.cache[key]
 
 
 def _block(adapter: Adapter, layout: ModelLayout, cfg: dict[str, Any], b: int) -> BlockShape:

@@ -127,7 +127,9 @@ def device_peak(shape: ModelShape, plan: Plan, cfg: StepConfig, device: str = "c
         adapter_params=cfg.adapter_params, shard_grad_bytes=shard_grad, device=device, device_bytes=cfg.device_memory,
     )  # fmt: skip
     pol = device_memory.block_policies(plan, len(shape.blocks))
-    return device_memory.device_peak(shape.device_blocks(cb, cfg.seq_len, world, plan.frozen), pol, run)
+    return device_memory.device_peak(
+        shape.device_blocks(cb, cfg.seq_len, cfg.micro_batch_size, world, plan.frozen), pol, run
+    )
 
 
 def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile) -> Memory:

@@ -158,16 +158,15 @@ class StepGraph:
         return zero + self.K * (add + f / hw.flops_per_s(self.mb_tokens, backward=True, head=blk.kind == "head"))
 
     def act_bytes(self, b: int) -> float:
-        """Bytes block ``b`` saves for backward over all micro-batches of a step: measured (in the
-        profile's compute dtype) or the shape formula (bf16), scaled to this run's compute dtype."""
+        """Bytes block ``b`` saves for backward over all micro-batches of a step: measured by the
+        profile (a whole layer, scaled to this run's compute dtype) or by the model's description
+        (``ModelShape.memory``)."""
         blk = self.m.blocks[b]
         measured = self.hw.layer_act_bytes_per_token and self.hw.model_signature == self.m.signature
         if blk.kind == "layer" and measured and self.m.expert_groups == 1:  # measured: a whole layer
             per = self.hw.layer_act_bytes_per_token * self.c.compute_bytes / self.hw.compute_bytes
         else:
-            per = (
-                (blk.act_bytes_per_token + blk.act_bytes_per_token_per_key * self.c.seq_len) * self.c.compute_bytes / 2
-            )
+            per = self.m.memory(b, self.c.compute_bytes, self.c.seq_len).saved_per_token
         return per * self.K * self.mb_tokens
 
     def _policy(self, b: int) -> str:

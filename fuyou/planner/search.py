@@ -128,7 +128,7 @@ class _Search:
                 self.members[max(a for a in layers if a < b)].append(b)
         ob = {
             b: sum(shape.blocks[m].fwd_flops_per_token(shape.hidden, req.seq_len) for m in self.members[b])
-            / max(sum(shape.blocks[m].act_bytes_per_token for m in self.members[b]), 1)
+            / max(sum(shape.memory(m, 2, req.seq_len).saved_per_token for m in self.members[b]), 1)
             for b in layers
         }
         self.order = sorted(layers, key=lambda b: (-ob[b], -b))

@@ -4,37 +4,37 @@ engine admits a batch shape with it before the step allocates anything (``Engine
 Plain Python, no torch.
 
 The engine computes one block at a time over ``K`` micro-batches of ``t`` tokens; ``x = t × hidden ×
-compute_bytes`` is one micro-batch's hidden state. What a block ``a`` leaves on the device from its
-forward to its backward, per micro-batch (``resident``): ``keep`` its saved tensors (``saved`` per
-token) and one hidden state, ``recompute`` its input (an expert group none, the layer's last group its
-route), ``swap_*`` its output (the graph's root: the saved tensors move off), ``recompute_cpu``
-nothing. The phases:
+compute_bytes`` is one micro-batch's hidden state. Each block's own figures (``BlockMemory``: what it
+saves for backward, its forward and backward transients) are measured on the model's own modules at
+the micro-batch's shape (``fuyou.models.activation_probe``, through the model's description), or come
+from the family's rule where those cannot run on fake tensors (``FWD_WORK``, ``BWD_WORK``,
+``LAZY_SHARE``). What a block ``a`` leaves on the device from its forward to its backward, per
+micro-batch (``resident``): ``keep`` its saved tensors and one hidden state, ``recompute`` its input
+(an expert group none, the layer's last group its route), ``swap_*`` its output (the graph's root: the
+saved tensors move off), ``recompute_cpu`` nothing. The phases:
 
 * forward of ``b``: Σ_{a≤b} K·resident(a) + b's weights + inputs and outputs (2·K·x) + the transient
-  of one micro-batch's forward (``recompute``: the intermediates a no-grad forward makes, ``F`` ×
-  ``work`` per token; otherwise about one hidden state);
+  of one micro-batch's forward (with autograd, ``keep``, or without it, the other policies);
 * the turnaround (head): Σ_{a<H} K·resident(a) + the head's weights and gradients (and a tied
-  embedding's) + its inputs and their gradients (2·K·x) + the chunked loss's logits
-  (``sizing.loss_chunk_tokens``: 8 + 2 × compute_bytes per token and vocabulary entry); a head split
+  embedding's) + its inputs and their gradients (2·K·x) + one chunk's loss, forward and backward
+  (``sizing.loss_chunk_tokens`` tokens; the head's ``BlockMemory.bwd_per_token``: its final norm,
+  logits, their fp32 upcast and gradients, measured, or by rule 8 + 2 × compute_bytes per token and
+  vocabulary entry); a head split
   by vocabulary rows (``fuyou.schedule.vocab``) holds one group's weights and gradients at a time and,
   besides, the normed hidden states (K·x) and their fp32 gradient, its backward pass the larger;
 * backward of ``b``: Σ_{a≤b} K·resident(a) + b's weights and gradients + output gradients in and
-  input gradients out (2·K·x) + one micro-batch's backward transient (``B`` × ``work`` per token, plus
-  the largest weight tensor's gradient, made fresh before it is added into the block's buffer:
-  ``DeviceBlock.bwd_fixed``) + what comes back for it (``recompute``: its saved tensors again;
-  ``swap_*``: those of this micro-batch, a hidden state's worth more than ``saved`` — views the swap
-  cannot merge — of which only ``LAZY_SHARE`` for the first block backward reaches, which nothing
-  uploaded ahead; ``recompute_cpu``: its input and its saved tensors) + what is uploaded one ahead
-  (the next micro-batch's, or the block below's first) + from the head's backward on, the gradient
-  buffers of blocks the head borrows (a tied embedding: ``DeviceBlock.lends``).
+  input gradients out (2·K·x) + one micro-batch's backward transient (a weight's fresh gradient,
+  added into the block's buffer, included) + what comes back for it (``recompute``: its saved tensors
+  again; ``swap_*``: those of this micro-batch and its input — for the first block backward reaches,
+  which nothing uploaded ahead, from host memory one by one as autograd asks, measured so;
+  ``recompute_cpu``: its input and its saved tensors) + what is uploaded one ahead (the next
+  micro-batch's, or the block below's first) + from the head's backward on, the gradient buffers of
+  blocks the head borrows (a tied embedding: ``DeviceBlock.lends``).
 
 The peak is the largest phase, ``ALLOWANCE`` more, plus what lives through the step: LoRA adapters
 with their moments, a reduce-scattered gradient shard, the backend's libraries
-(``sizing.library_bytes``). ``F``, ``B`` and the per-block figures were measured with the CPU
-backend's allocation meter (``fuyou.device.cpu_allocations``) on SmolLM2-135M and tiny Llama, Qwen2,
-GPT-2 and mixture-of-experts models (torch 2.13, transformers 5.24); ``saved`` comes from the
-family's rule (``fuyou.models.activation_rules``, through the model's description:
-``fuyou.models.description``). Predicted ÷ measured: ``bench/bench_device_peak.py``.
+(``sizing.library_bytes``). Predicted ÷ measured (the CPU backend's allocation meter,
+``fuyou.device.cpu_allocations``, on every tensor compute allocates): ``bench/bench_device_peak.py``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from fuyou.schedule import sizing
 from fuyou.schedule.plan import Plan
 
 FWD_WORK = 3.5
-"""A no-grad forward's transient peak, in ``work`` elements per token (gate, up, the activation and
+"""The rule where a block cannot be measured: a no-grad forward's transient peak, in ``work`` elements per token (gate, up, the activation and
 their product of a gated MLP, less what is freed on the way): 3.4 measured on SmolLM2, bf16 and fp32."""
 ALLOWANCE = 0.05
 """Share added to each phase for what the model does not itemise (small tensors, rounding, the
@@ -54,8 +54,31 @@ allocator's slack)."""
 ADAPTER_BYTES_PER_PARAM = 16
 """A LoRA adapter parameter on the device: fp32 weight, gradient, and AdamW's m and v."""
 BWD_WORK = {2: 2.5, 4: 2.0}
-"""Backward's transient peak in ``work`` elements per token, by compute element size: 2.1–2.5 in bf16,
+"""The rule where a block cannot be measured: backward's transient peak in ``work`` elements per token, by compute element size: 2.1–2.5 in bf16,
 1.4–2.0 in fp32 measured on SmolLM2 and tiny Llamas (``keep`` and ``recompute``)."""
+
+
+@dataclass(frozen=True)
+class BlockMemory:
+    """What one block holds on the device while it computes, per micro-batch of ``t`` tokens:
+    ``per_token × t + fixed`` (bytes), at one micro-batch shape. Measured on the model's own modules
+    at that shape (``fuyou.models.activation_probe``: fixed parts 0), or the family's rule where they
+    cannot run on fake tensors."""
+
+    saved_per_token: float
+    """What its forward leaves for backward (autograd's saved tensors, its input and output excluded)."""
+    fwd_per_token: float
+    """A forward without autograd: its transient peak, its output excluded."""
+    fwd_fixed: float
+    keep_fwd_per_token: float
+    """A forward with autograd: its transient peak above what it leaves (saved tensors and output)."""
+    bwd_per_token: float
+    """Its backward: the transient peak above what it started from, the input's gradient excluded."""
+    bwd_fixed: float
+    lazy_bwd_per_token: float
+    """Its backward when its saved tensors come back one by one as autograd asks for them (swapped,
+    nothing uploaded ahead): the peak above what it started from, what came back included."""
+    lazy_bwd_fixed: float
 
 
 @dataclass(frozen=True)
@@ -70,18 +93,13 @@ class DeviceBlock:
     embedding's included; gathered when sharded)."""
     grads: int
     """Its gradient buffers during backward (a tied embedding's too, for the head; 0 if frozen)."""
-    saved_per_token: float
-    """Bytes autograd saves per token under ``keep`` (its input included) at the run's sequence length."""
-    work_per_token: float
-    """Bytes per token of its widest intermediate (a gated MLP's ``intermediate`` × compute bytes)."""
+    mem: BlockMemory
+    """What it holds while it computes (saved tensors, transients) at the run's sequence length."""
     keeps_input: bool = True
     """Whether ``recompute`` keeps its input (or route) on the device: not an expert group's."""
     lends: bool = False
     """The head borrows this block's weights (a tied embedding): its gradient buffer, filled first by
     the head's backward, stays on the device until its own backward."""
-    bwd_fixed: int = 0
-    """Bytes of a backward transient whatever the tokens: the largest weight tensor's gradient, made
-    fresh before it is added into the block's buffer (``fuyou.schedule.shapes.BlockShape.bwd_fixed_elems``)."""
     rows: int = 0
     """The head's vocabulary rows (a head group's share, ``fuyou.schedule.vocab``); 0 for other blocks."""
 
@@ -156,8 +174,10 @@ def logit_tokens(run: DeviceRun, rows: int = 0) -> int:
 def resident(blk: DeviceBlock, policy: str, run: DeviceRun) -> float:
     """Bytes block ``blk`` leaves on the device for its backward, per micro-batch, under ``policy``."""
     x = run.tokens * run.hidden * run.compute_bytes
+    if blk.kind == "embed":  # its output and the context it makes (masks, rotary tables): until the step's end
+        return blk.mem.saved_per_token * run.tokens + x
     if policy == "keep":
-        return blk.saved_per_token * run.tokens + x
+        return blk.mem.saved_per_token * run.tokens + x
     if policy == "recompute":
         return x * blk.keeps_input  # its input (an expert group none; the last its route)
     return 0.0 if policy == "recompute_cpu" else x  # swap_*: its output, the graph's root
@@ -172,21 +192,32 @@ after (measured 0.18 on a Llama layer)."""
 def _brought_back(
     blk: DeviceBlock, policy: str, run: DeviceRun, below: tuple[DeviceBlock, str] | None, first: bool
 ) -> float:
-    """What backward brings back on the device for one micro-batch of ``blk``: its own (``first``: the
-    first block backward reaches, which nothing uploaded ahead: ``LAZY_SHARE`` of it), and what is
-    uploaded one ahead while it computes — its next micro-batch's, or after its last the first of the
-    block ``below`` (block, policy) if that one is offloaded too."""
+    """What a micro-batch's backward of ``blk`` holds above what it started from, the largest over its
+    micro-batches: its transient (``BlockMemory.bwd_*``) and what comes back for it — its own saved
+    tensors — and what is uploaded one ahead while it computes: its next micro-batch's, or after its
+    last the first of the block ``below`` (block, policy) if that one is offloaded too. The first
+    micro-batch of the first block backward reaches (``first``) had nothing uploaded ahead: from host
+    memory (``swap_cpu``) its tensors come back one by one, as autograd asks
+    (``BlockMemory.lazy_bwd_*`` in place of them and the transient); from SSD all at once."""
     x = run.tokens * run.hidden * run.compute_bytes
+    m, T = blk.mem, run.tokens
 
     def off(b: DeviceBlock, pol: str) -> float:
         if pol in ("swap_cpu", "swap_ssd"):
-            return b.saved_per_token * run.tokens + x
+            return b.mem.saved_per_token * run.tokens + x
         return x * b.keeps_input if pol == "recompute_cpu" else 0.0
 
     own = off(blk, policy)
-    ahead = max(own if run.accum > 1 else 0.0, off(*below) if below is not None else 0.0)
-    recomputed = blk.saved_per_token * run.tokens if policy in ("recompute", "recompute_cpu") else 0.0
-    return own * (LAZY_SHARE if first and policy in ("swap_cpu", "swap_ssd") else 1.0) + ahead + recomputed
+    below_first = off(*below) if below is not None else 0.0
+    ahead = max(own if run.accum > 1 else 0.0, below_first)
+    recomputed = m.saved_per_token * T if policy in ("recompute", "recompute_cpu") else 0.0
+    if not (first and policy == "swap_cpu"):
+        return own + ahead + recomputed + m.bwd_per_token * T + m.bwd_fixed
+    lazy = m.lazy_bwd_per_token * T + m.lazy_bwd_fixed + (own if run.accum > 1 else below_first)
+    if run.accum == 1:
+        return lazy
+    later = own + max(own if run.accum > 2 else 0.0, below_first) + m.bwd_per_token * T + m.bwd_fixed
+    return max(lazy, later)  # the micro-batches after the first were uploaded ahead
 
 
 def device_peak(blocks: Sequence[DeviceBlock], policies: Sequence[str], run: DeviceRun) -> DevicePeak:
@@ -212,11 +243,13 @@ def phases(blocks: Sequence[DeviceBlock], policies: Sequence[str], run: DeviceRu
     kept = 0.0
     for b, blk in enumerate(blocks[:F]):
         kept += K * resident(blk, policies[b], run)
-        work = FWD_WORK * blk.work_per_token * run.tokens if policies[b] != "keep" else x
+        T = run.tokens
+        m = blk.mem
+        work = m.fwd_per_token * T + m.fwd_fixed if policies[b] != "keep" else m.keep_fwd_per_token * T
         out.append((f"forward of {blk.name}", blk.kind, kept + blk.weights + 2 * K * x + work))
     if F == H:
-        logits = (8 + 2 * cb) * logit_tokens(run) * run.vocab
         head = blocks[H]
+        logits = head.mem.bwd_per_token * logit_tokens(run)
         out.append(("the head's loss", "head", kept + head.weights + head.grads + 2 * K * x + logits))
     else:  # split by vocabulary rows: the backward pass, per group, holds the normed states and their fp32 gradient
         split = K * x + K * run.tokens * run.hidden * 4
@@ -232,8 +265,7 @@ def phases(blocks: Sequence[DeviceBlock], policies: Sequence[str], run: DeviceRu
         if blk.lends:
             kept -= blk.grads  # counted with the block below
         below = (blocks[b - 1], policies[b - 1]) if b else None
-        transient = BWD_WORK.get(cb, 2.5) * blk.work_per_token * run.tokens + blk.bwd_fixed
-        back = _brought_back(blk, policies[b], run, below, first=b == F - 1) + transient
+        back = _brought_back(blk, policies[b], run, below, first=b == F - 1)
         out.append((f"backward of {blk.name}", blk.kind, kept + blk.weights + blk.grads + 2 * K * x + back))
         kept -= K * resident(blk, policies[b], run)
     return [(name, kind, int(n * (1 + ALLOWANCE) + run.resident)) for name, kind, n in out]

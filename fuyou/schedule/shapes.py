@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fuyou.errors import ConfigError
-from fuyou.schedule.device_memory import DeviceBlock
+from fuyou.schedule.device_memory import BWD_WORK, FWD_WORK, LAZY_SHARE, BlockMemory, DeviceBlock
 from fuyou.schedule.shards import shard_len
 from fuyou.schedule.sizing import Footprint
 
@@ -197,6 +197,33 @@ class ModelShape:
     """The config dict the shape was made from."""
     describer: Callable[[int, int], ModelShape] | None = dataclasses.field(default=None, compare=False, repr=False)
     """The same model at (expert groups, vocabulary groups): ``fuyou.models.description.describe``."""
+    probe: Callable[[int, int, int, int], BlockMemory | None] | None = dataclasses.field(
+        default=None, compare=False, repr=False
+    )
+    """Block ``b``'s device memory measured on the model's own modules at (b, compute bytes, sequence
+    length, micro-batch), or None where they cannot run on fake tensors (``fuyou.models.activation_probe``)."""
+    _device: dict[tuple, list[DeviceBlock]] = dataclasses.field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+    """``device_blocks`` by its arguments (the planner asks thousands of times per search)."""
+
+    def memory(self, b: int, compute_bytes: int, seq_len: int, micro_batch: int = 1) -> BlockMemory:
+        """What block ``b`` holds on the device while it computes, at ``compute_bytes`` per element on a
+        micro-batch of ``micro_batch × seq_len`` tokens: measured (``probe``), else the family's rule (``BlockShape``'s activation fields:
+        ``FWD_WORK``/``BWD_WORK`` × its widest intermediate, a hidden state for a forward with autograd,
+        ``LAZY_SHARE`` of what a swapped block saves back at once)."""
+        measured = self.probe(b, compute_bytes, seq_len, micro_batch) if self.probe is not None else None
+        if measured is not None:
+            return measured
+        blk, cb = self.blocks[b], compute_bytes
+        if blk.kind == "head":  # the loss's logits, their fp32 upcast and gradients (``sizing.loss_chunk_tokens``)
+            return BlockMemory(0.0, 0.0, 0.0, 0.0, (8 + 2 * cb) * self.vocab, 0.0, 0.0, 0.0)
+        saved, bwd = blk.saved_bytes_per_token(cb, seq_len), BWD_WORK.get(cb, 2.5) * cb * blk.work_elems_per_token
+        x = self.hidden * cb if blk.kind in ("layer", "experts") else 0.0
+        return BlockMemory(
+            saved, FWD_WORK * cb * blk.work_elems_per_token, 0.0, x, bwd, cb * blk.bwd_fixed_elems,
+            LAZY_SHARE * (saved + x) + bwd, cb * blk.bwd_fixed_elems,
+        )  # fmt: skip
 
     def route_holders(self) -> list[int]:
         """The last expert group of each split layer: each layer keeps one ``tokens × hidden`` route
@@ -284,13 +311,21 @@ class ModelShape:
         return dataclasses.replace(self, blocks=blocks)
 
     def device_blocks(
-        self, compute_bytes: int, seq_len: int, world: int = 1, frozen: bool = False
+        self, compute_bytes: int, seq_len: int, micro_batch: int, world: int = 1, frozen: bool = False
     ) -> list[DeviceBlock]:
         """Each block as device memory sees it (``fuyou.schedule.device_memory``) at ``compute_bytes``
-        per element and ``seq_len``: its weights (the head's with the blocks it borrows; with
+        per element on micro-batches of ``micro_batch × seq_len`` tokens: its weights (the head's with the blocks it borrows; with
         ``world`` ranks gathered, plus the shard they come from), its gradients (none for a block
         frozen whole, or any with ``frozen``: a LoRA run's base), saved bytes and widest
         intermediate per token."""
+        key = (compute_bytes, seq_len, micro_batch, world, frozen)
+        if key not in self._device:
+            self._device[key] = self._device_blocks(compute_bytes, seq_len, micro_batch, world, frozen)
+        return list(self._device[key])
+
+    def _device_blocks(
+        self, compute_bytes: int, seq_len: int, micro_batch: int, world: int, frozen: bool
+    ) -> list[DeviceBlock]:
         cb, own = compute_bytes, self.sharded(world).blocks
         names = [b.name for b in self.blocks]
 
@@ -308,10 +343,10 @@ class ModelShape:
             for o in blk.borrows:
                 bw, bg = wg(names.index(o))
                 w, g = w + bw, g + bg
+            mem = self.memory(i, cb, seq_len, micro_batch)
             out.append(
                 DeviceBlock(
-                    blk.name, blk.kind, w, g, blk.saved_bytes_per_token(cb, seq_len), cb * blk.work_elems_per_token,
-                    blk.keeps_input or i in holders, blk.name in lenders, cb * blk.bwd_fixed_elems,
+                    blk.name, blk.kind, w, g, mem, blk.keeps_input or i in holders, blk.name in lenders,
                     blk.matmul_flops_per_token // (2 * self.hidden) if blk.kind == "head" else 0,
                 )
             )  # fmt: skip

@@ -4,9 +4,11 @@ peak (the CPU backend counts every tensor compute allocates) against the predict
 the prediction trains, one below it is refused before the step allocates anything, with one line
 naming the binding budget.
 
-The target is predicted ∈ [1.0, 1.1] × measured. Today's model reaches 0.94–1.16 over 24 random draws
-(``bench/RESULTS.md``): the test holds it to ``LOW``–``HIGH`` so it cannot get worse, and the bounds
-tighten as the model does."""
+The target is predicted ∈ [1.0, 1.1] × measured. With each block's figures measured on its own modules
+on fake tensors (``fuyou.models.activation_probe``) the model reaches 0.99–1.07 over 120 random draws,
+119 of them within the target (``bench/RESULTS.md``); the one below, 0.989, is a hidden size of 32,
+where the token ids and labels the model leaves out are 2 % of a step. The test holds it to
+``LOW``–``HIGH``."""
 
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from fuyou.models.adapters import make_adapter
 from tests.integration.tiny_models import batches, tiny
 
 POLICIES = ("keep", "recompute", "swap_cpu", "swap_ssd", "recompute_cpu")
-LOW, HIGH = 0.9, 1.25
-"""Bounds on predicted ÷ measured device peak today (target: 1.0, 1.1)."""
+LOW, HIGH = 0.98, 1.1
+"""Bounds on predicted ÷ measured device peak (target: 1.0, 1.1)."""
 
 
 def measure(tmp, family, layers, hidden, policy, precision, mb, seq, accum, gpu_memory=None):
