@@ -3,10 +3,10 @@ the store's record (``StoreMeta``) — decided here, once, before anything is al
 
 ``assemble_model`` is the first stage of ``Engine.__init__``: expert and vocabulary groups (a new run
 sizes them to the budgets: ``expert_groups_for``, ``vocab_groups_for``; a resumed one keeps its store's),
-the model adapter and LoRA adapters, the ``Plan`` (schedule resolved, policies spread over the blocks,
-a LoRA base frozen), the ``ModelLayout`` (new, or the store's, checked extent by extent), and the
-budget check (``admit``: the device floor, the host budget). What runs is a function of the two results,
-``ModelParts.plan`` and ``ModelParts.layout``, which the engine records with each commit.
+the model adapter and LoRA adapters, the ``ModelLayout`` (new, or the store's, checked extent by extent),
+then the ``Plan``, decided once (``run_plan``: schedule resolved, policies spread over the blocks, a LoRA
+base frozen, the budget check). What runs is a function of the two results, ``ModelParts.plan`` and
+``ModelParts.layout``, which the engine records with each commit.
 """
 
 from __future__ import annotations
@@ -82,18 +82,16 @@ def assemble_model(
         )
     )
     blocks = tuple(adapter.blocks)
-    plan = _run_plan(cfg, blocks, groups, vocab)
     if store is None or stored is None:
-        layout = _new_layout(cfg, blocks, plan, comm, adapter, source_dtype)
+        layout = _new_layout(cfg, blocks, comm, adapter, source_dtype)
         source = source_dtype or torch.float32
     else:
         layout = _resumed_layout(cfg, blocks, comm, adapter, store, stored)
         stored = StoreMeta.from_json(store.meta, store.dirs[0])  # the step every rank agreed on
-        plan = dataclasses.replace(plan, state_chunk=layout.state_chunk)
         source = stored.source_dtype
     # the adapters' extent is staged through one host buffer of the pool
     layout = dataclasses.replace(layout, adapter_bytes=sum(e.nbytes for e in lora.extents()))
-    plan = admit(layout, plan, cfg.cpu_bytes, backend.memory().capacity, store is not None, backend.name)
+    plan = run_plan(cfg, layout, groups, vocab, backend, fixed_chunk=store is not None)
     adapter.prepare(backend.device)  # the first device allocation: after the floor check
     layout = dataclasses.replace(layout, state_chunk=plan.state_chunk)
     return ModelParts(adapter, lora, plan, layout, source, stored)
@@ -117,40 +115,47 @@ def _groups(config: Any, cfg: EngineConfig, backend: Backend, world: int, stored
     return groups, vocab
 
 
-def _run_plan(cfg: EngineConfig, blocks: tuple, groups: int, vocab: int) -> Plan:
-    """``cfg.plan`` with its schedule resolved (clipping forces ``overlap_next_forward``), the groups, the
-    activation policies spread over the blocks, and a LoRA base frozen (no state, nothing written)."""
+def run_plan(
+    cfg: EngineConfig, layout: ModelLayout, groups: int, vocab: int, backend: Backend, fixed_chunk: bool
+) -> Plan:
+    """The plan the engine runs, decided here once and recorded: ``cfg.plan`` — the planner's, or the
+    front end's for the budget rules — with its schedule resolved (clipping forces
+    ``overlap_next_forward``), the expert and vocabulary ``groups``, the activation policies spread over
+    ``layout``'s blocks, a LoRA base frozen (no state, nothing written), and the budget check (``admit``:
+    the device floor; the state chunk the layout's, the host buffers fitted to ``cfg.cpu_bytes`` —
+    ``fixed_chunk``: a store's chunk, which cannot change). A plan the planner chose comes back as it
+    is (``tests/integration/test_plans_admitted.py``).
+
+    Raises ConfigError for a RAM tier past the blocks or ``overlap_backward`` with clipping,
+    DeviceMemoryError when the largest block cannot fit the device budget."""
+    requested = cfg.plan
+    if cfg.lora is not None:  # the base only streams in: no state, no gradient or weight traffic out
+        requested = dataclasses.replace(requested, frozen=True, ram_state_blocks=0)
     plan = dataclasses.replace(
-        rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0),
+        rules.resolve(requested, clip=cfg.max_grad_norm > 0),
         expert_groups=groups,
         vocab_groups=vocab,
-        activation_policy=spread_policies(cfg.plan.activation_policy, [b.name for b in blocks]),
+        activation_policy=spread_policies(requested.activation_policy, [b.name for b in layout.blocks]),
     )
-    if cfg.lora is not None:  # the base only streams in: no state, no gradient or weight traffic out
-        plan = dataclasses.replace(plan, frozen=True, ram_state_blocks=0)
-    rules.check_ram_tier(plan, len(blocks))
-    return plan
+    rules.check_ram_tier(plan, len(layout.blocks))
+    return admit(layout, plan, cfg.cpu_bytes, backend.memory().capacity, fixed_chunk, backend.name)
 
 
 def _new_layout(
-    cfg: EngineConfig,
-    blocks: tuple,
-    plan: Plan,
-    comm: Collectives,
-    adapter: Adapter,
-    source_dtype: torch.dtype | None,
+    cfg: EngineConfig, blocks: tuple, comm: Collectives, adapter: Adapter, source_dtype: torch.dtype | None
 ) -> ModelLayout:
-    """A new store's layout: the run's dtypes, this rank's shards, the frozen blocks and parameters, and
-    the source's exact values kept where something is frozen and the compute dtype would round them."""
+    """A new store's layout: the run's dtypes, the requested state chunk (``run_plan`` may shrink it to the
+    host budget), this rank's shards, the frozen blocks and parameters (a LoRA base whole), and the
+    source's exact values kept where something is frozen and the compute dtype would round them."""
     frozen = frozen_blocks(blocks, cfg.freeze)
     layout = ModelLayout(
         blocks,
         PRECISIONS[cfg.precision],
         PRECISIONS[cfg.state_precision],
-        plan.state_chunk,
+        cfg.plan.state_chunk,
         comm.rank,
         comm.world,
-        plan.frozen,
+        cfg.lora is not None or cfg.plan.frozen,
         frozen_blocks=frozen,
         frozen_params=adapter.frozen_keys,
     )
