@@ -161,7 +161,7 @@ def plan_cmd(
         activations=activations,
         precision=precision,
         cluster=cluster,
-        frozen=lora_rank is not None,
+        lora_base=lora_rank is not None,
         lora_rank=lora_rank or 0,
     )
     res = search(shape, prof, bud, req)

@@ -104,7 +104,7 @@ def _groups(config: Any, cfg: EngineConfig, backend: Backend, world: int, stored
     base = rules.resolve(cfg.plan, clip=cfg.max_grad_norm > 0)
     vocab = cfg.plan.vocab_groups or vocab_groups_for(
         config,
-        dataclasses.replace(base, frozen=cfg.lora is not None),
+        dataclasses.replace(base, lora_base=cfg.lora is not None),
         PRECISIONS[cfg.precision],
         world,
         cfg.cpu_bytes,
@@ -130,7 +130,7 @@ def run_plan(
     DeviceMemoryError when the largest block cannot fit the device budget."""
     requested = cfg.plan
     if cfg.lora is not None:  # the base only streams in: no state, no gradient or weight traffic out
-        requested = dataclasses.replace(requested, frozen=True, ram_state_blocks=0)
+        requested = dataclasses.replace(requested, lora_base=True, ram_state_blocks=0)
     plan = dataclasses.replace(
         rules.resolve(requested, clip=cfg.max_grad_norm > 0),
         expert_groups=groups,
@@ -155,11 +155,11 @@ def _new_layout(
         cfg.plan.state_chunk,
         comm.rank,
         comm.world,
-        cfg.lora is not None or cfg.plan.frozen,
+        cfg.lora is not None or cfg.plan.lora_base,
         frozen_blocks=frozen,
         frozen_params=adapter.frozen_keys,
     )
-    any_frozen = layout.frozen or bool(frozen) or bool(layout.frozen_params)
+    any_frozen = layout.lora_base or bool(frozen) or bool(layout.frozen_params)
     return dataclasses.replace(layout, origin=origin_wanted(layout.compute_dtype, source_dtype, any_frozen))
 
 

@@ -48,7 +48,7 @@ def batch_peak(
     for b, blk in enumerate(shape.device_blocks(cb, seq_len, micro_batch)):
         own = [b] + [layout.index(o) for o in layout.blocks[b].borrows]
         weights = sum(fp.device_bytes(o) - _grad_device_bytes(fp, o) for o in own)
-        grads = sum(_grad_device_bytes(fp, o) for o in own if layout.trains(o) and not plan.frozen)
+        grads = sum(_grad_device_bytes(fp, o) for o in own if layout.trains(o) and not plan.lora_base)
         blocks.append(dataclasses.replace(blk, weights=weights, grads=grads))
     run = device_memory.step_run(
         micro_batch, seq_len, accum, shape.hidden, cb, shape.vocab, adapter_params=adapter_params,

@@ -325,7 +325,7 @@ class Engine:
             origin=lay.origin,
             rank=lay.rank,
             world=lay.world,
-            lora_base=lay.frozen,
+            lora_base=lay.lora_base,
             expert_groups=self.plan.expert_groups,
             vocab_groups=self.plan.vocab_groups,
             freeze=tuple(self.cfg.freeze),

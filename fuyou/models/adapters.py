@@ -171,7 +171,7 @@ class Adapter:
         self, config: Any, lora: LoraSettings | None = None, expert_groups: int = 1, vocab_groups: int = 1
     ) -> None:
         """The skeleton of ``config``'s model; with ``lora``, ``peft``'s LoRA layers injected and the
-        base frozen (``frozen``): its parameters bind without gradients. ``expert_groups`` > 1 splits
+        base frozen (``lora_base``): its parameters bind without gradients. ``expert_groups`` > 1 splits
         every mixture-of-experts layer into a core block and that many expert-group blocks
         (``fuyou.models.blocks.split_experts``); ``vocab_groups`` > 1 the embedding into that many
         blocks of vocabulary rows (``fuyou.schedule.vocab``)."""
@@ -183,7 +183,7 @@ class Adapter:
             self.model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_kernel(config))
             if lora is not None:
                 inject(self.model, lora)
-        self.frozen = lora is not None
+        self.lora_base = lora is not None
         """Whether the streamed base is frozen (LoRA): no gradients for any block's parameters."""
         self.frozen_keys: frozenset[str] = frozenset()
         """Parameters (store keys) bound without gradients (``--freeze``)."""
@@ -335,7 +335,7 @@ class Adapter:
                 if self.tied and key == self.lm_head_key:
                     key = self.embed_key
                 owner, attr = _owner(mod, pname)
-                param = nn.Parameter(tensors[key], requires_grad=not (self.frozen or key in self.frozen_keys))
+                param = nn.Parameter(tensors[key], requires_grad=not (self.lora_base or key in self.frozen_keys))
                 owner._parameters[attr] = param
                 out[key] = param
         return out

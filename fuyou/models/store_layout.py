@@ -59,12 +59,12 @@ class ModelLayout:
     """This process's data-parallel rank."""
     world: int = 1
     """Data-parallel ranks the blocks are sharded over (1: no sharding)."""
-    frozen: bool = False
-    """A frozen base (LoRA): compute weights only, no optimizer-state extents."""
+    lora_base: bool = False
+    """A LoRA run's frozen base: compute weights only, no optimizer-state extents."""
     adapter_bytes: int = 0
     """Bytes of the LoRA adapters' extent (``fuyou.engine.lora``), which host sizing stages (0: none)."""
     frozen_blocks: frozenset[int] = frozenset()
-    """Blocks whose every parameter is frozen (``--freeze``): compute weights only, like ``frozen``."""
+    """Blocks whose every parameter is frozen (``--freeze``): compute weights only, like a ``lora_base``."""
     frozen_params: frozenset[str] = frozenset()
     """Keys of the parameters ``--freeze`` freezes (``fuyou.models.freeze.frozen_keys``); in a block that
     trains they live in its read-only extent ``f(b)``."""
@@ -75,7 +75,7 @@ class ModelLayout:
 
     def trains(self, b: int) -> bool:
         """Whether block ``b`` has optimizer state and is updated (not ``frozen``, not in ``frozen_blocks``)."""
-        return not self.frozen and b not in self.frozen_blocks
+        return not self.lora_base and b not in self.frozen_blocks
 
     def gets_gradients(self, b: int) -> bool:
         """Whether backward computes block ``b``'s weight gradients and hands them off: it, or a block it

@@ -128,7 +128,7 @@ def device_peak(shape: ModelShape, plan: Plan, cfg: StepConfig, device: str = "c
     )  # fmt: skip
     pol = device_memory.block_policies(plan, len(shape.blocks))
     return device_memory.device_peak(
-        shape.device_blocks(cb, cfg.seq_len, cfg.micro_batch_size, world, plan.frozen), pol, run
+        shape.device_blocks(cb, cfg.seq_len, cfg.micro_batch_size, world, plan.lora_base), pol, run
     )
 
 
@@ -148,7 +148,7 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     ssd_blocks = [b for b in range(H) if pol[b] == "swap_ssd"]
     staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)
     swap_cpu += offloaded * T * shape.hidden * cb
-    state = 0 if plan.frozen else cfg.state_bytes_per_param  # a frozen base (LoRA) stores no optimizer state
+    state = 0 if plan.lora_base else cfg.state_bytes_per_param  # a frozen base (LoRA) stores no optimizer state
     # nor a block frozen whole, nor the read-only part of one that trains
     store = sum(cb * (b.numel + b.frozen_numel) + (0 if b.frozen else state) * b.numel for b in own)
     parked = sum(cb * own[b].numel for b in rules.parked_on_ssd(len(own), g.p) if not own[b].frozen)
@@ -169,7 +169,7 @@ def predict(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfil
     step_s, busy, comm_bytes = simulate(shape, plan, cfg, prof)
     busy = {k: v for k, v in busy.items() if k != "sync"}
     tokens = plan.grad_accum * cfg.micro_batch_size * cfg.seq_len * cfg.cluster.world
-    flops = float(tokens * shape.train_flops_per_token(cfg.seq_len, plan.frozen))
+    flops = float(tokens * shape.train_flops_per_token(cfg.seq_len, plan.lora_base))
     rb = round(busy.get("ssd_read", 0.0) * prof.ssd_read_Bps)
     wb = round(busy.get("ssd_write", 0.0) * prof.ssd_write_Bps)
     view = dict(busy)

@@ -145,7 +145,7 @@ class StepGraph:
         gradients into the preset buffer (``grad_add_rate``). The head adds its weight gradient in its
         GEMM (``adapters.HeadLinear``); the embedding's backward is sparse, a scatter of the tokens' rows."""
         blk, hw = self.m.blocks[b], self.hw
-        if self.p.frozen or blk.frozen:  # LoRA, --freeze: input gradients only, nothing for a frozen embedding
+        if self.p.lora_base or blk.frozen:  # LoRA, --freeze: input gradients only, nothing for a frozen embedding
             if blk.kind == "embed":
                 return 0.0
             f = blk.fwd_flops_per_token(self.m.hidden, self.c.seq_len) * self.mb_tokens
@@ -322,8 +322,8 @@ class StepGraph:
     def hand_off(self, b: int, bwd: int) -> None:
         """Gradient reduce-scatter (data parallel), norm (a read of the gradient on the device, then a
         sync), device→host copy, then Adam now (overlap_backward) or parked. A frozen base
-        (``Plan.frozen``: LoRA) or a block frozen whole (``--freeze``) hands nothing off."""
-        if self.p.frozen or self.m.blocks[b].frozen:
+        (``Plan.lora_base``: LoRA) or a block frozen whole (``--freeze``) hands nothing off."""
+        if self.p.lora_base or self.m.blocks[b].frozen:
             self._t(bwd) if self.cpu else None
             return
         bwd = self._collective(b, "reduce_scatter", bwd)
@@ -378,7 +378,7 @@ class StepGraph:
         self.all_writes += writes + [ww]
 
     def finish(self) -> None:
-        if self.p.frozen:  # LoRA: the adapters' update is on the device (measured); nothing is written
+        if self.p.lora_base:  # LoRA: the adapters' update is on the device (measured); nothing is written
             self.prev_writes, self.prev_all, self.prev_done = {}, [], {}
             self._compute(self.hw.lora_step_s, sync=True)
             self.ends.append(self._t(self.compute))

@@ -92,10 +92,10 @@ class Request:
     """Compute dtype (``--precision`` after ``auto`` is resolved): bf16 (2 B/element) or fp32 (4)."""
     cluster: Cluster = Cluster()
     """Data-parallel ranks: ``tokens_per_step`` is the global batch, split evenly over them."""
-    frozen: bool = False
-    """LoRA on a frozen base (``Plan.frozen``): weights are only read; no gradients, state or writes."""
+    lora_base: bool = False
+    """LoRA on a frozen base (``Plan.lora_base``): weights are only read; no gradients, state or writes."""
     lora_rank: int = 0
-    """With ``frozen``: the adapters' rank, for their device memory (``all-linear``: every linear layer)."""
+    """With ``lora_base``: the adapters' rank, for their device memory (``all-linear``: every linear layer)."""
 
 
 class _Search:
@@ -149,7 +149,7 @@ class _Search:
             state_buffers=bufs,
             park_ram_blocks=self.park if sched == "overlap_next_forward" else None,
             state_chunk=chunk,
-            frozen=self.r.frozen,
+            lora_base=self.r.lora_base,
             expert_groups=self.m.expert_groups,
             vocab_groups=self.m.vocab_groups,
         )
@@ -287,7 +287,7 @@ class _Search:
     # ------------------------------------------------------------------ errors
     def _check_static(self, sched: str) -> None:
         m, cb = self.own, self.cb  # one rank's shards
-        spp = 0 if self.r.frozen else self.spp
+        spp = 0 if self.r.lora_base else self.spp
         store = 2 * sum((cb + (0 if b.frozen else spp)) * b.numel + cb * b.frozen_numel for b in m.blocks)
         if self.b.ssd_bytes and store > self.b.ssd_bytes:
             raise InfeasibleError(
@@ -298,7 +298,9 @@ class _Search:
             )
         need = host_buffers(
             m,
-            Plan(prefetch_depth=1, schedule=sched, park_ram_blocks=0, state_chunk=MIN_CHUNK, frozen=self.r.frozen),
+            Plan(
+                prefetch_depth=1, schedule=sched, park_ram_blocks=0, state_chunk=MIN_CHUNK, lora_base=self.r.lora_base
+            ),
             self.cfg(1),
         )
         if need > self.b.cpu_memory:
@@ -424,7 +426,7 @@ class _Search:
                 break
             spare -= self.cb * (blk.numel + blk.frozen_numel)
             w += 1
-        for blk in self.own.blocks if w == len(self.own.blocks) and not self.r.frozen else ():
+        for blk in self.own.blocks if w == len(self.own.blocks) and not self.r.lora_base else ():
             if self.spp * blk.numel > spare:
                 break
             spare -= self.spp * blk.numel

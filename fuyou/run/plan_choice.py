@@ -83,7 +83,7 @@ class PlanRequest:
     """Where a profile measured now is saved (None: not saved; it is cached per machine either way)."""
     lora: Any = None
     """The run's ``LoraSettings`` (None: full fine-tuning): adapters on a frozen LoRA base, whose plan streams
-    weights only (``Plan.frozen``); a quick profile times the blocks as LoRA computes them."""
+    weights only (``Plan.lora_base``); a quick profile times the blocks as LoRA computes them."""
     freeze: tuple[str, ...] = ()
     """``--freeze`` globs: the blocks they freeze whole are planned without state or writes."""
     ranks: int = 1
@@ -334,7 +334,7 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         activations=req.activations,
         precision=req.precision,
         cluster=Cluster(req.ranks),  # one node; the link speed shapes the prediction, not the plan's memory
-        frozen=req.lora_base,
+        lora_base=req.lora_base,
         lora_rank=req.lora_rank,
     )
     res = search(shape, prof, budgets, sreq)

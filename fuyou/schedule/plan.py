@@ -53,9 +53,9 @@ class Plan:
     ``overlap_backward`` with a RAM tier parks blocks 1…R−1's): blocks 0…N−1 in host RAM, later blocks
     on SSD (written as backward finishes them, read back by the Adam pass: ``fuyou.transfer.grad_park``).
     None: every block in RAM."""
-    frozen: bool = False
-    """No block trains (LoRA on a frozen base: ``fuyou.engine.lora``): weights are only read; no
-    gradient leaves the device, and there is no optimizer state, Adam or write."""
+    lora_base: bool = False
+    """The streamed model is a LoRA run's frozen base (``fuyou.engine.lora``): no block trains, weights
+    are only read; no gradient leaves the device, and there is no optimizer state, Adam or write."""
     expert_groups: int = 0
     """Expert-group blocks each mixture-of-experts layer is split into after its core block (1: a
     layer is one block; ``fuyou.models.blocks.split_experts``), so a layer whose experts do not fit
@@ -87,8 +87,8 @@ class Plan:
         for name in ("ram_weight_blocks", "ram_state_blocks"):
             if getattr(self, name) < 0:
                 problems.append(f"{name} must be ≥ 0, got {getattr(self, name)}")
-        if self.frozen and self.ram_state_blocks:
-            problems.append("a frozen base has no optimizer state to keep in RAM (ram_state_blocks must be 0)")
+        if self.lora_base and self.ram_state_blocks:
+            problems.append("a LoRA base has no optimizer state to keep in RAM (ram_state_blocks must be 0)")
         if self.expert_groups < 0:
             problems.append(f"expert_groups must be ≥ 0 (0: as needed), got {self.expert_groups}")
         if self.vocab_groups < 0:
@@ -126,4 +126,7 @@ class Plan:
     def from_json(d: dict) -> Plan:
         """The plan ``to_json`` wrote (JSON turns the policy tuple into a list). Raises TypeError for a
         field this version does not know."""
-        return Plan(**{**d, "activation_policy": tuple(d.get("activation_policy", ()))})
+        d = {**d, "activation_policy": tuple(d.get("activation_policy", ()))}
+        if "frozen" in d:  # its name in the runs recorded before it was renamed (run.json, planner JSON)
+            d["lora_base"] = d.pop("frozen")
+        return Plan(**d)

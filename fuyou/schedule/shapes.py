@@ -274,7 +274,7 @@ class ModelShape:
         """Parameters of LoRA adapters of ``rank`` on every linear layer (``all-linear``)."""
         return rank * sum(b.linear_dims for b in self.blocks)
 
-    def train_flops_per_token(self, seq_len: int, frozen: bool = False) -> int:
+    def train_flops_per_token(self, seq_len: int, lora_base: bool = False) -> int:
         """Model FLOPs per token, what achieved TFLOPS and MFU are computed from (the run's report too):
         6 · N_matmul + 12 · L · d · T. N_matmul counts every weight used in a matrix multiply (linear
         layers and the LM head, tied or not; embedding lookups and norms excluded); the second term
@@ -286,7 +286,7 @@ class ModelShape:
         per = (
             sum(
                 4 * b.matmul_flops_per_token
-                if frozen or b.frozen
+                if lora_base or b.frozen
                 else 6 * b.matmul_flops_per_token - 2 * b.frozen_matmul_flops_per_token
                 for b in self.blocks
             )
@@ -311,27 +311,27 @@ class ModelShape:
         return dataclasses.replace(self, blocks=blocks)
 
     def device_blocks(
-        self, compute_bytes: int, seq_len: int, micro_batch: int, world: int = 1, frozen: bool = False
+        self, compute_bytes: int, seq_len: int, micro_batch: int, world: int = 1, lora_base: bool = False
     ) -> list[DeviceBlock]:
         """Each block as device memory sees it (``fuyou.schedule.device_memory``) at ``compute_bytes``
         per element on micro-batches of ``micro_batch × seq_len`` tokens: its weights (the head's with the blocks it borrows; with
         ``world`` ranks gathered, plus the shard they come from), its gradients (none for a block
         frozen whole, or any with ``frozen``: a LoRA run's base), saved bytes and widest
         intermediate per token."""
-        key = (compute_bytes, seq_len, micro_batch, world, frozen)
+        key = (compute_bytes, seq_len, micro_batch, world, lora_base)
         if key not in self._device:
-            self._device[key] = self._device_blocks(compute_bytes, seq_len, micro_batch, world, frozen)
+            self._device[key] = self._device_blocks(compute_bytes, seq_len, micro_batch, world, lora_base)
         return list(self._device[key])
 
     def _device_blocks(
-        self, compute_bytes: int, seq_len: int, micro_batch: int, world: int, frozen: bool
+        self, compute_bytes: int, seq_len: int, micro_batch: int, world: int, lora_base: bool
     ) -> list[DeviceBlock]:
         cb, own = compute_bytes, self.sharded(world).blocks
         names = [b.name for b in self.blocks]
 
         def wg(i: int) -> tuple[int, int]:
             blk, sh = self.blocks[i], own[i]
-            grad = 0 if frozen or blk.frozen else cb * (sh.numel if world > 1 else blk.numel)
+            grad = 0 if lora_base or blk.frozen else cb * (sh.numel if world > 1 else blk.numel)
             if world == 1:
                 return cb * (blk.numel + blk.frozen_numel), grad
             return (world + 1) * (cb * sh.numel + cb * sh.frozen_numel), (world + 1) * grad

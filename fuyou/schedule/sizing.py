@@ -133,10 +133,10 @@ def state_chunks(numel: int, chunk: int) -> list[tuple[int, int]]:
 
 def buffer_classes(fp: Footprint, plan: Plan) -> list[BufferClass]:
     """The host buffers ``plan`` streams through, in reservation order (the RAM tier apart). A frozen
-    base (``Plan.frozen``) streams weights only."""
+    base (``Plan.lora_base``) streams weights only."""
     w = max(fp.staged_bytes(b) for b in range(fp.nblocks))
     adapters = [BufferClass(ADAPTERS, fp.adapter_bytes, 1)] if fp.adapter_bytes else []
-    if plan.frozen:
+    if plan.lora_base:
         return [BufferClass(WEIGHTS, w, plan.prefetch_depth + 1)] + adapters
     g = max(fp.grad_bytes(b) for b in range(fp.nblocks))
     state = fp.state_extent_bytes(min(plan.state_chunk, max(fp.numels)))

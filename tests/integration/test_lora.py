@@ -84,7 +84,7 @@ def test_lora_trains_as_peft(tmp_path, family, policy, K, clip):
         assert all(torch.equal(base[k], base_sd[k]) for k in base)  # never rewritten
         from fuyou.schedule import sizing
 
-        assert eng.plan.frozen and not any(e.name.startswith("s/") for e in eng.store.extents)  # no optimizer state
+        assert eng.plan.lora_base and not any(e.name.startswith("s/") for e in eng.store.extents)  # no optimizer state
         classes = [c.name for c in sizing.buffer_classes(eng.layout.footprint(), eng.plan)]
         assert classes == [sizing.WEIGHTS, sizing.ADAPTERS]  # weights in; the adapters' checkpoint staging
     finally:

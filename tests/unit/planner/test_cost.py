@@ -164,7 +164,7 @@ def test_a_lora_step_ends_with_its_measured_adapter_update():
     the profile's measured ``lora_step_s`` lands on the step whole (it follows the last backward);
     a full fine-tuning step does not pay it."""
     cfg = StepConfig(micro_batch_size=1, seq_len=256)
-    lora = Plan(frozen=True, schedule="overlap_next_forward")
+    lora = Plan(lora_base=True, schedule="overlap_next_forward")
     full = Plan(schedule="overlap_next_forward")
     without = predict(small_llama(), lora, cfg, profile()).step_s
     assert predict(small_llama(), lora, cfg, profile(lora_step_s=0.25)).step_s == pytest.approx(without + 0.25)

@@ -240,8 +240,8 @@ def test_the_planner_counts_the_adapters_peft_injects():
     from tests.unit.planner.helpers import profile
 
     hw = profile()
-    base = memory(shape, Plan(frozen=True), StepConfig(1, 16), hw).device
-    with_adapters = memory(shape, Plan(frozen=True), StepConfig(1, 16, adapter_params=1000), hw).device
+    base = memory(shape, Plan(lora_base=True), StepConfig(1, 16), hw).device
+    with_adapters = memory(shape, Plan(lora_base=True), StepConfig(1, 16, adapter_params=1000), hw).device
     assert with_adapters - base == 1000 * ADAPTER_BYTES_PER_PARAM
 
 

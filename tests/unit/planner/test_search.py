@@ -157,12 +157,12 @@ def test_split_layers_keep_their_routes_where_the_policy_says():
 
 
 def test_a_frozen_base_plans_reads_only_and_fits_where_full_fine_tuning_does_not():
-    """LoRA (``Request.frozen``): no optimizer state on SSD or in host buffers, no SSD writes per
+    """LoRA (``Request.lora_base``): no optimizer state on SSD or in host buffers, no SSD writes per
     step, a faster step; a host budget too small for full fine-tuning's buffers still plans."""
     bud = Budgets(cpu_memory=2 * GiB, gpu_memory=GiB)
     full = search(small_llama(), HW, bud, Request(256, 2048, clip=True, ram_tiers=False))
-    lora = search(small_llama(), HW, bud, Request(256, 2048, clip=True, ram_tiers=False, frozen=True))
-    assert lora.plan.frozen and not full.plan.frozen and lora.plan.ram_state_blocks == 0
+    lora = search(small_llama(), HW, bud, Request(256, 2048, clip=True, ram_tiers=False, lora_base=True))
+    assert lora.plan.lora_base and not full.plan.lora_base and lora.plan.ram_state_blocks == 0
     assert lora.prediction.ssd_write_bytes == 0 < full.prediction.ssd_write_bytes
     assert lora.prediction.memory.ssd < full.prediction.memory.ssd / 5  # weights only: 2 B of 14 B per param
     assert lora.prediction.step_s < full.prediction.step_s
@@ -170,7 +170,9 @@ def test_a_frozen_base_plans_reads_only_and_fits_where_full_fine_tuning_does_not
     tight = Budgets(cpu_memory=need // 8, gpu_memory=GiB)  # below even the vocabulary split's floor
     with pytest.raises(InfeasibleError, match="host memory"):
         search(small_llama(), HW, tight, Request(256, 2048, clip=True, ram_tiers=False))
-    assert search(small_llama(), HW, tight, Request(256, 2048, clip=True, frozen=True, ram_tiers=False)).plan.frozen
+    assert search(
+        small_llama(), HW, tight, Request(256, 2048, clip=True, lora_base=True, ram_tiers=False)
+    ).plan.lora_base
 
 
 def test_an_embedding_that_sets_the_host_floor_is_split_by_vocabulary_rows():
