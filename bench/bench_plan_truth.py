@@ -77,12 +77,15 @@ def run_setting(name: str, flags: list[str], model: str, data: str, work: str, s
         times = [json.loads(line)["step_time_s"] for line in f][warmup:]
     measured = statistics.median(times)
     plan = run["plan"]
+    prof = json.loads(open(plan["profile"]).read()) if plan.get("profile") and os.path.exists(plan["profile"]) else {}
+    figures = {k: prof.get(k) for k in ("ssd_read_Bps", "ssd_write_Bps", "io_cpu_s_per_byte", "adam_params_per_s")}
     shutil.rmtree(out, ignore_errors=True)
     return {
         "bench": "plan_truth",
         "setting": name,
         "flags": flags,
         "precision": run["precision"]["precision"],
+        "precision_reason": run["precision"]["reason"],
         "predicted_step_s": plan.get("predicted_step_s"),
         "measured_step_s": measured,
         "step_times_s": times,
@@ -90,6 +93,7 @@ def run_setting(name: str, flags: list[str], model: str, data: str, work: str, s
         "bottleneck": plan.get("predicted_bottleneck"),
         "profile": plan.get("profile"),
         "profile_check": run.get("profile_check"),
+        "profile_figures": figures,
     }
 
 

@@ -16,9 +16,12 @@ rules:
 * backward — the flat gradient buffer zeroed, the backward FLOPs, and for layers the add of fresh
   weight gradients into it (``grad_add_rate``; the head accumulates in its GEMM, the embedding scatters).
 * hand-off — the gradient norm syncs the thread with compute; device→host copy; Adam per state chunk
-  (SSD read → Adam on one FIFO worker → SSD write), the new weights written after the last chunk; the
-  thread blocks on 2 gradient, 2 new-weight and ``state_buffers`` state buffers; parked gradients on
-  SSD are written after their copy and read back before their Adam; with the clipping schedule the
+  (SSD read → Adam on one FIFO worker → SSD write), the new weights written after the last chunk. The
+  training thread blocks on the 2 gradient buffers only; the Adam stage's feeder thread
+  (``fuyou.engine.adam_stage``) takes the queued updates in order and blocks on the 2 new-weight and
+  ``state_buffers`` state buffers, so a step's updates overlap whatever the training thread does next;
+  parked gradients on SSD are written after their copy and read back (by the feeder, into a gradient
+  buffer) before their Adam; with the clipping schedule the
   next step's forward takes block b's new weights from Adam's buffer (a memcpy by the Adam worker once
   Adam(b) is done: ``fuyou.transfer.new_weights``), its later reads of b wait for Adam(b)'s weight
   write, and its finish, before it submits its own updates, waits for every write (``settle``). The
@@ -101,6 +104,9 @@ class StepGraph:
         self.mb_tokens = cfg.micro_batch_size * cfg.seq_len
         self.thread: int | None = None
         self.compute: int | None = None
+        self.feeder: int | None = None
+        """The Adam stage's feeder thread (a chain of sync points): it takes each queued update in
+        order and waits for that update's new-weight and state buffers."""
         self.prev_writes: dict[int, int] = {}
         self.prev_done: dict[int, int] = {}
         self.prev_all: list[int] = []
@@ -306,8 +312,19 @@ class StepGraph:
 
     # ------------------------------------------------------------------ optimizer
     def _acquire(self, released: list[int], count: int) -> None:
+        """The training thread takes one of ``count`` buffers (released in the order ``released``)."""
         if len(released) >= count:
             self._t(released[len(released) - count])
+
+    def _feed(self, *deps: int | None) -> int:
+        """Advance the feeder thread past ``deps``."""
+        self.feeder = self.sim.op(None, 0.0, (self.feeder,) + deps)
+        return self.feeder
+
+    def _feeder_acquire(self, released: list[int], count: int) -> None:
+        """The feeder takes one of ``count`` buffers (released in the order ``released``)."""
+        if len(released) >= count:
+            self._feed(released[len(released) - count])
 
     def _ssd(self, nbytes: float, kind: str, deps: tuple) -> int:
         """An SSD read or write of ``nbytes``; on the cpu device also the CPU time the I/O path takes
@@ -350,19 +367,22 @@ class StepGraph:
     def update(self, b: int, grad: int) -> None:
         """Adam for block ``b``, chunk by chunk, and the new weights' write."""
         hw, n = self.hw, self.own.blocks[b].numel
-        if b in self.on_ssd:  # the parked gradient comes back from SSD first
-            grad = self._ssd(self._w_bytes(b), "ssd_read", (self.thread, grad))
-        self._acquire(self.ww_rel, 2)
+        self._feed(self.thread)  # the training thread queued it; the feeder takes it in order
+        if b in self.on_ssd:  # the parked gradient comes back from SSD first, into a gradient buffer
+            self._feed(grad)
+            self._feeder_acquire(self.grad_rel, 2)
+            grad = self._ssd(self._w_bytes(b), "ssd_read", (self.feeder,))
+        self._feeder_acquire(self.ww_rel, 2)
         in_ram = b < self.p.ram_state_blocks
         jobs, writes = [], []
         for lo, hi in state_chunks(n, self.p.state_chunk):
             k = hi - lo
             nbytes = k * self.c.state_bytes_per_param
             if in_ram:  # RAM tier: Adam updates the resident state in place (no copies)
-                jobs.append(self.sim.op("adam", k / hw.adam_params_per_s, (self.thread, grad)))
+                jobs.append(self.sim.op("adam", k / hw.adam_params_per_s, (self.feeder, grad)))
                 continue
-            self._acquire(self.state_rel, self.p.state_buffers)
-            rd = self._ssd(nbytes, "ssd_read", (self.thread,))
+            self._feeder_acquire(self.state_rel, self.p.state_buffers)
+            rd = self._ssd(nbytes, "ssd_read", (self.feeder,))
             jobs.append(self.sim.op("adam", k / hw.adam_params_per_s, (rd, grad)))
             writes.append(self._ssd(nbytes, "ssd_write", (jobs[-1],)))
             self.state_rel.append(writes[-1])

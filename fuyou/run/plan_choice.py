@@ -190,7 +190,10 @@ def quick_profile(
     lora = req.lora
     tag = f"/lora{lora.rank}-{'+'.join(lora.targets)}" if lora is not None else ""
     sig = describe_model(req.model_config).signature
-    keys = [f"{base}/fs{os.stat(ssd).st_dev}", f"{base}/{sig}/{req.micro_batch_size}x{req.seq_len}{tag}/{TIMING}"]
+    keys = [
+        f"{base}/fs{os.stat(ssd).st_dev}/{SSD_TIMING}",
+        f"{base}/{sig}/{req.micro_batch_size}x{req.seq_len}{tag}/{TIMING}",
+    ]
     said: list[int] = []
 
     def measure(what: str) -> Callable[[], Any]:
@@ -219,6 +222,9 @@ def quick_profile(
 TIMING = "t2"
 """How blocks are timed (``measure.block_compute``), in the cache key: figures timed another way are
 measured again (t2: under the CPU backend's allocation meter, as the engine computes)."""
+SSD_TIMING = "s2"
+"""How the SSD is timed (``measure.ssd_measure``), in the machine figures' cache key (s2: the fastest of
+256 MiB passes, not the median of 64 MiB ones): figures measured another way are measured again."""
 QUICK_CACHE = "quick-profile"
 """The per-machine cache file of quick profiles (``fuyou.machine``)."""
 PROFILE_TOLERANCE = 1.3

@@ -171,3 +171,25 @@ def test_a_lora_step_ends_with_its_measured_adapter_update():
     assert predict(small_llama(), full, cfg, profile(lora_step_s=0.25)).step_s == pytest.approx(
         predict(small_llama(), full, cfg, profile()).step_s
     )
+
+
+def test_updates_are_fed_by_their_own_thread_not_the_training_thread():
+    # the Adam stage's feeder (fuyou.engine.adam_stage) waits for the state buffers, so the layer's
+    # backward starts as soon as the head's gradient is handed off, while the head's 8 state chunks
+    # stream through 2 buffers: before even the first chunk's write has landed (were the training
+    # thread to take the buffers, the third chunk would hold it until that write). Compute at 0.1
+    # TFLOP/s: the weights' reads are done before the head's backward ends.
+    from fuyou.planner.graph import StepGraph
+
+    hw = profile(device_peak_flops=1e11, ssd_read_Bps=1e9, ssd_write_Bps=1e9)
+    plan = Plan(activation_policy=("keep", "keep", "keep"), state_buffers=2, state_chunk=N2 // 8)
+    g = StepGraph(toy_shape(), plan, CFG, hw)
+    g.step(None)
+    ends = g.sim.run()
+    ops = range(len(g.sim.res))
+    compute = [i for i in ops if g.sim.kind[i] == "compute"]
+    layer_bwd = compute[3]  # forward embed, forward layer, head forward+backward, backward layer, embed
+    start = ends[layer_bwd] - g.sim.dur[layer_bwd]
+    first_write = min(ends[i] for i in ops if g.sim.kind[i] == "ssd_write")
+    assert start == pytest.approx(ends[compute[2]], abs=1e-9)
+    assert start < first_write
