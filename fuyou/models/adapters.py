@@ -10,6 +10,8 @@ embeddings; sliding-window layers), the
 mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (a decoder layer with its router and every
 expert is one block, or, with ``expert_groups`` > 1, a core block followed by expert-group blocks:
 ``LlamaLike``; their routers' logits are tapped for the balance loss: ``routes``) and GPT-2.
+``LlamaLike`` is also the generic adapter of every other family of the standard decoder shape
+(``fuyou.models.families``: which families, and how a new one is told apart).
 """
 
 from __future__ import annotations
@@ -26,18 +28,10 @@ from torch import nn
 
 from fuyou.errors import ConfigError
 from fuyou.models.blocks import EXPERTS_PART, BlockSpec, ParamSpec, slice_key, split_experts, split_vocab
+from fuyou.models.families import GPT2, MOE, architecture_of, layer_types
 from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
 from fuyou.schedule.experts import group_ranges
 from fuyou.schedule.vocab import row_ranges
-
-LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
-GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-"""Gemma 1/2/3 (text): Llama-like blocks with scaled embeddings, soft-capped attention and logits
-(Gemma 2), per-layer-kind rotary tables (Gemma 3)."""
-MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-"""Mixture-of-experts families: a decoder layer (attention, router, every expert, shared experts) is one block."""
-GPT2 = ("GPT2LMHeadModel",)
-SUPPORTED = LLAMA_LIKE + GEMMA + MOE + GPT2
 
 
 @dataclass
@@ -130,38 +124,6 @@ class RouteCapture(nn.Module):
         assert self.seen is not None  # the core block's layer has just run
         route, self.seen = Route(*self.seen), None
         return route
-
-
-def architecture_of(config: Any) -> str:
-    """The config's architecture name; raises ConfigError listing the supported ones if unknown, or
-    naming what Fuyou does not run: an attention layer kind (``layer_types``)."""
-    archs = getattr(config, "architectures", None) or []
-    name = (
-        archs[0]
-        if archs
-        else {
-            "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM",
-            "phi3": "Phi3ForCausalLM",
-            "gemma": "GemmaForCausalLM",
-            "gemma2": "Gemma2ForCausalLM",
-            "gemma3_text": "Gemma3ForCausalLM",
-            "mixtral": "MixtralForCausalLM",
-            "qwen2_moe": "Qwen2MoeForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM",
-            "gpt2": "GPT2LMHeadModel",
-        }.get(getattr(config, "model_type", ""), "")
-    )
-    if name not in SUPPORTED:
-        raise ConfigError(
-            f"unsupported architecture {name or getattr(config, 'model_type', '?')!r}; Fuyou supports "
-            f"{', '.join(SUPPORTED)}"
-        )
-    if name in LLAMA_LIKE + GEMMA + MOE:
-        layer_types(config)  # an attention kind Fuyou does not run is refused by name, before any work
-    return name
 
 
 class Adapter:
@@ -486,29 +448,6 @@ def attention_kernel(config: Any) -> str:
     attention keeps each layer's ``heads × T × T`` probabilities for backward (the planner counts them:
     ``fuyou.models.activation_rules``)."""
     return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
-
-
-ATTENTION_KINDS = ("full_attention", "sliding_attention")
-"""The per-layer attention kinds (``config.layer_types``) Fuyou runs."""
-
-
-def layer_types(config: Any) -> list[str]:
-    """Each decoder layer's attention, as the family's own ``forward`` picks its mask:
-    ``config.layer_types`` where the family has them (Qwen2/3: ``sliding_attention`` past
-    ``max_window_layers`` with ``use_sliding_window``), else ``sliding_attention`` for every layer when
-    the config sets a ``sliding_window`` (Mistral), else ``full_attention``. Raises ConfigError for
-    another kind, by name."""
-    types = list(getattr(config, "layer_types", None) or [])
-    if not types:
-        sliding = getattr(config, "sliding_window", None) is not None
-        types = ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
-    unknown = sorted(set(types) - set(ATTENTION_KINDS))
-    if unknown:
-        raise ConfigError(
-            f"unsupported attention layer type(s) {unknown} in this {getattr(config, 'model_type', '?')} config; "
-            f"Fuyou supports {', '.join(ATTENTION_KINDS)}"
-        )
-    return types
 
 
 def _masks(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None, types: set[str]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fuyou.engine import Engine, EngineConfig, Plan
-from tests.integration.tiny_models import batches, reference_steps, tiny
+from tests.integration.tiny_models import STANDARD, batches, reference_steps, tiny
 
 LR, WD, STEPS = 1e-3, 0.01, 5
 
@@ -111,6 +111,28 @@ def test_more_families(tmp_path, family, policy):
     losses, weights = run_fuyou(cfg, model, tmp_path, data, policy=policy)
     balance, ill = ("global", {}) if "moe" in family or family == "mixtral" else (None, None)
     assert_same(model, reference_steps(model, data, 1, LR, WD, balance=balance, ill=ill), losses, weights, ill=ill)
+
+
+FAST_STANDARD = ("olmo2", "glm4", "smollm3_tied", "starcoder2")
+"""Standard-shape families the default tier proves (RMSNorm after the sublayers, partial rotary, NoPE
+layers and a tied head, LayerNorm with biases); the slow tier proves the rest."""
+
+
+@pytest.mark.parametrize(
+    "family",
+    [f if f in FAST_STANDARD else pytest.param(f, marks=pytest.mark.slow) for f in (*STANDARD, "smollm3_tied")],
+)
+def test_standard_shape_families_through_the_generic_adapter(tmp_path, family):
+    """Families with no code of their own (``fuyou.models.families.STANDARD``): their layers, masks and
+    rotary tables as the library runs them, 3 layers, clipping and accumulation on. Elements whose
+    gradient is near zero at some step (``ill``: embedding rows of rare tokens) are held to what Adam
+    can move them, as for the mixtures of experts."""
+    cfg, model = tiny(family, layers=3)
+    data = batches(STEPS)
+    losses, weights = run_fuyou(cfg, model, tmp_path, data, policy="keep", K=2, clip=0.5)
+    ill: dict = {}
+    ref = reference_steps(model, data, 2, LR, WD, clip=0.5, ill=ill)
+    assert_same(model, ref, losses, weights, ill=ill)
 
 
 @pytest.mark.parametrize("family", ["llama_tied", "gpt2"])

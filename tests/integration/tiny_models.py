@@ -116,11 +116,52 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
             eos_token_id=0,
         )
         cls = GPT2LMHeadModel
+    elif family.removesuffix("_tied") in STANDARD:
+        return tiny_standard(family.removesuffix("_tied"), layers, hidden, tied=family.endswith("_tied"))
     else:
         raise ValueError(family)
     cfg.architectures = [cls.__name__]
     torch.manual_seed(0)
     model = cls(cfg)
+    model.train()
+    return cfg, model
+
+
+STANDARD = (
+    "olmo",
+    "olmo2",
+    "olmo3",
+    "glm",
+    "glm4",
+    "helium",
+    "arcee",
+    "ministral3",
+    "exaone4",
+    "hunyuan_v1_dense",
+    "starcoder2",
+    "ernie4_5",
+    "smollm3",
+)
+"""``model_type`` of each dense family of the standard decoder shape the generic adapter runs with no
+code of its own (``fuyou.models.families.STANDARD``)."""
+
+
+def tiny_standard(model_type: str, layers: int = 2, hidden: int = 64, tied: bool = False):
+    """(config, model) of a tiny random model of a standard-shape family, from the family's own config
+    class with its defaults but the sizes (and every dropout off: the reference draws other masks)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfg = CONFIG_MAPPING[model_type](
+        hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=hidden // 4, vocab_size=VOCAB, max_position_embeddings=64, num_hidden_layers=layers,
+        tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    for k in [k for k in cfg.to_dict() if "dropout" in k]:
+        setattr(cfg, k, 0.0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    cfg.architectures = [type(model).__name__]
     model.train()
     return cfg, model
 

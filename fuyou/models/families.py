@@ -1,0 +1,174 @@
+"""Which model families Fuyou runs, and how it tells: the tested lists, and the standard decoder shape.
+
+A family runs through the generic decoder-stack adapter (``adapters.LlamaLike``: embedding → decoder
+layers → final norm → LM head, each the library's own module, called as the library's ``forward``
+calls them) when what the library does *around* the layers is what that adapter does. That is
+checked on the library's source, not on a list: a family's ``…ForCausalLM.forward`` and its base
+model's ``forward`` must be, statement for statement (their syntax trees, docstrings left out), the
+ones of a family whose streamed training is proven equal to plain PyTorch by the tests
+(``VERIFIED_FORWARDS``). A family that scales its logits or its embeddings, or calls its layers with
+other arguments, differs there and is refused, naming the method. The decoder layers themselves are
+the family's own modules, whatever they compute inside.
+
+``TESTED`` families are proven by ``tests/integration/test_engine_fidelity.py`` (fp32, ≤ 1e-5 against
+PyTorch + AdamW); another family of the standard shape trains with a ``FuyouWarning`` that says it is
+untested. Families whose layers need more (multi-head latent attention, linear-attention layers,
+attention sinks) are refused by what does not fit: an attention layer kind, a buffer the adapter
+cannot rebuild (``LlamaLike.prepare``), or the forward check.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+import warnings
+from typing import Any
+
+from fuyou.errors import ConfigError, FuyouWarning
+
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
+GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
+"""Gemma 1/2/3 (text): Llama-like blocks with scaled embeddings, soft-capped attention and logits
+(Gemma 2), per-layer-kind rotary tables (Gemma 3)."""
+MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+"""Mixture-of-experts families: a decoder layer (attention, router, every expert, shared experts) is one block."""
+GPT2 = ("GPT2LMHeadModel",)
+STANDARD = (
+    "OlmoForCausalLM",
+    "Olmo2ForCausalLM",
+    "Olmo3ForCausalLM",
+    "GlmForCausalLM",
+    "Glm4ForCausalLM",
+    "HeliumForCausalLM",
+    "ArceeForCausalLM",
+    "Ministral3ForCausalLM",
+    "Exaone4ForCausalLM",
+    "HunYuanDenseV1ForCausalLM",
+    "Starcoder2ForCausalLM",
+    "Ernie4_5ForCausalLM",
+    "SmolLM3ForCausalLM",
+)
+"""Dense families of the standard decoder shape that the generic adapter runs with no code of their
+own (OLMo 1/2/3, GLM and GLM-4, Helium, Arcee, Ministral 3, EXAONE 4, Hunyuan dense, StarCoder2,
+ERNIE 4.5, SmolLM3's NoPE layers)."""
+TESTED = LLAMA_LIKE + GEMMA + MOE + GPT2 + STANDARD
+"""Every family the fidelity tests prove."""
+VERIFIED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+"""Families (``model_type``) whose ``forward`` methods define the standard decoder shape."""
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
+"""The per-layer attention kinds (``config.layer_types``) Fuyou runs."""
+
+
+def _classes(model_type: str) -> tuple[Any, Any]:
+    """(``…ForCausalLM`` class, its base model class) of ``model_type`` in the installed transformers
+    (its auto mappings). Raises ConfigError if transformers has no causal LM of that type."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
+
+    name, base = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type), MODEL_MAPPING_NAMES.get(model_type)
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    model_cls = getattr(transformers, base, None) if isinstance(base, str) else None  # some map to several
+    if cls is None:
+        raise ConfigError(
+            f"model type {model_type!r} is not a causal language model transformers {transformers.__version__} "
+            "knows; Fuyou trains decoder-only causal LMs"
+        )
+    if model_cls is None:
+        raise ConfigError(f"{cls.__name__} has no base model class; Fuyou cannot read its layer stack")
+    return cls, model_cls
+
+
+def _body(fn: Any) -> str:
+    """The syntax tree of ``fn``'s body, docstring left out, as text (equal text: equal statements)."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    assert isinstance(tree, (ast.FunctionDef, ast.AsyncFunctionDef))
+    body = tree.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return ast.dump(ast.Module(body=body, type_ignores=[]), annotate_fields=False)
+
+
+@functools.cache
+def _verified_forwards() -> tuple[frozenset[str], frozenset[str]]:
+    """The causal-LM and base-model ``forward`` bodies of the ``VERIFIED`` families."""
+    pairs = [_classes(t) for t in VERIFIED]
+    return frozenset(_body(c.forward) for c, _ in pairs), frozenset(_body(m.forward) for _, m in pairs)
+
+
+@functools.cache
+def standard_shape(model_type: str) -> str | None:
+    """None if ``model_type``'s causal LM wraps its layers as the verified families do (see the module
+    docstring); else what departs, as a sentence. Raises ConfigError if transformers has no causal
+    LM of that type."""
+    cls, model_cls = _classes(model_type)
+    causal, base = _verified_forwards()
+    if _body(cls.forward) not in causal:
+        return f"{cls.__name__}.forward departs from the standard decoder's (e.g. scaled or capped logits)"
+    if _body(model_cls.forward) not in base:
+        return (
+            f"{model_cls.__name__}.forward departs from the standard decoder's (e.g. scaled embeddings, "
+            "extra inputs to its layers)"
+        )
+    return None
+
+
+def architecture_of(config: Any) -> str:
+    """The config's architecture name (``architectures[0]``, else transformers' causal LM of its
+    ``model_type``). A tested family is returned as it is; another one of the standard decoder shape
+    (``standard_shape``) with a ``FuyouWarning`` that it is untested. Raises ConfigError naming what
+    Fuyou does not run: not a causal LM, a departure from the standard shape, an attention layer kind
+    (``layer_types``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", "") or ""
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(
+            f"{model_type or 'this model'} is an encoder-decoder model; Fuyou trains decoder-only causal LMs"
+        )
+    if getattr(config, "vision_config", None) is not None:
+        raise ConfigError(
+            f"{model_type or 'this model'} is a vision-language model; Fuyou trains decoder-only causal LMs "
+            "(its text model alone, where the family publishes one, e.g. gemma3_text)"
+        )
+    archs = getattr(config, "architectures", None) or []
+    name = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")
+    if name not in TESTED:
+        if not model_type:
+            raise ConfigError(f"architecture {name or '?'!r} names no model_type; pass a complete config.json")
+        why = standard_shape(model_type)
+        if why is not None:
+            raise ConfigError(
+                f"unsupported architecture {name or model_type!r}: {why}; Fuyou runs the standard decoder shape "
+                f"and the tested families {', '.join(TESTED)}"
+            )
+        warnings.warn(
+            f"{name or model_type} is untested with Fuyou: it has the standard decoder shape (embedding → "
+            "layers → norm → head, as Llama), so it runs through the generic adapter; compare a few steps "
+            "with plain PyTorch before a long run",
+            FuyouWarning,
+            stacklevel=2,
+        )
+    if name not in GPT2:
+        layer_types(config)  # an attention kind Fuyou does not run is refused by name, before any work
+    return name
+
+
+def layer_types(config: Any) -> list[str]:
+    """Each decoder layer's attention, as the family's own ``forward`` picks its mask:
+    ``config.layer_types`` where the family has them (Qwen2/3: ``sliding_attention`` past
+    ``max_window_layers`` with ``use_sliding_window``), else ``sliding_attention`` for every layer when
+    the config sets a ``sliding_window`` (Mistral), else ``full_attention``. Raises ConfigError for
+    another kind, by name."""
+    types = list(getattr(config, "layer_types", None) or [])
+    if not types:
+        sliding = getattr(config, "sliding_window", None) is not None
+        types = ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
+    unknown = sorted(set(types) - set(ATTENTION_KINDS))
+    if unknown:
+        raise ConfigError(
+            f"unsupported attention layer type(s) {unknown} in this {getattr(config, 'model_type', '?')} config; "
+            f"Fuyou supports {', '.join(ATTENTION_KINDS)}"
+        )
+    return types

@@ -1,0 +1,53 @@
+"""Which families run: the tested lists, the standard decoder shape read from the library's source."""
+
+import warnings
+
+import pytest
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+from fuyou.errors import ConfigError, FuyouWarning
+from fuyou.models.families import STANDARD, TESTED, architecture_of, standard_shape
+
+
+def test_every_tested_standard_family_runs_without_a_warning():
+    # OLMo 3, EXAONE 4 and StarCoder2 build their masks otherwise than the verified families (their
+    # base model's forward differs): proven by the fidelity tests, they are listed, not inferred
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    types = {v: k for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if v in STANDARD}
+    assert set(types) == set(STANDARD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for arch, t in types.items():
+            assert architecture_of(CONFIG_MAPPING[t]()) == arch
+    assert standard_shape("olmo3") is not None and standard_shape("olmo2") is None
+
+
+@pytest.mark.parametrize(
+    "model_type, part",
+    [
+        ("granite", "GraniteForCausalLM.forward"),
+        ("cohere", "CohereForCausalLM.forward"),
+        ("gpt_oss", "GptOssForCausalLM"),
+    ],
+)
+def test_a_family_that_scales_its_logits_or_differs_around_its_layers_is_refused_naming_where(model_type, part):
+    # Granite divides its logits by logits_scaling, Cohere multiplies them by logit_scale: streamed through
+    # the generic adapter they would train another model without a word
+    with pytest.raises(ConfigError, match=f"unsupported architecture .*{part}.*departs"):
+        architecture_of(CONFIG_MAPPING[model_type]())
+
+
+def test_an_untested_family_of_the_standard_shape_runs_and_says_so():
+    cfg = CONFIG_MAPPING["seed_oss"]()
+    assert "SeedOssForCausalLM" not in TESTED
+    with pytest.warns(FuyouWarning, match="SeedOssForCausalLM is untested"):
+        assert architecture_of(cfg) == "SeedOssForCausalLM"
+
+
+@pytest.mark.parametrize(
+    "model_type, says", [("t5", "encoder-decoder"), ("bert", "BertLMHeadModel.forward departs"), ("gemma3", "vision")]
+)
+def test_models_that_are_not_decoder_stacks_are_refused_saying_why(model_type, says):
+    with pytest.raises(ConfigError, match=says):
+        architecture_of(CONFIG_MAPPING[model_type]())
