@@ -28,7 +28,7 @@ from torch import nn
 
 from fuyou.errors import ConfigError
 from fuyou.models.blocks import EXPERTS_PART, BlockSpec, ParamSpec, slice_key, split_experts, split_vocab
-from fuyou.models.families import GPT2, MOE, architecture_of, layer_types
+from fuyou.models.families import GPT2, MOE, architecture_of, causal_lm_class, layer_types
 from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
 from fuyou.schedule.experts import group_ranges
 from fuyou.schedule.vocab import row_ranges
@@ -444,10 +444,14 @@ def _causal_mask(config: Any, embeds: torch.Tensor, documents: torch.Tensor | No
 
 def attention_kernel(config: Any) -> str:
     """``sdpa``, or ``eager`` where the attention scores are soft-capped (``attn_logit_softcapping``:
-    Gemma 2), which ``sdpa`` cannot do and ``transformers`` trains with its eager attention. Eager
-    attention keeps each layer's ``heads × T × T`` probabilities for backward (the planner counts them:
-    ``fuyou.models.activation_rules``)."""
-    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    Gemma 2) or the family's attention has no ``sdpa`` path in ``transformers`` (GPT-OSS's attention
+    sinks): ``transformers`` trains those with its eager attention. Eager attention keeps each layer's
+    ``heads × T × T`` probabilities for backward (the activation probe measures them:
+    ``fuyou.models.activation_probe``)."""
+    if getattr(config, "attn_logit_softcapping", None):
+        return "eager"
+    cls = causal_lm_class(getattr(config, "model_type", "") or "")
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", True) else "eager"
 
 
 def _masks(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None, types: set[str]) -> dict[str, Any]:

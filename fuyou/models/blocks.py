@@ -81,11 +81,12 @@ def split_experts(blocks: tuple[BlockSpec, ...], groups: int, experts: int, top_
         raise ValueError(f"cannot split {experts} experts into {groups} groups")
     out: list[BlockSpec] = []
     for blk in blocks:
-        fused = [p for p in blk.params if len(p.shape) == 3 and p.shape[0] == experts and ".experts." in p.key]
+        # the fused expert tensors [experts, …]: weights, and per-expert biases (GPT-OSS) with them
+        fused = [p for p in blk.params if len(p.shape) >= 2 and p.shape[0] == experts and ".experts." in p.key]
         if not fused:
             out.append(blk)
             continue
-        routed = 2 * top_k * sum(p.numel for p in fused) // experts
+        routed = 2 * top_k * sum(p.numel for p in fused if len(p.shape) == 3) // experts
         core = tuple(p for p in blk.params if p not in fused)
         out.append(BlockSpec(blk.name, core, blk.borrows, blk.flops_per_token - routed))
         for g, (lo, hi) in enumerate(group_ranges(experts, groups)):

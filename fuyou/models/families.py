@@ -32,8 +32,10 @@ LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwe
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 """Gemma 1/2/3 (text): Llama-like blocks with scaled embeddings, soft-capped attention and logits
 (Gemma 2), per-layer-kind rotary tables (Gemma 3)."""
-MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
-"""Mixture-of-experts families: a decoder layer (attention, router, every expert, shared experts) is one block."""
+MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
+"""Mixture-of-experts families: a decoder layer (attention, router, every expert, shared experts) is one
+block. GPT-OSS: attention sinks (eager attention: ``adapters.attention_kernel``), biased router and
+experts, alternating sliding windows."""
 GPT2 = ("GPT2LMHeadModel",)
 STANDARD = (
     "OlmoForCausalLM",
@@ -78,6 +80,14 @@ def _classes(model_type: str) -> tuple[Any, Any]:
     if model_cls is None:
         raise ConfigError(f"{cls.__name__} has no base model class; Fuyou cannot read its layer stack")
     return cls, model_cls
+
+
+def causal_lm_class(model_type: str) -> Any:
+    """transformers' ``…ForCausalLM`` class of ``model_type``, or None if it has none."""
+    try:
+        return _classes(model_type)[0]
+    except ConfigError:
+        return None
 
 
 def _body(fn: Any) -> str:
@@ -140,7 +150,8 @@ def architecture_of(config: Any) -> str:
         why = standard_shape(model_type)
         if why is not None:
             raise ConfigError(
-                f"unsupported architecture {name or model_type!r}: {why}; Fuyou runs the standard decoder shape "
+                f"unsupported architecture {name or model_type!r} (model type {model_type}): {why}; Fuyou runs "
+                "the standard decoder shape "
                 f"and the tested families {', '.join(TESTED)}"
             )
         warnings.warn(

@@ -151,10 +151,13 @@ class CheckpointReader:
         return key
 
     def _converted(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """A parameter the checkpoint stores in the family's own layout: renamed, or merged experts
-        (``rows``: experts [lo, hi) only)."""
+        """A parameter the checkpoint stores in the family's own layout: renamed, merged experts, or
+        MXFP4-packed experts (``rows``: experts [lo, hi) only)."""
         if self._on_disk(key) in self.where:
             return self._read(self._on_disk(key))
+        packed = self._on_disk(key)
+        if packed + MXFP4_BLOCKS in self.where and packed + MXFP4_SCALES in self.where:
+            return mxfp4_dequantize(self._read(packed + MXFP4_BLOCKS, rows), self._read(packed + MXFP4_SCALES, rows))
         for sources, target in self._merges:
             if key.endswith(target):
                 base = self._on_disk(key[: len(key) - len(target)])
@@ -181,6 +184,22 @@ class CheckpointReader:
                 os_limit_error(e, f"reading {key!r} from {where}")
                 or ModelFileError(f"cannot read {key!r} from {self.where[key]} in {self.model_dir}: {e}")
             ) from e
+
+
+MXFP4_BLOCKS, MXFP4_SCALES = "_blocks", "_scales"
+"""Suffixes of an MXFP4-packed tensor's two parts on disk (GPT-OSS's experts): 4-bit values two to a
+byte, 32 to a block, and one power-of-two scale (a biased uint8 exponent) per block."""
+
+
+def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The bf16 tensor an MXFP4-packed one (``blocks`` [E, rows, G, 16] uint8, ``scales`` [E, rows, G])
+    holds, laid out as the model's parameter ([E, G·32, rows]): ``transformers``' own dequantization
+    (``convert_moe_packed_tensors``), so the import is what ``from_pretrained`` with
+    ``Mxfp4Config(dequantize=True)`` loads. Every value (an FP4 value × 2^k) is exact in bf16, so
+    nothing is rounded. Experts arrive one tensor (or one expert group's rows) at a time."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    return convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
 
 
 def _conversions(model_type: str | None) -> tuple[list[tuple[str, str]], list[tuple[list[str], str]]]:
@@ -252,6 +271,8 @@ def save_streamed(
         )
     config = copy.deepcopy(config)
     config.dtype = dtype  # from_pretrained then loads the weights in the dtype they were saved in
+    if hasattr(config, "quantization_config"):  # imported dequantized (MXFP4, FP8): written unquantized
+        del config.quantization_config
     config.save_pretrained(tmp)
     if copy_from:
         for fname in TOKENIZER_FILES:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fuyou.engine import Engine, EngineConfig, Plan
-from tests.integration.tiny_models import STANDARD, batches, reference_steps, tiny
+from tests.integration.tiny_models import MOE_FAMILIES, STANDARD, batches, reference_steps, tiny
 
 LR, WD, STEPS = 1e-3, 0.01, 5
 
@@ -98,7 +98,8 @@ def test_families_and_policies(tmp_path, family, policy):
 
 
 @pytest.mark.parametrize(
-    "family", ["mistral_sw", "qwen2_sw", "llama31", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3"]
+    "family",
+    ["mistral_sw", "qwen2_sw", "llama31", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "gemma", "gemma2", "gemma3"],
 )
 @pytest.mark.parametrize("policy", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
 def test_more_families(tmp_path, family, policy):
@@ -109,7 +110,7 @@ def test_more_families(tmp_path, family, policy):
     cfg, model = tiny(family, layers=3)
     data = batches(STEPS)
     losses, weights = run_fuyou(cfg, model, tmp_path, data, policy=policy)
-    balance, ill = ("global", {}) if "moe" in family or family == "mixtral" else (None, None)
+    balance, ill = ("global", {}) if family in MOE_FAMILIES else (None, None)
     assert_same(model, reference_steps(model, data, 1, LR, WD, balance=balance, ill=ill), losses, weights, ill=ill)
 
 

@@ -15,13 +15,13 @@ from tests.integration.test_engine_fidelity import LR, STEPS, WD, assert_same
 from tests.integration.tiny_models import batches, reference_steps, tiny
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
 def test_moe_checkpoint_trains_as_transformers_and_exports_what_it_loads(tmp_path, family):
     cfg, model = tiny(family)
     src = tmp_path / "src"
     model.save_pretrained(src)
-    with safe_open(str(src / "model.safetensors"), "pt") as f:
-        assert any(".experts.0." in k for k in f.keys())  # per-expert tensors on disk, not the fused ones
+    with safe_open(str(src / "model.safetensors"), "pt") as f:  # per-expert tensors on disk, not the fused
+        assert any(".experts.0." in k for k in f.keys()) != (family == "gpt_oss")  # ones; GPT-OSS's are fused
     (tmp_path / "ssd").mkdir()
     ec = EngineConfig(
         ssd_dirs=(str(tmp_path / "ssd"),), precision="fp32", lr=LR, weight_decay=WD, cpu_memory="256MiB",
@@ -36,3 +36,57 @@ def test_moe_checkpoint_trains_as_transformers_and_exports_what_it_loads(tmp_pat
     assert_same(model, reference_steps(model, data, 2, LR, WD, balance="global", ill=ill), losses, weights, ill=ill)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     assert all(torch.equal(loaded[k], w) for k, w in weights.items())
+
+
+def _mxfp4_checkpoint(path) -> None:
+    """A tiny GPT-OSS checkpoint as OpenAI publishes the real ones: every expert tensor MXFP4-packed
+    (``*_blocks``: random 4-bit codes two to a byte, 32 to a block; ``*_scales``: a biased exponent per
+    block), the rest bf16, ``quantization_config`` naming mxfp4."""
+    from safetensors.torch import save_file
+
+    cfg, model = tiny("gpt_oss")
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for k, v in model.state_dict().items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, rows_in, rows_out = v.shape  # stored transposed, in blocks of 32 input rows
+            tensors[k + "_blocks"] = torch.randint(
+                0, 256, (experts, rows_out, rows_in // 32, 16), dtype=torch.uint8, generator=gen
+            )
+            tensors[k + "_scales"] = torch.randint(
+                118, 128, (experts, rows_out, rows_in // 32), dtype=torch.uint8, generator=gen
+            )
+        else:
+            tensors[k] = v.detach().to(torch.bfloat16).contiguous()
+    path.mkdir()
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg.quantization_config = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"],
+    }
+    cfg.dtype = torch.bfloat16
+    cfg.save_pretrained(path)
+
+
+def test_mxfp4_experts_import_as_transformers_dequantizes_them_and_export_unquantized(tmp_path):
+    from transformers import Mxfp4Config
+
+    src = tmp_path / "src"
+    _mxfp4_checkpoint(src)
+    ref = AutoModelForCausalLM.from_pretrained(
+        src, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16
+    )
+    want = ref.state_dict()
+    (tmp_path / "ssd").mkdir()
+    ec = EngineConfig(ssd_dirs=(str(tmp_path / "ssd"),), precision="bf16", lr=LR, weight_decay=WD, cpu_memory="256MiB")
+    with Engine.from_pretrained(str(src), ec) as eng:
+        got = dict(eng.master_weights())
+        assert set(got) == set(want)
+        for k, w in got.items():  # bit for bit: every MXFP4 value is exact in bf16 and in the fp32 master
+            assert torch.equal(w, want[k].float()), k
+        ids, labels = batches(1)[0]
+        assert eng.train_step(ids, labels).applied
+        trained = dict(eng.master_weights())
+        eng.export(str(tmp_path / "out"), dtype="fp32")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # no quantization_config: plain tensors
+    assert all(torch.equal(loaded.state_dict()[k], w) for k, w in trained.items())

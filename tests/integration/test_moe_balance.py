@@ -15,7 +15,7 @@ from fuyou.engine import Engine, EngineConfig, Plan
 from tests.integration.test_engine_fidelity import LR, WD, assert_same
 from tests.integration.tiny_models import batches, reference_steps, tiny
 
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"]
 
 
 def run(cfg, model, tmp_path, data, *, mode, K, policy="keep", clip=0.0):

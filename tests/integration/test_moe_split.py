@@ -42,10 +42,17 @@ def train(cfg, model, ec: EngineConfig, data) -> tuple[list[float], dict, Engine
     return [r.loss for r in results], weights, eng
 
 
-def expect_reference(model, data, losses, weights) -> None:
+def expect_reference(model, data, losses, weights, tol: float = 1e-5) -> None:
     ill: dict = {}
     ref = reference_steps(model, data, 2, LR, WD, clip=CLIP, balance="global", ill=ill)
-    assert_same(model, ref, losses, weights, ill=ill)
+    assert_same(model, ref, losses, weights, tol=tol, ill=ill)
+
+
+SPLIT_TOL = {"gpt_oss": 1e-4}
+"""A split layer sums its groups' outputs in another order than the whole layer: fp32 rounding that Adam
+turns into relative weight differences of up to 7e-5 after 1–5 steps (measured: Mixtral 7.0e-5, GPT-OSS
+5.2e-5, against 8e-7 unsplit), on elements the ``ill`` test exempts for Mixtral but not all of GPT-OSS's
+(its experts' biases move their outputs off zero)."""
 
 
 @pytest.mark.parametrize(
@@ -54,6 +61,7 @@ def expect_reference(model, data, losses, weights) -> None:
         ("mixtral", 2, "keep"),
         ("qwen2_moe", 3, "recompute"),  # uneven groups (1, 1, 2 experts), a shared expert in the core
         ("qwen3_moe", 4, "swap_cpu"),  # one expert per group
+        ("gpt_oss", 2, "keep"),  # biased experts and router, attention sinks in the core
         pytest.param("mixtral", 3, "swap_ssd", marks=pytest.mark.slow),
         pytest.param("qwen2_moe", 2, "recompute_cpu", marks=pytest.mark.slow),
         pytest.param("qwen3_moe", 2, "keep", marks=pytest.mark.slow),
@@ -66,7 +74,7 @@ def test_split_layers_train_as_plain_pytorch(tmp_path, family, groups, policy):
     names = [b.name for b in eng.layout.blocks]
     assert names[1:3] == ["layer.0", "layer.0.experts.0"] and len(names) == 2 + 2 * (1 + groups)
     assert all("[" not in k for k in weights)  # the groups' slices come back as the fused tensors
-    expect_reference(model, data, losses, weights)
+    expect_reference(model, data, losses, weights, SPLIT_TOL.get(family, 1e-5))
 
 
 def test_a_dropped_route_gradient_is_caught(tmp_path, monkeypatch):

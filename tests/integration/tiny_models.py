@@ -29,8 +29,11 @@ FAMILIES = (
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
+    "gpt_oss",
 )
 """One tiny model of each family the adapters support, for tests that go through all of them."""
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+"""The mixtures of experts among them."""
 
 
 def tiny(family: str, layers: int = 2, hidden: int = 64):
@@ -63,12 +66,18 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
     elif family == "phi3":  # fused qkv_proj and gate_up_proj; partial rotary
         cfg = Phi3Config(**common, tie_word_embeddings=False, partial_rotary_factor=0.5, pad_token_id=0)
         cls = Phi3ForCausalLM
-    elif family in ("mixtral", "qwen3_moe", "qwen2_moe"):  # mixture of experts: 4 experts, top 2
+    elif family in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"):  # mixture of experts: 4 experts, top 2
         from transformers import AutoConfig, AutoModelForCausalLM
 
         moe = dict(num_experts_per_tok=2, output_router_logits=False, router_aux_loss_coef=0.02)  # Mixtral-8x7B's
         if family == "mixtral":
             moe |= dict(num_local_experts=4)
+        elif family == "gpt_oss":  # attention sinks, biased router and experts, alternating 4-token windows
+            moe |= dict(num_local_experts=4, head_dim=hidden // 4, sliding_window=4, attention_dropout=0.0)
+            moe["rope_parameters"] = dict(
+                rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+                truncate=False, original_max_position_embeddings=16,
+            )  # fmt: skip
         else:
             moe |= dict(num_experts=4, moe_intermediate_size=hidden, decoder_sparse_step=1, norm_topk_prob=True)
         if family == "qwen2_moe":
@@ -78,6 +87,11 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
         cfg.architectures = [type(cls.from_config(cfg)).__name__]
         torch.manual_seed(0)
         model = cls.from_config(cfg)
+        if family == "gpt_oss":  # its biases start at zero: random ones, as a trained checkpoint's, show
+            with torch.no_grad():  # each expert's bias lands with its expert
+                for name, p in model.named_parameters():
+                    if name.endswith("proj_bias"):  # the experts' (not the router's: routing stays even)
+                        p.normal_(0.0, 0.02)
         model.train()
         return cfg, model
     elif family in ("gemma", "gemma2", "gemma3"):  # scaled embeddings, tied; Gemma 2: soft-capping; 3: per-kind RoPE

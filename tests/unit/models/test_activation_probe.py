@@ -26,7 +26,7 @@ def _real(monkeypatch: pytest.MonkeyPatch, adapter, b: int, cb: int, seq: int, m
 
 @pytest.mark.parametrize(
     "family, groups",
-    [("llama", 1), ("gpt2", 1), ("gemma2", 1), ("gemma3", 1), ("mixtral", 1), ("qwen3_moe", 2)],
+    [("llama", 1), ("gpt2", 1), ("gemma2", 1), ("gemma3", 1), ("mixtral", 1), ("qwen3_moe", 2), ("gpt_oss", 2)],
 )
 @pytest.mark.parametrize("cb", [2, 4])
 def test_fake_tensors_measure_what_real_ones_allocate(monkeypatch, family, groups, cb):

@@ -12,7 +12,7 @@ from fuyou.models.description import describe_model, load_description
 from fuyou.models.freeze import frozen_keys
 from fuyou.models.store_layout import ModelLayout
 from fuyou.schedule.shapes import NAMED, BlockShape, ModelShape
-from tests.integration.tiny_models import FAMILIES, tiny
+from tests.integration.tiny_models import FAMILIES, MOE_FAMILIES, tiny
 
 
 @pytest.mark.parametrize(
@@ -43,7 +43,7 @@ def test_blocks_are_the_engines_own(family):
     """Names, elements and FLOPs per block are the adapter's blocks and the store layout's, split or not;
     the largest weight tensor is backward's fixed transient."""
     cfg, _ = tiny(family, hidden=72)
-    moe = family in ("mixtral", "qwen2_moe", "qwen3_moe")
+    moe = family in MOE_FAMILIES
     for groups in (1, 2, 3) if moe else (1,):
         ad = make_adapter(cfg, expert_groups=groups)
         lay = ModelLayout(tuple(ad.blocks))

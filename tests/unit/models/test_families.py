@@ -28,7 +28,7 @@ def test_every_tested_standard_family_runs_without_a_warning():
     [
         ("granite", "GraniteForCausalLM.forward"),
         ("cohere", "CohereForCausalLM.forward"),
-        ("gpt_oss", "GptOssForCausalLM"),
+        ("deepseek_v3", "DeepseekV3ForCausalLM"),
     ],
 )
 def test_a_family_that_scales_its_logits_or_differs_around_its_layers_is_refused_naming_where(model_type, part):

@@ -13,7 +13,7 @@ from fuyou.models.description import describe_model, load_description
 from fuyou.planner.profile import ComputePoint, HardwareProfile, load_profile, save_profile
 from fuyou.planner.result import Budgets, PlannerResult
 from fuyou.planner.search import Request, search
-from tests.integration.tiny_models import FAMILIES
+from tests.integration.tiny_models import FAMILIES, MOE_FAMILIES
 from tests.unit.planner.helpers import profile, small_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -229,7 +229,7 @@ def test_the_planner_counts_the_adapters_peft_injects():
     from fuyou.schedule.device_memory import ADAPTER_BYTES_PER_PARAM
     from tests.integration.tiny_models import tiny
 
-    for fam in [f for f in FAMILIES if "moe" not in f and f != "mixtral"]:
+    for fam in [f for f in FAMILIES if f not in MOE_FAMILIES]:
         cfg, _ = tiny(fam, hidden=72)
         ad = make_adapter(cfg, LoraSettings(rank=3, alpha=6))
         real = sum(p.numel() for n, p in ad.model.named_parameters() if is_lora(n))
