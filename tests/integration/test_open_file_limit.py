@@ -24,6 +24,7 @@ def limit_open_files() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
 
 
+@pytest.mark.slow  # 21 s on 2 cores: a system limit, not a step's arithmetic
 def test_thousands_of_store_files_train_under_ulimit_256(tmp_path):
     cfg, model = tiny("llama", layers=LAYERS, hidden=HIDDEN)
     model_dir, ssd = tmp_path / "model", tmp_path / "ssd"
