@@ -1,5 +1,7 @@
 """The planner on frontier shapes (issue 18): a feasible plan, or the binding constraint, for each of
-GPT-3-175B, Llama-3.1-405B, Mixtral-8x7B, Mixtral-8x22B and Qwen3-235B-A22B on one stated single-GPU box.
+GPT-3-175B, Llama-3.1-405B, Mixtral-8x7B, Mixtral-8x22B, Qwen3-235B-A22B and GPT-OSS-20B/120B on one stated
+single-GPU box (``--profile``: also issue 33's two boxes, ``bench/profiles/box_4090_4nvme.json`` and
+``box_h100_8nvme.json``).
 
 Pure prediction, no hardware: the hand-written profile ``bench/profiles/lohan_4090.json`` (Fuyou/LoHan's
 published testbed: one RTX 4090, 768 GB DDR4, 12 NVMe drives in RAID0), budgets as the README's
@@ -10,6 +12,7 @@ attention) are left out: the engine cannot run them.
 
     python bench/bench_frontier_plans.py        # JSON lines on stdout, the Markdown table on stderr
     python bench/bench_frontier_plans.py --gpu-memory 8GiB --shapes mixtral-8x22b,qwen3-235b-a22b
+    python bench/bench_frontier_plans.py --profile bench/profiles/box_4090_4nvme.json --cpu-memory 240GiB
 """
 
 from __future__ import annotations
@@ -30,7 +33,15 @@ from fuyou.run.plan_choice import describe  # noqa: E402
 from fuyou.units import parse_size  # noqa: E402
 
 PROFILE = os.path.join(ROOT, "bench", "profiles", "lohan_4090.json")
-SHAPES = ("gpt3-175b", "llama-3.1-405b", "mixtral-8x7b", "mixtral-8x22b", "qwen3-235b-a22b")
+SHAPES = (
+    "gpt3-175b",
+    "llama-3.1-405b",
+    "mixtral-8x7b",
+    "mixtral-8x22b",
+    "qwen3-235b-a22b",
+    "gpt-oss-20b",
+    "gpt-oss-120b",
+)
 SEQ, TOKENS = 2048, 65536
 
 
@@ -39,8 +50,9 @@ def main() -> None:
     ap.add_argument("--gpu-memory", default="22GiB")
     ap.add_argument("--cpu-memory", default="700GiB")
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--profile", default=PROFILE, help="a hardware profile (default: LoHan's 4090 testbed)")
     a = ap.parse_args()
-    prof = load_profile(PROFILE)
+    prof = load_profile(a.profile)
     bud = Budgets(cpu_memory=parse_size(a.cpu_memory), gpu_memory=parse_size(a.gpu_memory))
     req = Request(seq_len=SEQ, tokens_per_step=TOKENS, clip=True)
     rows = []
@@ -53,7 +65,9 @@ def main() -> None:
             res = search(shape, prof, bud, req)
         except InfeasibleError as e:
             rec |= {"feasible": False, "binding": str(e)}
-            rows.append(f"| {name} | {params / 1e9:.0f} B ({active / 1e9:.0f} B active) | — | — | — | — | {e} |")
+            rows.append(
+                f"| {name} | {params / 1e9:.0f} B ({active / 1e9:.0f} B active) | — | — | — | — | — | — | — | {e} |"
+            )
         else:
             p = res.prediction
             rec |= {
@@ -64,17 +78,22 @@ def main() -> None:
                 "mfu": p.mfu,
                 "bottleneck": p.bottleneck,
                 "ssd_read_write_gb": (p.ssd_read_bytes + p.ssd_write_bytes) / 1e9,
+                "tokens_per_s": TOKENS / p.step_s,
+                "host_gb": p.memory.host / 1e9,
+                "ssd_store_gb": p.memory.ssd / 1e9,
             }
             rows.append(
-                f"| {name} | {params / 1e9:.0f} B ({active / 1e9:.0f} B active) | {p.step_s:.0f} | {p.tflops:.1f} "
+                f"| {name} | {params / 1e9:.0f} B ({active / 1e9:.0f} B active) | {p.memory.host / 1e9:.0f} "
+                f"| {p.memory.ssd / 1e12:.1f} | {p.step_s:.0f} | {TOKENS / p.step_s:.0f} | {p.tflops:.1f} "
                 f"| {p.bottleneck} | {(p.ssd_read_bytes + p.ssd_write_bytes) / 1e12:.2f} | {describe(res.plan)} |"
             )
         emit(rec)
     print(
-        f"profile {os.path.relpath(PROFILE, ROOT)}, --cpu-memory {a.cpu_memory} --gpu-memory {a.gpu_memory}, seq {SEQ}, "
+        f"profile {os.path.relpath(a.profile, ROOT)}, --cpu-memory {a.cpu_memory} --gpu-memory {a.gpu_memory}, seq {SEQ}, "
         f"{TOKENS} tokens per step, clipping on\n\n"
-        "| shape | parameters | step s | TFLOPS | bottleneck | SSD TB read+written per step | plan, or the binding constraint |\n"
-        "| --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows),
+        "| shape | parameters | host GB | SSD store TB | step s | tokens/s | TFLOPS | bottleneck "
+        "| SSD TB read+written per step | plan, or the binding constraint |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows),
         file=sys.stderr,
     )
 

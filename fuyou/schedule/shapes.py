@@ -119,20 +119,6 @@ NAMED = {
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
     },
-    "gpt-oss-20b": {  # openai/gpt-oss-20b's config.json
-        "model_type": "gpt_oss",
-        "num_hidden_layers": 24,
-        "hidden_size": 2880,
-        "intermediate_size": 2880,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "vocab_size": 201088,
-        "num_local_experts": 32,
-        "num_experts_per_tok": 4,
-        "sliding_window": 128,
-        "tie_word_embeddings": False,
-    },
     "gpt-oss-120b": {  # openai/gpt-oss-120b's config.json
         "model_type": "gpt_oss",
         "num_hidden_layers": 36,
@@ -148,6 +134,8 @@ NAMED = {
         "tie_word_embeddings": False,
     },
 }
+NAMED["gpt-oss-20b"] = NAMED["gpt-oss-120b"] | {"num_hidden_layers": 24, "num_local_experts": 32}
+"""openai/gpt-oss-20b's config.json: GPT-OSS-120B's with 24 layers of 32 experts."""
 
 
 @dataclass(frozen=True)
