@@ -6,15 +6,16 @@ calls them) when what the library does *around* the layers is what that adapter 
 checked on the library's source, not on a list: a family's ``…ForCausalLM.forward`` and its base
 model's ``forward`` must be, statement for statement (their syntax trees, docstrings left out), the
 ones of a family whose streamed training is proven equal to plain PyTorch by the tests
-(``VERIFIED_FORWARDS``). A family that scales its logits or its embeddings, or calls its layers with
+(``VERIFIED``). A family that scales its logits or its embeddings, or calls its layers with
 other arguments, differs there and is refused, naming the method. The decoder layers themselves are
 the family's own modules, whatever they compute inside.
 
 ``TESTED`` families are proven by ``tests/integration/test_engine_fidelity.py`` (fp32, ≤ 1e-5 against
 PyTorch + AdamW); another family of the standard shape trains with a ``FuyouWarning`` that says it is
-untested. Families whose layers need more (multi-head latent attention, linear-attention layers,
-attention sinks) are refused by what does not fit: an attention layer kind, a buffer the adapter
-cannot rebuild (``LlamaLike.prepare``), or the forward check.
+untested. Families whose layers need more (linear-attention layers, a router's balancing buffer) are
+refused by what does not fit: an attention layer kind, a buffer the adapter cannot rebuild
+(``LlamaLike.prepare``), or the forward check. What the check cannot see fails inside the family's own
+layer, after the warning (Youtu's multi-head latent attention: a shape error in its first layer).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ ATTENTION_KINDS = ("full_attention", "sliding_attention")
 """The per-layer attention kinds (``config.layer_types``) Fuyou runs."""
 
 
+@functools.cache
 def _classes(model_type: str) -> tuple[Any, Any]:
     """(``…ForCausalLM`` class, its base model class) of ``model_type`` in the installed transformers
     (its auto mappings). Raises ConfigError if transformers has no causal LM of that type."""
