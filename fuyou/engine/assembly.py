@@ -22,6 +22,7 @@ from fuyou.device.base import Backend
 from fuyou.engine.config import EngineConfig
 from fuyou.engine.lora import LoraState, NoAdapters
 from fuyou.errors import ConfigError, DeviceMemoryError, FuyouWarning
+from fuyou.models.activation_rules import experts_of, top_k_of
 from fuyou.models.adapters import GPT2, Adapter, architecture_of, make_adapter
 from fuyou.models.blocks import split_experts
 from fuyou.models.freeze import frozen_blocks, frozen_keys
@@ -213,13 +214,13 @@ def expert_groups_for(config: Any, compute_dtype: torch.dtype, world: int, capac
     experts' largest block within ``capacity`` device bytes (``sizing.device_floor``: its weights and
     gradients, gathered from ``world`` ranks' shards); 1 for a dense model, the most there are when
     none does (``admit`` then names the largest block)."""
-    experts = int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0)
+    experts = experts_of(config)
     if experts < 2:
         return 1
     whole = tuple(make_adapter(config).blocks)
     options = expert_group_options(experts)
     for g in options:
-        blocks = split_experts(whole, g, experts, config.num_experts_per_tok)
+        blocks = split_experts(whole, g, experts, top_k_of(config))
         if sizing.device_floor(ModelLayout(blocks, compute_dtype, world=world).footprint(), device) <= capacity:
             return g
     return options[-1]

@@ -19,7 +19,9 @@ cost nothing extra.
 * ``global``: C, S and N over every micro-batch of the step and every rank (Qiu et al., "Demons in
   the detail"). This costs one all-reduce of 2E + 1 numbers at the turnaround.
 
-None of the supported families defines a router z-loss.
+None of the supported families defines a router z-loss. DeepSeek-V3 and GLM-4.5 define no balance loss
+at all (``defines_balance_loss``): they balance by a bias on the router's choice
+(``e_score_correction_bias``), which a checkpoint carries and Fuyou keeps as the family uses it, untrained.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from fuyou.errors import ConfigError
+from fuyou.models.activation_rules import experts_of, top_k_of
 from fuyou.transfer.collectives import Collectives
 
 MODES = ("global", "micro", "off")
@@ -56,12 +59,22 @@ def balance_rule(config: Any, mode: str) -> BalanceRule | None:
     """
     if mode not in MODES:
         raise ConfigError(f"--moe-balance must be one of {', '.join(MODES)}, got {mode!r}")
-    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
-    top_k = getattr(config, "num_experts_per_tok", None)
+    experts, top_k = experts_of(config), top_k_of(config)
     coef = float(getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
-    if mode == "off" or not experts or not top_k or coef == 0.0:
+    if mode == "off" or not experts or not top_k or coef == 0.0 or not defines_balance_loss(config):
         return None
     return BalanceRule(mode, coef, int(experts), int(top_k))
+
+
+def defines_balance_loss(config: Any) -> bool:
+    """Whether ``config``'s family computes the Switch balance loss in ``transformers`` (its modeling
+    module has ``load_balancing_loss_func``); not DeepSeek-V3 or GLM-4.5, whose routers balance by a bias."""
+    import sys
+
+    from fuyou.models.families import causal_lm_class
+
+    cls = causal_lm_class(getattr(config, "model_type", "") or "")
+    return cls is None or hasattr(sys.modules[cls.__module__], "load_balancing_loss_func")
 
 
 def prob_sums(logits: list[torch.Tensor]) -> torch.Tensor:

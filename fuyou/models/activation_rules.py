@@ -30,20 +30,40 @@ NONE = Activations()
 """The embedding's and the head's (the loss's logits are modelled apart: ``fuyou.schedule.device_memory``)."""
 
 
-def experts_of(cfg: dict[str, Any]) -> int:
-    """Experts per mixture-of-experts layer (0: a dense model)."""
-    return int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+"""The names families give their experts per layer (Mixtral; Qwen-MoE, OLMoE; DeepSeek, GLM; ERNIE)."""
+TOP_K = ("num_experts_per_tok", "moe_k", "moe_topk")
+"""The names families give the experts each token is routed to."""
+
+
+def _first(cfg: Any, names: tuple[str, ...]) -> int:
+    get = cfg.get if isinstance(cfg, dict) else (lambda n: getattr(cfg, n, None))
+    return int(next((v for v in map(get, names) if v), 0))
+
+
+def experts_of(cfg: Any) -> int:
+    """Experts per mixture-of-experts layer of a config (dict or ``PretrainedConfig``; 0: a dense model)."""
+    return _first(cfg, EXPERTS)
+
+
+def top_k_of(cfg: Any) -> int:
+    """Experts each token is routed to (a config dict or object; 0: a dense model)."""
+    return _first(cfg, TOP_K)
 
 
 def is_moe_layer(cfg: dict[str, Any], k: int) -> bool:
-    """Whether decoder layer ``k`` is a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE)."""
+    """Whether decoder layer ``k`` is a mixture of experts by the config alone (Mixtral, Qwen2/3-MoE's
+    ``decoder_sparse_step`` and ``mlp_only_layers``, DeepSeek's and GLM's ``first_k_dense_replace``);
+    the model description asks the skeleton instead."""
     step = cfg.get("decoder_sparse_step", 1) or 1
-    return bool(experts_of(cfg)) and k not in (cfg.get("mlp_only_layers") or []) and not (k + 1) % step
+    dense = k in (cfg.get("mlp_only_layers") or []) or k < (cfg.get("first_k_dense_replace") or 0)
+    return bool(experts_of(cfg)) and not dense and not (k + 1) % step
 
 
-def layer(cfg: dict[str, Any], k: int, groups: int = 1) -> Activations:
+def layer(cfg: dict[str, Any], k: int, groups: int = 1, moe: bool | None = None) -> Activations:
     """Decoder layer ``k`` (with ``groups`` > 1 and a mixture of experts: its core, the attention,
-    router and shared expert, whose expert groups follow it)."""
+    router and shared expert, whose expert groups follow it); ``moe``: whether it is a mixture of
+    experts (None: ``is_moe_layer``)."""
     if cfg.get("model_type") == "gpt2":
         h = cfg["n_embd"]
         i = cfg.get("n_inner") or 4 * h
@@ -54,12 +74,13 @@ def layer(cfg: dict[str, Any], k: int, groups: int = 1) -> Activations:
     nh = cfg.get("num_attention_heads", max(1, h // 128))
     kv = (cfg.get("num_key_value_heads") or nh) * (cfg.get("head_dim") or h // nh)
     per_key = 8 * nh if cfg.get("attn_logit_softcapping") else 0  # eager: tanh out, fp32 softmax out, probs
-    if not is_moe_layer(cfg, k):
+    if not (is_moe_layer(cfg, k) if moe is None else moe):
         # a Llama-like layer saves its norms' fp32 upcasts in bf16 too: 4·(7h + 2kv + 4i) in fp32,
         # 2·(10h + 2kv + 4i) in bf16, both measured exactly on SmolLM2
         return Activations(2 * (10 * h + 2 * kv + 4 * i), per_key, 4 * (7 * h + 2 * kv + 4 * i), i)
-    moe_i, top = cfg.get("moe_intermediate_size") or i, cfg.get("num_experts_per_tok", 2)
-    shared = cfg.get("shared_expert_intermediate_size") or 0
+    moe_i, top = cfg.get("moe_intermediate_size") or i, top_k_of(cfg) or 2
+    n_shared = cfg.get("n_shared_experts") or cfg.get("moe_num_shared_experts") or 0
+    shared = cfg.get("shared_expert_intermediate_size") or n_shared * moe_i
     act = 2 * (15 * h + 2 * kv) + 2 * 4 * shared  # 15h: a dense layer's 10h + the router's (measured)
     if groups > 1:  # the experts run in the groups
         return Activations(act, per_key, 0, max(shared, h))
@@ -72,6 +93,6 @@ def expert_group(cfg: dict[str, Any], n: int) -> Activations:
     here, 2i + h (measured)."""
     h = cfg["hidden_size"]
     i = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    top = cfg.get("num_experts_per_tok", 2)
+    top = top_k_of(cfg) or 2
     routed_here = top * n / experts_of(cfg)  # this group's routed tokens per token, on average
     return Activations(int(2 * (top * (2 * i + 2 * h) + 4 * i * routed_here + 2 * i + h)), 0, 0, top * i)

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from fuyou.errors import ConfigError
+from fuyou.models.activation_rules import EXPERTS, experts_of, top_k_of
 from fuyou.models.blocks import EXPERTS_PART, BlockSpec, ParamSpec, slice_key, split_experts, split_vocab
 from fuyou.models.families import GPT2, MOE, architecture_of, causal_lm_class, layer_types
 from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
@@ -179,6 +180,9 @@ class Adapter:
             ]
             for _, mods in self.modules
         ]
+        self._meta_buffers = [
+            [(_owner(mod, n), b) for _, mod in mods for n, b in kept_buffers(mod)] for _, mods in self.modules
+        ]
 
     # -- router tap (mixtures of experts) -----------------------------------------------------
     def _tap_routers(self) -> None:
@@ -251,12 +255,13 @@ class Adapter:
                     borrows = ("embed",)
                     continue
                 params.append(ParamSpec(key, tuple(p.shape)))
+            params += [ParamSpec(base_key(f"{prefix}.{n}"), tuple(b.shape), trains=False) for n, b in kept_buffers(mod)]
         flops = 2 * sum(
             p.numel
             for p in params
             if len(p.shape) == 2 and "embed" not in p.key and "wte" not in p.key and "wpe" not in p.key
         )
-        routed = getattr(self.config, "num_experts_per_tok", 0)  # fused experts [E, out, in]: top-k per token
+        routed = top_k_of(self.config)  # fused experts [E, out, in]: top-k per token
         flops += 2 * routed * sum(p.numel // p.shape[0] for p in params if len(p.shape) == 3)
         if borrows:
             flops += 2 * self.config.vocab_size * self.hidden
@@ -300,12 +305,17 @@ class Adapter:
                 param = nn.Parameter(tensors[key], requires_grad=not (self.lora_base or key in self.frozen_keys))
                 owner._parameters[attr] = param
                 out[key] = param
+            for bname, _ in kept_buffers(mod):  # the family's checkpointed buffers: read-only inputs
+                owner, attr = _owner(mod, bname)
+                owner._buffers[attr] = tensors[base_key(f"{prefix}.{bname}")]
         return out
 
     def unbind(self, block: int) -> None:
         """Put the meta placeholders back, so the modules no longer keep the block's device memory alive."""
         for (owner, attr), meta in self._meta[block]:
             owner._parameters[attr] = meta
+        for (owner, attr), meta in self._meta_buffers[block]:
+            owner._buffers[attr] = meta
 
     # -- running -------------------------------------------------------------------------------
     def forward(self, block: int, x: torch.Tensor, ctx: MicroBatchContext | None) -> tuple[torch.Tensor, Any]:
@@ -373,6 +383,18 @@ class HeadLinear(torch.autograd.Function):
             g.addmm_(dy2.t(), h2)
             return dh, None
         return dh, dy2.t() @ h2
+
+
+def kept_buffers(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``mod``'s persistent buffers (in its state dict, hence in the family's checkpoints) other than
+    rotary tables: values the family keeps but does not train (the aux-loss-free router bias
+    ``e_score_correction_bias`` of DeepSeek-V3 and GLM-4.5), stored and bound like frozen parameters."""
+    out = []
+    for name, buf in mod.named_buffers():
+        owner, attr = _owner(mod, name)
+        if attr not in owner._non_persistent_buffers_set and "rotary_emb" not in name:
+            out.append((name, buf))
+    return out
 
 
 def _owner(mod: nn.Module, dotted: str) -> tuple[nn.Module, str]:
@@ -483,14 +505,14 @@ class LlamaLike(Adapter):
         """Cut every mixture-of-experts layer into its core block (the layer, its experts module
         replaced by a ``RouteCapture``) and ``groups`` blocks of experts, each running an instance of
         the family's own experts module sized to its group."""
-        experts = int(getattr(self.config, "num_local_experts", None) or getattr(self.config, "num_experts", None) or 0)
+        experts = experts_of(self.config)
         if not experts:
             raise ConfigError(f"this {self.config.model_type} model has no experts to split into {groups} groups")
         if not 1 <= groups <= experts:
             raise ConfigError(
                 f"cannot split the {experts} experts of this {self.config.model_type} model into {groups} groups"
             )
-        self.blocks = list(split_experts(tuple(self.blocks), groups, experts, self.config.num_experts_per_tok))
+        self.blocks = list(split_experts(tuple(self.blocks), groups, experts, top_k_of(self.config)))
         layers, ranges = self.model.model.layers, group_ranges(experts, groups)
         modules, layer_of = [], []
         for spec in self.blocks:
@@ -551,7 +573,7 @@ class LlamaLike(Adapter):
     def _experts_module(self, n: int) -> nn.Module:
         """The family's experts module for ``n`` experts, on the meta device."""
         sub = copy.copy(self.config)
-        for attr in ("num_local_experts", "num_experts"):
+        for attr in EXPERTS:
             if getattr(sub, attr, None):
                 setattr(sub, attr, n)
         with torch.device("meta"):
@@ -597,7 +619,8 @@ class LlamaLike(Adapter):
         for mod in m.modules():
             if hasattr(mod, "scalar_embed_scale"):
                 mod.embed_scale = torch.tensor(mod.scalar_embed_scale, device=device)
-        left = [n for n, b in m.named_buffers() if b.is_meta and not n.startswith("rotary_emb.")]
+        bound = {n for n, _ in kept_buffers(m)}  # each block binds its own (``bind``)
+        left = [n for n, b in m.named_buffers() if b.is_meta and not n.startswith("rotary_emb.") and n not in bound]
         if left:
             raise ConfigError(
                 f"this {getattr(self.config, 'model_type', '?')} model has buffers Fuyou cannot rebuild ({left[:3]}); "

@@ -24,6 +24,10 @@ class ParamSpec:
 
     key: str
     shape: tuple[int, ...]
+    trains: bool = True
+    """False for a persistent buffer the family keeps in its checkpoint (DeepSeek-V3's and GLM-4.5's
+    router ``e_score_correction_bias``): stored, bound and exported like a parameter ``--freeze``
+    freezes, never trained (``fuyou.models.freeze``)."""
 
     @property
     def numel(self) -> int:

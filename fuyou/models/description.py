@@ -115,7 +115,7 @@ def _block(adapter: Adapter, layout: ModelLayout, cfg: dict[str, Any], b: int) -
     flops = spec.flops_per_token
     largest = max((p.numel for p in spec.params), default=0) if kind in ("layer", "experts") else 0
     if kind == "layer":
-        rule = activation_rules.layer(cfg, _layer_of(adapter, b), adapter.expert_groups)
+        rule = activation_rules.layer(cfg, _layer_of(adapter, b), adapter.expert_groups, _is_moe(adapter, b))
     elif kind == "experts":
         lo, hi = adapter.slices[b]
         rule = activation_rules.expert_group(cfg, hi - lo)
@@ -151,6 +151,14 @@ def _kind(adapter: Adapter, b: int) -> str:
     return "experts" if EXPERTS_PART in name else "layer"
 
 
+def _is_moe(adapter: Adapter, b: int) -> bool:
+    """Whether decoder layer block ``b`` is a mixture of experts, as the skeleton has it: fused expert
+    tensors (``[experts, …]``) among its parameters, or the core of a layer split into expert groups."""
+    experts = activation_rules.experts_of(adapter.config)
+    fused = any(len(p.shape) >= 2 and p.shape[0] == experts and ".experts." in p.key for p in adapter.blocks[b].params)
+    return fused or adapter.route_of(b) is not None
+
+
 def _layer_of(adapter: Adapter, b: int) -> int:
     """The decoder layer block ``b`` belongs to."""
     layer_of = getattr(adapter, "layer_of", None)
@@ -161,7 +169,7 @@ def _linear_dims(adapter: Adapter, b: int, cfg: dict[str, Any]) -> int:
     """Σ (in + out) over decoder layer block ``b``'s linear layers (``nn.Linear``, GPT-2's ``Conv1D``): a
     LoRA adapter of rank r on each has r × this many parameters. A mixture of experts' layer counts its
     attention only (Fuyou refuses LoRA on them)."""
-    moe = activation_rules.is_moe_layer(cfg, _layer_of(adapter, b))
+    moe = _is_moe(adapter, b)
     total = 0
     for _, mod in adapter.modules[b][1]:
         for sub_name, sub in mod.named_modules():

@@ -33,7 +33,14 @@ LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwe
 GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
 """Gemma 1/2/3 (text): Llama-like blocks with scaled embeddings, soft-capped attention and logits
 (Gemma 2), per-layer-kind rotary tables (Gemma 3)."""
-MOE = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
+MOE = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "GptOssForCausalLM",
+    "Glm4MoeForCausalLM",
+    "DeepseekV3ForCausalLM",
+)
 """Mixture-of-experts families: a decoder layer (attention, router, every expert, shared experts) is one
 block. GPT-OSS: attention sinks (eager attention: ``adapters.attention_kernel``), biased router and
 experts, alternating sliding windows."""
@@ -56,10 +63,34 @@ STANDARD = (
 """Dense families of the standard decoder shape that the generic adapter runs with no code of their
 own (OLMo 1/2/3, GLM and GLM-4, Helium, Arcee, Ministral 3, EXAONE 4, Hunyuan dense, StarCoder2,
 ERNIE 4.5, SmolLM3's NoPE layers)."""
-TESTED = LLAMA_LIKE + GEMMA + MOE + GPT2 + STANDARD
+STANDARD_MOE = (
+    "DeepseekV2ForCausalLM",
+    "Glm4MoeLiteForCausalLM",
+    "Ernie4_5_MoeForCausalLM",
+    "HunYuanMoEV1ForCausalLM",
+    "OlmoeForCausalLM",
+    "FlexOlmoForCausalLM",
+    "SolarOpenForCausalLM",
+)
+"""Mixtures of experts of the standard decoder shape that the generic adapter runs with no code of their
+own (DeepSeek-V2, GLM-4 MoE Lite, ERNIE 4.5 MoE, Hunyuan MoE, OLMoE, FlexOlmo, Solar Open)."""
+TESTED = LLAMA_LIKE + GEMMA + MOE + GPT2 + STANDARD + STANDARD_MOE
 """Every family the fidelity tests prove."""
-VERIFIED = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-"""Families (``model_type``) whose ``forward`` methods define the standard decoder shape."""
+VERIFIED = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "glm4_moe",
+    "deepseek_v3",
+)
+"""Families (``model_type``) whose ``forward`` methods define the standard decoder shape: dense, and
+mixtures of experts with a balance loss (Mixtral, Qwen2/3-MoE) or a routing bias instead (GLM-4.5,
+DeepSeek-V3)."""
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 """The per-layer attention kinds (``config.layer_types``) Fuyou runs."""
 
@@ -103,10 +134,23 @@ def _body(fn: Any) -> str:
 
 
 @functools.cache
-def _verified_forwards() -> tuple[frozenset[str], frozenset[str]]:
-    """The causal-LM and base-model ``forward`` bodies of the ``VERIFIED`` families."""
+def _verified_forwards() -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    """The causal-LM and base-model ``forward`` bodies of the ``VERIFIED`` families, and their balance
+    loss functions' (``load_balancing_loss_func``, where the family has one)."""
     pairs = [_classes(t) for t in VERIFIED]
-    return frozenset(_body(c.forward) for c, _ in pairs), frozenset(_body(m.forward) for _, m in pairs)
+    losses = (_balance_loss(c) for c, _ in pairs)
+    return (
+        frozenset(_body(c.forward) for c, _ in pairs),
+        frozenset(_body(m.forward) for _, m in pairs),
+        frozenset(_body(f) for f in losses if f is not None),
+    )
+
+
+def _balance_loss(cls: Any) -> Any:
+    """The balance loss function of ``cls``'s modeling module, or None."""
+    import sys
+
+    return getattr(sys.modules[cls.__module__], "load_balancing_loss_func", None)
 
 
 @functools.cache
@@ -115,7 +159,7 @@ def standard_shape(model_type: str) -> str | None:
     docstring); else what departs, as a sentence. Raises ConfigError if transformers has no causal
     LM of that type."""
     cls, model_cls = _classes(model_type)
-    causal, base = _verified_forwards()
+    causal, base, losses = _verified_forwards()
     if _body(cls.forward) not in causal:
         return f"{cls.__name__}.forward departs from the standard decoder's (e.g. scaled or capped logits)"
     if _body(model_cls.forward) not in base:
@@ -123,6 +167,9 @@ def standard_shape(model_type: str) -> str | None:
             f"{model_cls.__name__}.forward departs from the standard decoder's (e.g. scaled embeddings, "
             "extra inputs to its layers)"
         )
+    loss = _balance_loss(cls)
+    if loss is not None and _body(loss) not in losses:
+        return "its load_balancing_loss_func departs from the verified mixtures of experts' (Fuyou computes it)"
     return None
 
 

@@ -30,16 +30,18 @@ FAMILIES = (
     "qwen2_moe",
     "qwen3_moe",
     "gpt_oss",
+    "glm4_moe",
+    "deepseek_v3",
 )
 """One tiny model of each family the adapters support, for tests that go through all of them."""
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v3")
 """The mixtures of experts among them."""
 
 
 def tiny(family: str, layers: int = 2, hidden: int = 64):
     """(config, model) of a tiny random model of ``family``: llama, llama_tied, qwen2, gpt2, llama31
     (Llama 3.1/3.2 RoPE scaling), phi3, gemma, gemma2 and gemma3 (alternating sliding windows), the
-    mixtures of experts mixtral, qwen2_moe and qwen3_moe, and with
+    mixtures of experts mixtral, qwen2_moe, qwen3_moe, gpt_oss, glm4_moe and deepseek_v3, and with
     sliding-window attention (a 4-token window) mistral_sw (every layer) and qwen2_sw (the layers
     from the second on, as Qwen2's ``max_window_layers`` = 1 gives)."""
     common = dict(
@@ -66,12 +68,26 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
     elif family == "phi3":  # fused qkv_proj and gate_up_proj; partial rotary
         cfg = Phi3Config(**common, tie_word_embeddings=False, partial_rotary_factor=0.5, pad_token_id=0)
         cls = Phi3ForCausalLM
-    elif family in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"):  # mixture of experts: 4 experts, top 2
+    elif family in MOE_FAMILIES:  # mixture of experts: 4 experts, top 2
         from transformers import AutoConfig, AutoModelForCausalLM
 
         moe = dict(num_experts_per_tok=2, output_router_logits=False, router_aux_loss_coef=0.02)  # Mixtral-8x7B's
         if family == "mixtral":
             moe |= dict(num_local_experts=4)
+        elif family in ("glm4_moe", "deepseek_v3"):  # sigmoid router with grouped top-k and a correction
+            # bias (no balance loss), a shared expert, the first layer dense; DeepSeek-V3: multi-head
+            # latent attention (low-rank q and kv, a decoupled rotary part) with YaRN as published
+            del moe["router_aux_loss_coef"]  # not a field of theirs
+            moe |= dict(n_routed_experts=4, moe_intermediate_size=hidden, n_shared_experts=1, first_k_dense_replace=1)
+            moe |= dict(n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5)
+            if family == "glm4_moe":
+                moe |= dict(head_dim=hidden // 4, partial_rotary_factor=0.5, use_qk_norm=True)
+            else:
+                moe |= dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+                moe["rope_parameters"] = dict(
+                    rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                    mscale_all_dim=1.0, original_max_position_embeddings=16,
+                )  # fmt: skip
         elif family == "gpt_oss":  # attention sinks, biased router and experts, alternating 4-token windows
             moe |= dict(num_local_experts=4, head_dim=hidden // 4, sliding_window=4, attention_dropout=0.0)
             moe["rope_parameters"] = dict(
@@ -92,6 +108,10 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
                 for name, p in model.named_parameters():
                     if name.endswith("proj_bias"):  # the experts' (not the router's: routing stays even)
                         p.normal_(0.0, 0.02)
+        with torch.no_grad():  # a trained checkpoint's routing bias (aux-loss-free balancing), which
+            for name, b in model.named_buffers():  # changes which experts are chosen
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, 0.3)
         model.train()
         return cfg, model
     elif family in ("gemma", "gemma2", "gemma3"):  # scaled embeddings, tied; Gemma 2: soft-capping; 3: per-kind RoPE
@@ -130,6 +150,8 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
             eos_token_id=0,
         )
         cls = GPT2LMHeadModel
+    elif family in STANDARD_MOE:
+        return tiny_standard_moe(family, layers, hidden)
     elif family.removesuffix("_tied") in STANDARD:
         return tiny_standard(family.removesuffix("_tied"), layers, hidden, tied=family.endswith("_tied"))
     else:
@@ -180,6 +202,43 @@ def tiny_standard(model_type: str, layers: int = 2, hidden: int = 64, tied: bool
     return cfg, model
 
 
+STANDARD_MOE = ("deepseek_v2", "glm4_moe_lite", "ernie4_5_moe", "hunyuan_v1_moe", "olmoe", "flex_olmo", "solar_open")
+"""``model_type`` of each mixture-of-experts family of the standard shape the generic adapter runs with no
+code of its own (``fuyou.models.families.STANDARD_MOE``)."""
+MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+"""Multi-head latent attention's dimensions in the tiny models (DeepSeek-V2/V3, GLM-4 MoE Lite)."""
+
+
+def tiny_standard_moe(model_type: str, layers: int = 2, hidden: int = 64):
+    """(config, model) of a tiny random mixture of experts of a standard-shape family: its own config
+    class and defaults but the sizes, 4 experts (2 groups where the router groups them), top 2, every
+    dropout off; a routing bias (``e_score_correction_bias``) drawn at random, as a trained one."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    sizes = dict(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64, num_hidden_layers=layers, tie_word_embeddings=False,
+        num_experts_per_tok=2, moe_intermediate_size=hidden, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    sizes |= MLA if "kv_lora_rank" in CONFIG_MAPPING[model_type]().to_dict() else dict(head_dim=hidden // 4)
+    cfg = CONFIG_MAPPING[model_type](**sizes)
+    for attr, value in dict(num_local_experts=4, num_experts=4, moe_num_experts=4, n_group=2, topk_group=1).items():
+        if hasattr(cfg, attr):
+            setattr(cfg, attr, value)
+    for k in [k for k in cfg.to_dict() if "dropout" in k]:
+        setattr(cfg, k, 0.0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    cfg.architectures = [type(model).__name__]
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
+    model.train()
+    return cfg, model
+
+
 def batches(n: int, batch: int = 4, seq: int = 16, seed: int = 1):
     """``n`` (input_ids, labels) pairs; some labels masked with -100."""
     g = torch.Generator().manual_seed(seed)
@@ -226,6 +285,7 @@ def reference_steps(
                 total += loss.item()
         else:
             cfg = model.config
+            assert getattr(cfg, "router_aux_loss_coef", 0.0), "this family defines no balance loss: balance=None"
             lbl = sys.modules[type(model).__module__].load_balancing_loss_func
             experts = getattr(cfg, "num_local_experts", None) or cfg.num_experts
             ces, routers, micro = [], [], []

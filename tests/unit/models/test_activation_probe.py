@@ -26,7 +26,10 @@ def _real(monkeypatch: pytest.MonkeyPatch, adapter, b: int, cb: int, seq: int, m
 
 @pytest.mark.parametrize(
     "family, groups",
-    [("llama", 1), ("gpt2", 1), ("gemma2", 1), ("gemma3", 1), ("mixtral", 1), ("qwen3_moe", 2), ("gpt_oss", 2)],
+    [
+        *(("llama", 1), ("gpt2", 1), ("gemma2", 1), ("gemma3", 1), ("mixtral", 1), ("qwen3_moe", 2), ("gpt_oss", 2)),
+        ("deepseek_v3", 2),  # latent attention; a dense first layer, then a core and its expert groups
+    ],
 )
 @pytest.mark.parametrize("cb", [2, 4])
 def test_fake_tensors_measure_what_real_ones_allocate(monkeypatch, family, groups, cb):

@@ -46,7 +46,7 @@ def test_blocks_are_the_engines_own(family):
     moe = family in MOE_FAMILIES
     for groups in (1, 2, 3) if moe else (1,):
         ad = make_adapter(cfg, expert_groups=groups)
-        lay = ModelLayout(tuple(ad.blocks))
+        lay = ModelLayout(tuple(ad.blocks), frozen_params=frozen_keys(tuple(ad.blocks), ()))  # buffers: read-only
         s = describe_model(cfg).split(groups) if moe else describe_model(cfg)
         assert [b.name for b in s.blocks] == [b.name for b in ad.blocks]
         assert [b.numel for b in s.blocks] == [lay.numel(b) for b in range(len(ad.blocks))]
