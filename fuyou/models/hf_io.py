@@ -74,7 +74,9 @@ class CheckpointReader:
     rebuilt the way ``transformers`` loads it, from its conversion mapping for that family
     (``transformers.conversion_mapping``): renamed modules (Mixtral's ``block_sparse_moe`` → ``mlp``)
     and fused experts (``experts.gate_up_proj`` [E, 2I, h] from every expert's gate and up
-    projections, ``experts.down_proj`` [E, h, I] from their down projections)."""
+    projections, ``experts.down_proj`` [E, h, I] from their down projections). Quantized weights are
+    dequantized as they are read, one tensor at a time: MXFP4 experts (GPT-OSS, ``mxfp4_dequantize``)
+    and block-scaled FP8 (DeepSeek-V3, ``fp8_dequantize``)."""
 
     def __init__(self, model_dir: str, model_type: str | None = None) -> None:
         self.model_dir = model_dir
@@ -89,6 +91,8 @@ class CheckpointReader:
             self.where = {k: "model.safetensors" for k in self._keys("model.safetensors")}
         else:
             raise ModelFileError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+        self.fp8_block = _fp8_block(model_dir) if any(k.endswith(FP8_SCALE) for k in self.where) else None
+        """The FP8 weights' block (rows, columns), from ``quantization_config`` (None: no FP8 weights)."""
 
     def _handle(self, fname: str) -> Any:
         """The open safetensors file ``fname``.
@@ -172,6 +176,15 @@ class CheckpointReader:
         raise ModelFileError(f"{self.model_dir} has no tensor {key!r}; is this the right model?")
 
     def _read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        scales = key + FP8_SCALE
+        if self.fp8_block is None or scales not in self.where:
+            return self._read_stored(key, rows)
+        if rows is not None and len(self._handle(self.where[key]).get_slice(key).get_shape()) == 3:
+            return fp8_dequantize(self._read_stored(key, rows), self._read_stored(scales, rows), self.fp8_block)
+        whole = fp8_dequantize(self._read_stored(key), self._read_stored(scales), self.fp8_block)
+        return whole if rows is None else whole[rows[0] : rows[1]].clone()
+
+    def _read_stored(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         try:
             if rows is not None:
                 return self._handle(self.where[key]).get_slice(key)[rows[0] : rows[1]]
@@ -200,6 +213,42 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     return convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)
+
+
+FP8_SCALE = "_scale_inv"
+"""Suffix of a block-scaled FP8 weight's scales on disk (DeepSeek-V3's ``weight_scale_inv``: fp32, one
+per block of the weight)."""
+
+
+def _fp8_block(model_dir: str) -> tuple[int, int]:
+    """The FP8 weights' block size (``quantization_config.weight_block_size`` of ``config.json``).
+    Raises ModelFileError when the checkpoint has FP8 scales but its config names no block size."""
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            quant = json.load(f).get("quantization_config") or {}
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"cannot read {path}: {e}") from e
+    block = quant.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ModelFileError(
+            f"{model_dir} holds FP8 weights with per-block scales (*{FP8_SCALE}) but its config.json has no "
+            "quantization_config.weight_block_size; add it as the model was published (e.g. [128, 128])"
+        )
+    return block[0], block[1]
+
+
+def fp8_dequantize(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """The fp32 tensor a block-scaled FP8 weight holds (``weight`` [..., rows, cols] float8, ``scale_inv``
+    [..., ⌈rows/b₀⌉, ⌈cols/b₁⌉] fp32): each ``block`` tile, the last row and column of tiles partial,
+    times its scale, in fp32. That is DeepSeek's own ``weight_dequant`` and the tile rule of
+    ``transformers``' ``_dequantize_fp8_weight``; where every tile is whole it is bit for bit what
+    ``from_pretrained`` with ``FineGrainedFP8Config(dequantize=True)`` loads in fp32. (That loader
+    sizes tiles from the scale grid instead, which misplaces partial tiles and refuses DeepSeek-V3's
+    576-row ``kv_a_proj_with_mqa``.)"""
+    rows, cols = weight.shape[-2:]
+    scale = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
+    return weight.float() * scale.repeat_interleave(block[1], dim=-1)[..., :cols]
 
 
 def _conversions(model_type: str | None) -> tuple[list[tuple[str, str]], list[tuple[list[str], str]]]:

@@ -96,3 +96,107 @@ def test_mxfp4_experts_import_as_transformers_dequantizes_them_and_export_unquan
         eng.export(str(tmp_path / "out"), dtype="fp32")
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # no quantization_config: plain tensors
     assert all(torch.equal(loaded.state_dict()[k], w) for k, w in trained.items())
+
+
+def _fp8_checkpoint(path, block: int) -> None:
+    """A tiny DeepSeek-V3 checkpoint as DeepSeek publishes the real ones: one tensor per expert, every
+    linear weight but the router's and the head's float8 (e4m3) with an fp32 scale per
+    ``block`` × ``block`` tile (``weight_scale_inv``, the last tiles partial), the rest bf16 but the
+    fp32 routing bias; ``quantization_config`` naming fp8 and the block."""
+    from safetensors.torch import save_file
+
+    _, model = tiny("deepseek_v3", layers=3)
+    tensors = {}
+    for k, v in model.state_dict().items():
+        if v.ndim == 3:  # fused experts → per expert, as on disk
+            layer = k.rsplit(".experts.", 1)[0]
+            for e in range(v.shape[0]):
+                parts = (
+                    zip(("gate_proj", "up_proj"), v[e].chunk(2))
+                    if k.endswith("gate_up_proj")
+                    else [("down_proj", v[e])]
+                )
+                tensors |= {f"{layer}.experts.{e}.{name}.weight": w for name, w in parts}
+        else:
+            tensors[k] = v.detach()
+    out = {}
+    for k, w in tensors.items():
+        if w.ndim == 2 and "embed" not in k and "lm_head" not in k and not k.endswith("mlp.gate.weight"):
+            r, c = w.shape
+            tiles = torch.zeros(-(-r // block) * block, -(-c // block) * block)
+            tiles[:r, :c] = w
+            t = tiles.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # [R, b, C, b]
+            scale = t.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+            q = (t / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:r, :c]
+            out[k], out[k + "_scale_inv"] = q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+        else:
+            out[k] = w if k.endswith("e_score_correction_bias") else w.to(torch.bfloat16).contiguous()
+    path.mkdir()
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config
+    cfg.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block] * 2}
+    cfg.dtype = torch.bfloat16
+    cfg.save_pretrained(path)
+
+
+def test_fp8_weights_import_as_transformers_dequantizes_them_and_export_unquantized(tmp_path):
+    """DeepSeek-V3's block-scaled FP8: every tile whole (8 × 8 here), the import is bit for bit what
+    ``from_pretrained`` dequantizes to in fp32, routing bias included; one step trains, and the
+    export is a plain checkpoint transformers loads."""
+    from transformers import FineGrainedFP8Config
+
+    src = tmp_path / "src"
+    _fp8_checkpoint(src, 8)
+    ref = AutoModelForCausalLM.from_pretrained(
+        src, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32
+    )
+    want = ref.state_dict()
+    (tmp_path / "ssd").mkdir()
+    ec = EngineConfig(ssd_dirs=(str(tmp_path / "ssd"),), precision="fp32", lr=LR, weight_decay=WD, cpu_memory="256MiB")
+    with Engine.from_pretrained(str(src), ec) as eng:
+        got = dict(eng.master_weights())
+        assert set(got) == set(want)
+        assert all(torch.equal(w, want[k]) for k, w in got.items())
+        ids, labels = batches(1)[0]
+        assert eng.train_step(ids, labels).applied
+        trained = dict(eng.master_weights())
+        eng.export(str(tmp_path / "out"), dtype="fp32")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # no quantization_config: plain tensors
+    assert all(torch.equal(loaded.state_dict()[k], w) for k, w in trained.items())
+
+
+def test_fp8_partial_tiles_take_the_scale_of_the_tile_they_are_in(tmp_path):
+    """16 × 16 tiles over 24-row and 24-column weights (q_a_proj, q_b_proj, kv_a_proj_with_mqa): the last
+    tile is partial, as DeepSeek-V3's 576-row kv_a_proj_with_mqa, and scaled by its own scale
+    (transformers' tile rule in ``_dequantize_fp8_weight``; its loader would spread the rows evenly)."""
+    from safetensors import safe_open
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from fuyou.models.hf_io import CheckpointReader
+
+    src = tmp_path / "src"
+    _fp8_checkpoint(src, 16)
+    reader = CheckpointReader(str(src), "deepseek_v3")
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        partial = [
+            k for k in f.keys() if k.endswith("_scale_inv") and any(n % 16 for n in f.get_slice(k[:-10]).get_shape())
+        ]
+        assert len(partial) == 9  # three per layer
+        for scales in partial:
+            key = scales.removesuffix("_scale_inv")
+            expect = _dequantize_fp8_weight(f.get_tensor(key), f.get_tensor(scales), [16, 16], torch.float32)
+            assert torch.equal(reader.get(key), expect), key
+
+
+def test_fp8_weights_without_a_block_size_are_refused_in_one_line(tmp_path):
+    import json
+
+    from fuyou.models.hf_io import CheckpointReader, ModelFileError
+
+    src = tmp_path / "src"
+    _fp8_checkpoint(src, 8)
+    conf = json.loads((src / "config.json").read_text())
+    del conf["quantization_config"]["weight_block_size"]
+    (src / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ModelFileError, match="no quantization_config.weight_block_size; add it"):
+        CheckpointReader(str(src), "deepseek_v3")
