@@ -60,6 +60,21 @@ def is_moe_layer(cfg: dict[str, Any], k: int) -> bool:
     return bool(experts_of(cfg)) and not dense and not (k + 1) % step
 
 
+def attention_width(cfg: dict[str, Any]) -> int:
+    """A layer's attention forward FLOPs per token per attended position: 2 · heads · (d_qk + d_v), the
+    widths of QKᵀ and of the weighted sum of V. Multi-head latent attention (``kv_lora_rank``) has
+    ``qk_nope_head_dim`` + ``qk_rope_head_dim`` wide queries and keys, ``v_head_dim`` wide values;
+    other families ``head_dim`` (hidden / heads where unset) for both."""
+    if cfg.get("model_type") == "gpt2":
+        return 4 * cfg["n_embd"]
+    heads = cfg["num_attention_heads"]
+    if cfg.get("kv_lora_rank"):
+        qk = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]
+        return 2 * heads * (qk + (cfg.get("v_head_dim") or qk))
+    d = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return 2 * heads * 2 * d
+
+
 def layer(cfg: dict[str, Any], k: int, groups: int = 1, moe: bool | None = None) -> Activations:
     """Decoder layer ``k`` (with ``groups`` > 1 and a mixture of experts: its core, the attention,
     router and shared expert, whose expert groups follow it); ``moe``: whether it is a mixture of

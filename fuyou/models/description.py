@@ -29,6 +29,7 @@ from fuyou.errors import ConfigError
 from fuyou.models import activation_rules
 from fuyou.models.activation_probe import probe_block
 from fuyou.models.adapters import Adapter, make_adapter
+from fuyou.models.families import layer_types
 from fuyou.models.freeze import frozen_blocks, frozen_keys
 from fuyou.models.store_layout import ModelLayout
 from fuyou.schedule.device_memory import BlockMemory
@@ -137,6 +138,8 @@ def _block(adapter: Adapter, layout: ModelLayout, cfg: dict[str, Any], b: int) -
         frozen_matmul_flops_per_token=round(flops * mm_frozen / mm_all) if mm_frozen and not whole else 0,
         work_elems_per_token=rule.work_elems_per_token,
         bwd_fixed_elems=largest,
+        attn_flops_per_key=activation_rules.attention_width(cfg) if kind == "layer" else 0,
+        window=_window(adapter, b) if kind == "layer" else 0,
         act_fp32_bytes_per_token=rule.act_fp32_bytes_per_token,
     )
 
@@ -149,6 +152,14 @@ def _kind(adapter: Adapter, b: int) -> str:
     if name.startswith("embed"):
         return "embed"
     return "experts" if EXPERTS_PART in name else "layer"
+
+
+def _window(adapter: Adapter, b: int) -> int:
+    """The sliding window decoder layer block ``b`` attends over (0: the whole sequence)."""
+    if getattr(adapter.config, "model_type", "") == "gpt2":
+        return 0
+    kind = layer_types(adapter.config)[_layer_of(adapter, b)]
+    return int(getattr(adapter.config, "sliding_window", 0) or 0) if kind == "sliding_attention" else 0
 
 
 def _is_moe(adapter: Adapter, b: int) -> bool:
@@ -206,7 +217,8 @@ def load_description(source: str, freeze: tuple[str, ...] = ()) -> ModelShape:
 
     Named shapes: ``gpt3-13b`` (40 layers, hidden 5120, LoHan's testbed), ``gpt3-175b``, ``llama-2-7b``,
     ``llama-2-13b``, ``llama-3-8b``, ``llama-3-70b``, ``llama-3.1-405b``, and the mixtures of experts
-    ``mixtral-8x7b``, ``mixtral-8x22b``, ``qwen3-235b-a22b``, ``gpt-oss-20b``, ``gpt-oss-120b`` (case-insensitive; ``GPT-3-13B`` works).
+    ``mixtral-8x7b``, ``mixtral-8x22b``, ``qwen3-235b-a22b``, ``gpt-oss-20b``, ``gpt-oss-120b``, ``deepseek-v3-671b``,
+    ``glm-4.5-355b`` (case-insensitive; ``GPT-3-13B`` works).
     Raises ConfigError if ``source`` is neither an existing path nor a known name, or its config cannot
     be described.
     """

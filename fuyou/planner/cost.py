@@ -36,7 +36,8 @@ ADAPTER_STAGED_BYTES_PER_PARAM = 12
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 """Busy kinds of the ``comm`` resource (``graph.StepGraph._collective``)."""
 FLOP_FORMULA = (
-    "model FLOPs = tokens × (6·N_matmul + 12·L·d·T), 4·N_matmul for LoRA's frozen base; recompute not counted "
+    "model FLOPs = tokens × (6·N_matmul + 3·Σ attention, 12·L·d·T for multi-head attention), "
+    "4·N_matmul for LoRA's frozen base; recompute not counted "
     "(ModelShape.train_flops_per_token)"
 )
 

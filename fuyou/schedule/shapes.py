@@ -136,6 +136,49 @@ NAMED = {
 }
 NAMED["gpt-oss-20b"] = NAMED["gpt-oss-120b"] | {"num_hidden_layers": 24, "num_local_experts": 32}
 """openai/gpt-oss-20b's config.json: GPT-OSS-120B's with 24 layers of 32 experts."""
+NAMED["deepseek-v3-671b"] = {  # deepseek-ai/DeepSeek-V3's config.json (its multi-token-prediction layer aside)
+    "model_type": "deepseek_v3",
+    "num_hidden_layers": 61,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False,
+}
+NAMED["glm-4.5-355b"] = {  # zai-org/GLM-4.5's config.json (its multi-token-prediction layer aside)
+    "model_type": "glm4_moe",
+    "num_hidden_layers": 92,
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 1536,
+    "num_attention_heads": 96,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "partial_rotary_factor": 0.5,
+    "use_qk_norm": True,
+    "attention_bias": True,
+    "vocab_size": 151552,
+    "n_routed_experts": 160,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "routed_scaling_factor": 2.5,
+    "tie_word_embeddings": False,
+}
 
 
 @dataclass(frozen=True)
@@ -177,6 +220,13 @@ class BlockShape:
     """Elements of a transient backward makes whatever the tokens: each weight's gradient is made
     fresh, then added into the block's gradient buffer, so the largest weight tensor's size (an MLP
     matrix; a mixture of experts' fused ``[E, 2I, h]`` gate_up_proj)."""
+    attn_flops_per_key: int = 0
+    """A layer's attention forward FLOPs per token per position it attends to: 2 · heads · (d_qk + d_v)
+    (QKᵀ and the weighted sum of V). 4 · hidden for multi-head attention; multi-head latent attention's
+    heads are wider (DeepSeek-V3: 2 · 128 · (192 + 128) = 81,920 against 4 · 7168 = 28,672); GPT-OSS's 64
+    heads of 64 are 4,096 wide over a 2,880 hidden. 0: 4 · hidden (a shape made by hand)."""
+    window: int = 0
+    """Positions a sliding-window layer attends to (0: all of the sequence)."""
     act_fp32_bytes_per_token: int = 0
     """Saved bytes per token in fp32 where not twice the bf16 figure (0: twice it). A Llama-like layer
     saves its norms' fp32 upcasts in bf16 too: 4·(7h + 2kv + 4i) in fp32, 2·(10h + 2kv + 4i) in bf16,
@@ -190,8 +240,17 @@ class BlockShape:
         return self.act_bytes_per_token * compute_bytes / 2 + per_key
 
     def fwd_flops_per_token(self, hidden: int, seq_len: int) -> int:
-        """Forward FLOPs per token including attention scores for layers (4·d·T, no causal halving)."""
-        return self.matmul_flops_per_token + (4 * hidden * seq_len if self.kind == "layer" else 0)
+        """Forward FLOPs per token including a layer's attention (``attn_flops``)."""
+        return self.matmul_flops_per_token + self.attn_flops(hidden, seq_len)
+
+    def attn_flops(self, hidden: int, seq_len: int) -> int:
+        """A layer's attention forward FLOPs per token at ``seq_len``: ``attn_flops_per_key`` (4 · hidden
+        if unset) times the positions attended to, the whole sequence or the window, without causal
+        halving (PaLM's accounting); 0 for other blocks."""
+        if self.kind != "layer":
+            return 0
+        keys = min(seq_len, self.window) if self.window else seq_len
+        return (self.attn_flops_per_key or 4 * hidden) * keys
 
 
 @dataclass(frozen=True)
@@ -292,10 +351,11 @@ class ModelShape:
 
     def train_flops_per_token(self, seq_len: int, lora_base: bool = False) -> int:
         """Model FLOPs per token, what achieved TFLOPS and MFU are computed from (the run's report too):
-        6 · N_matmul + 12 · L · d · T. N_matmul counts every weight used in a matrix multiply (linear
+        6 · N_matmul + 3 · Σ attention. N_matmul counts every weight used in a matrix multiply (linear
         layers and the LM head, tied or not; embedding lookups and norms excluded); the second term
-        is attention's QKᵀ and AV, 2 · 2 · L · d · T per token forward, × 3 for forward + backward,
-        without causal halving (PaLM's MFU accounting). Recomputation is not counted: model FLOPs,
+        is attention's QKᵀ and AV forward per layer (``BlockShape.attn_flops``: 4 · d · T for multi-head
+        attention, wider heads for latent attention, the window for sliding layers), × 3 for forward +
+        backward, without causal halving (PaLM's MFU accounting: 6 · N + 12 · L · d · T). Recomputation is not counted: model FLOPs,
         not hardware FLOPs. A frozen base (LoRA, ``frozen``) computes no weight gradients: 4 · N_matmul
         (the adapters' own FLOPs are not counted); nor does a block frozen whole (``BlockShape.frozen``),
         nor a block's read-only part (``BlockShape.frozen_matmul_flops_per_token``)."""
@@ -308,7 +368,7 @@ class ModelShape:
             )
             // 2
         )
-        return per + 12 * self.layers * self.hidden * seq_len
+        return per + 3 * sum(b.attn_flops(self.hidden, seq_len) for b in self.blocks)
 
     def sharded(self, world: int) -> ModelShape:
         """What one of ``world`` data-parallel ranks stores, streams and updates: every block's numel

@@ -83,7 +83,7 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
             if family == "glm4_moe":
                 moe |= dict(head_dim=hidden // 4, partial_rotary_factor=0.5, use_qk_norm=True)
             else:
-                moe |= dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+                moe |= MLA
                 moe["rope_parameters"] = dict(
                     rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                     mscale_all_dim=1.0, original_max_position_embeddings=16,
@@ -98,7 +98,7 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
             moe |= dict(num_experts=4, moe_intermediate_size=hidden, decoder_sparse_step=1, norm_topk_prob=True)
         if family == "qwen2_moe":
             moe |= dict(shared_expert_intermediate_size=hidden)
-        cfg = AutoConfig.for_model(family, **common, **moe, tie_word_embeddings=False)
+        cfg = AutoConfig.for_model(family, **(common | moe), tie_word_embeddings=False)
         cls = AutoModelForCausalLM
         cfg.architectures = [type(cls.from_config(cfg)).__name__]
         torch.manual_seed(0)
@@ -205,7 +205,9 @@ def tiny_standard(model_type: str, layers: int = 2, hidden: int = 64, tied: bool
 STANDARD_MOE = ("deepseek_v2", "glm4_moe_lite", "ernie4_5_moe", "hunyuan_v1_moe", "olmoe", "flex_olmo", "solar_open")
 """``model_type`` of each mixture-of-experts family of the standard shape the generic adapter runs with no
 code of its own (``fuyou.models.families.STANDARD_MOE``)."""
-MLA = dict(kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+MLA = dict(
+    kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4
+)
 """Multi-head latent attention's dimensions in the tiny models (DeepSeek-V2/V3, GLM-4 MoE Lite)."""
 
 
@@ -221,7 +223,9 @@ def tiny_standard_moe(model_type: str, layers: int = 2, hidden: int = 64):
         vocab_size=VOCAB, max_position_embeddings=64, num_hidden_layers=layers, tie_word_embeddings=False,
         num_experts_per_tok=2, moe_intermediate_size=hidden, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
-    sizes |= MLA if "kv_lora_rank" in CONFIG_MAPPING[model_type]().to_dict() else dict(head_dim=hidden // 4)
+    sizes |= (
+        MLA if "kv_lora_rank" in CONFIG_MAPPING[model_type]().to_dict() else dict(head_dim=hidden // 4)
+    )  # MLA: as many key/value heads as query heads, as published
     cfg = CONFIG_MAPPING[model_type](**sizes)
     for attr, value in dict(num_local_experts=4, num_experts=4, moe_num_experts=4, n_group=2, topk_group=1).items():
         if hasattr(cfg, attr):

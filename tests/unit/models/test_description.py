@@ -5,6 +5,7 @@ frozen parts and expert groups exactly as the engine lays them out."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fuyou.errors import ConfigError
 from fuyou.models.adapters import make_adapter
@@ -86,3 +87,39 @@ def test_refusals_are_one_line():
     hand = ModelShape("hand", (BlockShape("embed", "embed", 8, 0),), 8, 0, 4, experts=4)
     with pytest.raises(ConfigError, match="not described from a model config"):
         hand.split(2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2", "deepseek_v3", "glm4_moe"])
+def test_a_dense_layers_forward_flops_are_what_torch_counts(family):
+    """A dense decoder layer's forward FLOPs per token (matmuls + attention, no causal halving) equal
+    ``torch.utils.flop_counter``'s count of the library's own layer at 16 and 64 positions: multi-head
+    latent attention's wider heads (DeepSeek-V3: queries and keys 16 wide, values 16, over 4 heads of
+    a 64 hidden), GLM-4.5's partial rotary and a head_dim times heads that is the hidden."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg, model = tiny(family, layers=2)
+    shape = describe_model(cfg)
+    model.set_attn_implementation("eager")  # its QKᵀ and AV are matmuls the counter sees (CPU sdpa is not)
+    layer = shape.blocks[1]  # layer 0: dense in every family here (DeepSeek-V3, GLM-4.5: first_k_dense_replace)
+    for seq in (16, 64):
+        ids = torch.randint(0, cfg.vocab_size, (2, seq))
+        with torch.no_grad():
+            hidden = model.get_input_embeddings()(ids)
+            counter = FlopCounterMode(display=False)
+            first = model.transformer.h[0] if family == "gpt2" else model.model.layers[0]
+            with counter:
+                if family == "gpt2":
+                    first(hidden)
+                else:
+                    pos = torch.arange(seq)[None].expand(2, -1)
+                    first(hidden, position_embeddings=model.model.rotary_emb(hidden, pos), position_ids=pos)
+        assert layer.fwd_flops_per_token(shape.hidden, seq) * 2 * seq == counter.get_total_flops(), seq
+
+
+def test_sliding_layers_count_their_window_and_latent_attention_its_width():
+    cfg, _ = tiny("gpt_oss", layers=2)  # alternating 4-token windows and full attention
+    a, b = [blk for blk in describe_model(cfg).blocks if blk.kind == "layer"]
+    assert (a.window, b.window) == (4, 0) and a.attn_flops(cfg.hidden_size, 16) * 4 == b.attn_flops(cfg.hidden_size, 16)
+    big = describe_model(load_description("deepseek-v3-671b").source)
+    layer = next(blk for blk in big.blocks if blk.kind == "layer")
+    assert layer.attn_flops_per_key == 2 * 128 * (192 + 128)  # 128 heads, 192-wide queries and keys, 128-wide values

@@ -66,7 +66,8 @@ def _extra_configs():
 def test_train_flops_count_linears_and_lm_head(family):
     """The one FLOP formula (``ModelShape.train_flops_per_token``, what the run's TFLOPS and the planner's
     prediction use) against the real model: 6 × every matmul weight (tied head included, embeddings not)
-    + 12·L·d·T, for tied and untied heads, GQA/MQA, biases and a head_dim that is not hidden ÷ heads."""
+    + 12·L·(heads·head_dim)·T, for tied and untied heads, GQA/MQA, biases and a head_dim that is not
+    hidden ÷ heads (whose attention is heads · head_dim wide, not hidden)."""
     from transformers import AutoModelForCausalLM
 
     if family in _extra_configs():
@@ -81,9 +82,11 @@ def test_train_flops_count_linears_and_lm_head(family):
     )
     if "lm_head.weight" not in dict(model.named_parameters()):  # tied: the head multiplies by the embedding
         expected += model.get_input_embeddings().weight.numel()
-    layers, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    # attention: QKᵀ and AV over heads × head_dim (the query projection's width; GPT-2's hidden)
+    width = {n: p.shape[0] for n, p in model.named_parameters() if n.endswith("q_proj.weight")}
+    width = next(iter(width.values()), cfg.hidden_size)
     shape = describe_model(cfg)
     for seq in (16, 512):
-        assert shape.train_flops_per_token(seq) == 6 * expected + 12 * layers * hidden * seq
+        assert shape.train_flops_per_token(seq) == 6 * expected + 12 * cfg.num_hidden_layers * width * seq
     # the engine's own block FLOPs (what it runs) agree with the planner's blocks
     assert [b.matmul_flops_per_token for b in shape.blocks] == [b.flops_per_token for b in make_adapter(cfg).blocks]
