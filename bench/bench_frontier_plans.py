@@ -1,5 +1,6 @@
 """The planner on frontier shapes (issue 18): a feasible plan, or the binding constraint, for each of
-GPT-3-175B, Llama-3.1-405B, Mixtral-8x7B, Mixtral-8x22B, Qwen3-235B-A22B and GPT-OSS-20B/120B on one stated
+GPT-3-175B, Llama-3.1-405B, Mixtral-8x7B, Mixtral-8x22B, Qwen3-235B-A22B, GPT-OSS-20B/120B, GLM-4.5-355B and
+DeepSeek-V3-671B on one stated
 single-GPU box (``--profile``: also issue 33's two boxes, ``bench/profiles/box_4090_4nvme.json`` and
 ``box_h100_8nvme.json``).
 
@@ -7,8 +8,8 @@ Pure prediction, no hardware: the hand-written profile ``bench/profiles/lohan_40
 published testbed: one RTX 4090, 768 GB DDR4, 12 NVMe drives in RAID0), budgets as the README's
 example (``--cpu-memory 700GiB --gpu-memory 22GiB``), seq 2048, 65,536 tokens per step, clipping on
 (the CLI's default), bf16 compute with fp32 Adam state. Mixtures of experts count the FLOPs of the
-tokens routed (``num_experts_per_tok`` experts per token); DeepSeek-V3-style shapes (multi-head latent
-attention) are left out: the engine cannot run them.
+tokens routed (``num_experts_per_tok`` experts per token) and of their shared experts; attention counts each
+layer's heads (multi-head latent attention's wider ones) over its window (``BlockShape.attn_flops``).
 
     python bench/bench_frontier_plans.py        # JSON lines on stdout, the Markdown table on stderr
     python bench/bench_frontier_plans.py --gpu-memory 8GiB --shapes mixtral-8x22b,qwen3-235b-a22b
@@ -41,6 +42,8 @@ SHAPES = (
     "qwen3-235b-a22b",
     "gpt-oss-20b",
     "gpt-oss-120b",
+    "glm-4.5-355b",
+    "deepseek-v3-671b",
 )
 SEQ, TOKENS = 2048, 65536
 

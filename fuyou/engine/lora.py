@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from fuyou.errors import ConfigError
-from fuyou.models.lora import ADAPTER, LoraSettings, is_lora
+from fuyou.models.lora import ADAPTER, LoraSettings, base_key, is_lora
 from fuyou.schedule import sizing
 from fuyou.storage.extents import ExtentSpec, TensorSpec
 from fuyou.transfer.host_pool import HostBufferPool
@@ -54,8 +54,13 @@ class LoraState:
         from peft.tuners.lora import LoraLayer
 
         self.settings = settings
-        self.layers = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
-        """The LoRA layers by the Hugging Face key of the weight they adapt."""
+        self.layers = {
+            base_key(f"{n}.{getattr(m, 'parameter_name', 'weight')}"): m
+            for n, m in model.named_modules()
+            if isinstance(m, LoraLayer)
+        }
+        """The LoRA layers by the Hugging Face key of the weight they adapt (a ``ParamWrapper``'s: the
+        tensor it targets, e.g. a mixture of experts' fused ``experts.gate_up_proj``)."""
         with torch.random.fork_rng(devices=[]):  # the same adapters every run: seeded, on the host
             torch.manual_seed(settings.seed)
             for layer in self.layers.values():
@@ -187,7 +192,14 @@ class LoraState:
             return weight
         a: torch.Tensor = layer.lora_A[ADAPTER].weight  # type: ignore[assignment]
         b: torch.Tensor = layer.lora_B[ADAPTER].weight  # type: ignore[assignment]
-        delta = (b.double() @ a.double()) * layer.scaling[ADAPTER]
+        experts = getattr(layer, "num_experts", 1)
+        if experts > 1:  # a fused expert tensor [E, …]: one rank-r update per expert, as peft's
+            # ParamWrapper.get_delta_weight (which cannot run here: its base is a meta tensor)
+            a3, b3 = a.double().reshape(experts, -1, a.shape[-1]), b.double().reshape(b.shape[0], -1, experts)
+            order = "e o i" if layer._did_swap_in_out_features else "e i o"
+            delta = torch.einsum(f"o r e, e r i -> {order}", b3, a3) * layer.scaling[ADAPTER]
+        else:
+            delta = (b.double() @ a.double()) * layer.scaling[ADAPTER]
         if getattr(layer, "fan_in_fan_out", False):  # GPT-2's Conv1D keeps weights as [in, out]
             delta = delta.T
         return (weight.double() + delta.cpu()).to(weight.dtype)

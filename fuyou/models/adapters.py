@@ -29,7 +29,7 @@ from torch import nn
 from fuyou.errors import ConfigError
 from fuyou.models.activation_rules import EXPERTS, experts_of, top_k_of
 from fuyou.models.blocks import EXPERTS_PART, BlockSpec, ParamSpec, slice_key, split_experts, split_vocab
-from fuyou.models.families import GPT2, MOE, architecture_of, causal_lm_class, layer_types
+from fuyou.models.families import GPT2, architecture_of, causal_lm_class, layer_types
 from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
 from fuyou.schedule.experts import group_ranges
 from fuyou.schedule.vocab import row_ranges
@@ -180,6 +180,9 @@ class Adapter:
             ]
             for _, mods in self.modules
         ]
+        self._param_targets = param_targets(self.model)
+        """(module id, name) of the parameters peft's LoRA targets as tensors (``ParamWrapper``: fused experts,
+        routers): bound with a version counter of their own (``own_version``)."""
         self._meta_buffers = [
             [(_owner(mod, n), b) for _, mod in mods for n, b in kept_buffers(mod)] for _, mods in self.modules
         ]
@@ -302,7 +305,8 @@ class Adapter:
                 if self.tied and key == self.lm_head_key:
                     key = self.embed_key
                 owner, attr = _owner(mod, pname)
-                param = nn.Parameter(tensors[key], requires_grad=not (self.lora_base or key in self.frozen_keys))
+                t = own_version(tensors[key]) if (id(owner), attr) in self._param_targets else tensors[key]
+                param = nn.Parameter(t, requires_grad=not (self.lora_base or key in self.frozen_keys))
                 owner._parameters[attr] = param
                 out[key] = param
             for bname, _ in kept_buffers(mod):  # the family's checkpointed buffers: read-only inputs
@@ -383,6 +387,24 @@ class HeadLinear(torch.autograd.Function):
             g.addmm_(dy2.t(), h2)
             return dh, None
         return dh, dy2.t() @ h2
+
+
+def param_targets(model: nn.Module) -> set[tuple[int, str]]:
+    """(id of the module, parameter name) of every parameter ``peft`` wraps as a tensor (its
+    ``ParamWrapper``, what ``all-linear`` makes of a mixture of experts' fused expert tensors)."""
+    return {
+        (id(mod.get_base_layer()), mod.parameter_name)
+        for mod in model.modules()
+        if type(mod).__name__ == "ParamWrapper"
+    }
+
+
+def own_version(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s memory as a tensor with a version counter of its own. peft's ``ParamWrapper`` re-sets the
+    parameter it wraps in place each forward (``torch.nn.utils.parametrize``); bound as a view of the
+    block's flat vector, that would bump the counter every other weight of the block shares, and
+    backward would refuse their saved values as modified. The memory is only read."""
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
 
 def kept_buffers(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -508,6 +530,11 @@ class LlamaLike(Adapter):
         experts = experts_of(self.config)
         if not experts:
             raise ConfigError(f"this {self.config.model_type} model has no experts to split into {groups} groups")
+        if any(type(m).__name__ == "ParamWrapper" and ".experts" in n for n, m in self.model.named_modules()):
+            raise ConfigError(
+                f"LoRA on the experts of this {self.config.model_type} model needs each layer's experts in one block, "
+                f"not {groups} expert groups; raise --gpu-memory, or leave the experts out of --lora-targets"
+            )
         if not 1 <= groups <= experts:
             raise ConfigError(
                 f"cannot split the {experts} experts of this {self.config.model_type} model into {groups} groups"
@@ -706,8 +733,6 @@ def make_adapter(
     ConfigError for unsupported ones, or groups that do not divide the experts (or rows) into non-empty
     sets, or a tied embedding to split."""
     arch = architecture_of(config)
-    if lora is not None and arch in MOE:  # peft wraps fused expert tensors and routers, which Fuyou does not merge yet
-        raise ConfigError(f"LoRA on a mixture of experts ({arch}) is not supported yet; train it in full")
     if arch in GPT2:
         return GPT2Adapter(config, lora, expert_groups, vocab_groups)
     return LlamaLike(config, lora, expert_groups, vocab_groups)

@@ -59,7 +59,8 @@ def _describe(key: str, name: str, groups: int, vocab_groups: int, freeze: tuple
     specs = tuple(adapter.blocks)
     layout = ModelLayout(specs, frozen_blocks=frozen_blocks(specs, freeze), frozen_params=frozen_keys(specs, freeze))
     d = cfg.to_dict()
-    blocks = tuple(_block(adapter, layout, d, b) for b in range(len(specs)))
+    lora = _moe_lora_dims(key) if activation_rules.experts_of(d) else None
+    blocks = tuple(_block(adapter, layout, d, b, lora) for b in range(len(specs)))
     hidden, layers = adapter.hidden, int(d.get("num_hidden_layers") or d.get("n_layer"))
 
     def again(expert_groups: int, vocab_groups: int) -> ModelShape:
@@ -105,8 +106,11 @@ class _Prober:
             return self.cache[key]
 
 
-def _block(adapter: Adapter, layout: ModelLayout, cfg: dict[str, Any], b: int) -> BlockShape:
-    """Block ``b`` of ``adapter`` as the planner sees it."""
+def _block(
+    adapter: Adapter, layout: ModelLayout, cfg: dict[str, Any], b: int, lora: dict[int, int] | None = None
+) -> BlockShape:
+    """Block ``b`` of ``adapter`` as the planner sees it (``lora``: a mixture of experts' LoRA
+    parameters at rank 1 per decoder layer, ``_moe_lora_dims``)."""
     spec = layout.blocks[b]
     kind = _kind(adapter, b)
     frozen = set(layout.frozen_params)
@@ -131,7 +135,7 @@ def _block(adapter: Adapter, layout: ModelLayout, cfg: dict[str, Any], b: int) -
         rule.act_bytes_per_token,
         spec.borrows,
         rule.act_bytes_per_token_per_key,
-        _linear_dims(adapter, b, cfg) if kind == "layer" else 0,
+        (_linear_dims(adapter, b) if lora is None else lora.get(_layer_of(adapter, b), 0)) if kind == "layer" else 0,
         keeps_input=not adapter.additive(b),
         frozen=whole,
         frozen_numel=layout.frozen_numel(b) if not whole else 0,
@@ -162,6 +166,23 @@ def _window(adapter: Adapter, b: int) -> int:
     return int(getattr(adapter.config, "sliding_window", 0) or 0) if kind == "sliding_attention" else 0
 
 
+@functools.lru_cache(maxsize=8)
+def _moe_lora_dims(key: str) -> dict[int, int]:
+    """A mixture of experts' LoRA parameters at rank 1 per decoder layer, as ``peft``'s ``all-linear``
+    injects them into its skeleton: attention, shared experts, and the tensors it targets as such (each
+    of the fused experts' own rank-r pair, the router), which differ by family. Seconds for the largest
+    (DeepSeek-V3: 0.48 B at rank 1), once per model."""
+    from fuyou.models.lora import LoraSettings, is_lora
+
+    adapter = make_adapter(_config(json.loads(key), "model"), LoraSettings(rank=1, alpha=1))
+    out: dict[int, int] = {}
+    for name, p in adapter.model.named_parameters():
+        if is_lora(name) and ".layers." in name:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            out[layer] = out.get(layer, 0) + p.numel()
+    return out
+
+
 def _is_moe(adapter: Adapter, b: int) -> bool:
     """Whether decoder layer block ``b`` is a mixture of experts, as the skeleton has it: fused expert
     tensors (``[experts, …]``) among its parameters, or the core of a layer split into expert groups."""
@@ -176,16 +197,12 @@ def _layer_of(adapter: Adapter, b: int) -> int:
     return int(layer_of[b]) if layer_of is not None else b - 1
 
 
-def _linear_dims(adapter: Adapter, b: int, cfg: dict[str, Any]) -> int:
-    """Σ (in + out) over decoder layer block ``b``'s linear layers (``nn.Linear``, GPT-2's ``Conv1D``): a
-    LoRA adapter of rank r on each has r × this many parameters. A mixture of experts' layer counts its
-    attention only (Fuyou refuses LoRA on them)."""
-    moe = _is_moe(adapter, b)
+def _linear_dims(adapter: Adapter, b: int) -> int:
+    """Σ (in + out) over dense decoder layer block ``b``'s linear layers (``nn.Linear``, GPT-2's ``Conv1D``):
+    a LoRA adapter of rank r on each has r × this many parameters."""
     total = 0
     for _, mod in adapter.modules[b][1]:
-        for sub_name, sub in mod.named_modules():
-            if moe and sub_name.split(".")[0] == "mlp":
-                continue
+        for sub in mod.modules():
             if isinstance(sub, nn.Linear):
                 total += sub.in_features + sub.out_features
             elif type(sub).__name__ == "Conv1D":

@@ -200,9 +200,9 @@ class BlockShape:
     """More saved bytes per token for each position it attends to (bf16): eager attention's
     ``heads × T × T`` scores (soft-capped attention: ``fuyou.models.adapters.attention_kernel``)."""
     linear_dims: int = 0
-    """Σ (in + out) over the block's linear layers (``nn.Linear``/``Conv1D``): a LoRA adapter of rank r
-    on every one has r × this many parameters (``peft``'s ``all-linear``; dense families: Fuyou
-    refuses LoRA on a mixture of experts)."""
+    """LoRA parameters at rank 1 of ``peft``'s ``all-linear`` on the block: Σ (in + out) over its linear
+    layers (``nn.Linear``/``Conv1D``); a mixture of experts' layer as peft injects it (each fused
+    expert tensor's per-expert pairs and the router where it targets them). r × this at rank r."""
     keeps_input: bool = True
     """Whether backward needs the block's input (kept, or offloaded by ``recompute_cpu``): not an
     expert group's, which adds to its input (``fuyou.engine.activations``)."""

@@ -256,9 +256,62 @@ def test_a_killed_lora_run_resumes_from_its_checkpoint_bit_identically(tmp_path)
     assert losses[0] == losses[1] and len(losses[0]) == 8
 
 
-def test_lora_on_a_mixture_of_experts_is_refused_by_name():
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
+def test_lora_on_a_mixture_of_experts_trains_as_peft(tmp_path, family):
+    """``all-linear`` on a mixture of experts: what peft targets (Mixtral, DeepSeek-V3: every expert's
+    fused tensors, each expert its own rank-r pair, and the router; Qwen2-MoE: its shared expert) trains
+    as peft + AdamW with the default global balance loss (DeepSeek-V3: none, its routing bias kept),
+    clipping and accumulation on; the merged export and the adapter load back with peft's logits."""
+    from peft import PeftModel, get_peft_model
+
+    from tests.integration.tiny_models import reference_steps
+
+    cfg, model = tiny(family)
+    src = tmp_path / "base"
+    model.save_pretrained(src)
+    fresh = copy.deepcopy(model)
+    base_sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    settings = LoraSettings(rank=4, alpha=8)
+    data = batches(STEPS)
+    torch.manual_seed(5)
+    pm = get_peft_model(model, settings.peft_config())
+    with torch.no_grad():  # B away from zero, so that A trains from the first step
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
+    init = {k.removeprefix("base_model.model."): v.detach().clone() for k, v in pm.state_dict().items() if is_lora(k)}
+    if family != "qwen2_moe":
+        assert any(".experts" in k for k in init) and any(".mlp.gate." in k for k in init)
+    balance = "global" if getattr(cfg, "router_aux_loss_coef", 0.0) else None
+    ref_losses = reference_steps(pm.base_model.model, data, 2, LR, WD, clip=0.5, balance=balance)
+    eng, results = run(cfg, base_sd, init, settings, tmp_path, data, K=2, policy="recompute", clip=0.5)
+    eng.source_dir = str(src)
+    try:
+        assert [r.loss for r in results] == pytest.approx(ref_losses, rel=1e-5)
+        ref = {k.removeprefix("base_model.model."): v for k, v in pm.state_dict().items() if is_lora(k)}
+        got = eng.lora.state_dict()
+        assert set(got) == set(ref)
+        for k, v in got.items():
+            assert (v - ref[k]).abs().max() <= 1e-5 * ref[k].abs().max() + 1e-12, k
+        eng.export_adapter(str(tmp_path / "adapter"))
+        eng.export(str(tmp_path / "merged"), dtype="fp32")
+    finally:
+        eng.close()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(9))
+    pm.eval()
+    with torch.no_grad():
+        want = pm(input_ids=ids).logits
+        loaded = PeftModel.from_pretrained(fresh, tmp_path / "adapter").eval()
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
+
+
+def test_lora_on_experts_split_into_groups_is_refused_in_one_line():
     from fuyou.errors import ConfigError
     from fuyou.models.adapters import make_adapter
 
-    with pytest.raises(ConfigError, match="LoRA on a mixture of experts \\(MixtralForCausalLM\\) is not supported yet"):
-        make_adapter(tiny("mixtral")[0], LoraSettings(rank=2, alpha=4))
+    cfg, _ = tiny("mixtral")
+    with pytest.raises(ConfigError, match="LoRA on the experts .* not 2 expert groups"):
+        make_adapter(cfg, LoraSettings(rank=4, alpha=8), expert_groups=2)
+    make_adapter(cfg, LoraSettings(rank=4, alpha=8, targets=("q_proj",)), expert_groups=2)  # experts not targeted
