@@ -404,7 +404,9 @@ def own_version(t: torch.Tensor) -> torch.Tensor:
     parameter it wraps in place each forward (``torch.nn.utils.parametrize``); bound as a view of the
     block's flat vector, that would bump the counter every other weight of the block shares, and
     backward would refuse their saved values as modified. The memory is only read."""
-    return torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+    )
 
 
 def kept_buffers(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -13,7 +13,7 @@ from fuyou.models.description import describe_model, load_description
 from fuyou.planner.profile import ComputePoint, HardwareProfile, load_profile, save_profile
 from fuyou.planner.result import Budgets, PlannerResult
 from fuyou.planner.search import Request, search
-from tests.integration.tiny_models import FAMILIES, MOE_FAMILIES
+from tests.integration.tiny_models import FAMILIES
 from tests.unit.planner.helpers import profile, small_llama
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
