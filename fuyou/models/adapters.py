@@ -156,6 +156,9 @@ class Adapter:
         for _, mod in self.modules[0][1]:
             if isinstance(mod, nn.Embedding):  # backward scatters the tokens' rows into the preset gradient
                 mod.sparse = True  # instead of a dense vocab × hidden zero tensor added whole
+        self.dense_experts = any(_runs_every_expert(m) for m in self.model.modules())
+        """The family's experts module computes every expert on every token (Llama 4): its FLOPs are all
+        the experts', and its layers cannot be split into expert groups."""
         self.blocks = [self._spec(name, mods) for name, mods in self.modules]
         self.slices: dict[int, tuple[int, int]] = {}
         """Expert-group block → the experts [lo, hi) of its layer it owns."""
@@ -191,7 +194,7 @@ class Adapter:
     def _tap_routers(self) -> None:
         """Hook every router module the family names for its ``router_logits`` output (the
         ``OutputRecorder`` that ``transformers`` itself records them with)."""
-        recorder = getattr(type(self.model), "_can_record_outputs", {}).get("router_logits")
+        recorder = (getattr(type(self.model), "_can_record_outputs", None) or {}).get("router_logits")
         if recorder is None:
             return
         cls: type[nn.Module]
@@ -264,7 +267,9 @@ class Adapter:
             for p in params
             if len(p.shape) == 2 and "embed" not in p.key and "wte" not in p.key and "wpe" not in p.key
         )
-        routed = top_k_of(self.config)  # fused experts [E, out, in]: top-k per token
+        # fused experts [E, out, in]: top-k per token, or every expert where the family's module runs them
+        # all on every token, unrouted tokens scaled by zero (Llama 4 in transformers)
+        routed = experts_of(self.config) if self.dense_experts else top_k_of(self.config)
         flops += 2 * routed * sum(p.numel // p.shape[0] for p in params if len(p.shape) == 3)
         if borrows:
             flops += 2 * self.config.vocab_size * self.hidden
@@ -389,6 +394,19 @@ class HeadLinear(torch.autograd.Function):
         return dh, dy2.t() @ h2
 
 
+def _runs_every_expert(mod: nn.Module) -> bool:
+    """Whether ``mod`` is an experts module (its class name ends in ``Experts``) whose ``forward`` takes
+    the hidden states alone, not the routing (Llama 4's: every expert on every token)."""
+    if not type(mod).__name__.endswith("Experts"):
+        return False
+    return len(inspect.signature(type(mod).forward).parameters) == 2
+
+
+def _feed_forward(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's MLP or mixture of experts (``mlp``; Llama 4's ``feed_forward``)."""
+    return getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
+
+
 def param_targets(model: nn.Module) -> set[tuple[int, str]]:
     """(id of the module, parameter name) of every parameter ``peft`` wraps as a tensor (its
     ``ParamWrapper``, what ``all-linear`` makes of a mixture of experts' fused expert tensors)."""
@@ -503,9 +521,17 @@ def attention_kernel(config: Any) -> str:
 def _masks(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None, types: set[str]) -> dict[str, Any]:
     """The attention mask of each kind in ``types``, made by ``transformers``' own mask functions
     (``documents``: packed documents, ``MicroBatchContext.documents``)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+    from transformers.masking_utils import (
+        create_causal_mask,
+        create_chunked_causal_mask,
+        create_sliding_window_causal_mask,
+    )
 
-    make = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    make = {
+        "full_attention": create_causal_mask,
+        "sliding_attention": create_sliding_window_causal_mask,
+        "chunked_attention": create_chunked_causal_mask,
+    }
     return {t: _make_mask(make[t], config, embeds, documents) for t in types}
 
 
@@ -532,6 +558,11 @@ class LlamaLike(Adapter):
         experts = experts_of(self.config)
         if not experts:
             raise ConfigError(f"this {self.config.model_type} model has no experts to split into {groups} groups")
+        if self.dense_experts:
+            raise ConfigError(
+                f"this {self.config.model_type} model's experts run every expert on every token (transformers' "
+                f"implementation): its layers cannot be split into {groups} expert groups; raise --gpu-memory"
+            )
         if any(type(m).__name__ == "ParamWrapper" and ".experts" in n for n, m in self.model.named_modules()):
             raise ConfigError(
                 f"LoRA on the experts of this {self.config.model_type} model needs each layer's experts in one block, "
@@ -552,7 +583,7 @@ class LlamaLike(Adapter):
                 continue
             name, g = spec.name.split(EXPERTS_PART)
             i = int(name.removeprefix("layer."))
-            mlp = layers[i].mlp
+            mlp = _feed_forward(layers[i])
             if not isinstance(mlp.experts, RouteCapture):
                 self._experts_cls = type(mlp.experts)
                 mlp.experts = RouteCapture()
@@ -622,7 +653,7 @@ class LlamaLike(Adapter):
         return self.layer_of[block]
 
     def _mlp(self, i: int) -> Any:
-        return getattr(self.model.model.layers[i].mlp, "experts", None)
+        return getattr(_feed_forward(self.model.model.layers[i]), "experts", None)
 
     def delta(self, block: int, ctx: MicroBatchContext) -> torch.Tensor:
         """A later vocabulary group's embeddings of its tokens (``VocabRows`` over ``ctx.input_ids``),

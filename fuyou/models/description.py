@@ -159,11 +159,13 @@ def _kind(adapter: Adapter, b: int) -> str:
 
 
 def _window(adapter: Adapter, b: int) -> int:
-    """The sliding window decoder layer block ``b`` attends over (0: the whole sequence)."""
+    """The positions decoder layer block ``b`` attends over at most: its sliding window, or its chunk
+    (Llama 4's chunked attention); 0: the whole sequence."""
     if getattr(adapter.config, "model_type", "") == "gpt2":
         return 0
     kind = layer_types(adapter.config)[_layer_of(adapter, b)]
-    return int(getattr(adapter.config, "sliding_window", 0) or 0) if kind == "sliding_attention" else 0
+    attr = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}.get(kind)
+    return int(getattr(adapter.config, attr, 0) or 0) if attr else 0
 
 
 @functools.lru_cache(maxsize=8)
@@ -235,7 +237,7 @@ def load_description(source: str, freeze: tuple[str, ...] = ()) -> ModelShape:
     Named shapes: ``gpt3-13b`` (40 layers, hidden 5120, LoHan's testbed), ``gpt3-175b``, ``llama-2-7b``,
     ``llama-2-13b``, ``llama-3-8b``, ``llama-3-70b``, ``llama-3.1-405b``, and the mixtures of experts
     ``mixtral-8x7b``, ``mixtral-8x22b``, ``qwen3-235b-a22b``, ``gpt-oss-20b``, ``gpt-oss-120b``, ``deepseek-v3-671b``,
-    ``glm-4.5-355b`` (case-insensitive; ``GPT-3-13B`` works).
+    ``glm-4.5-355b``, ``llama-4-maverick`` (case-insensitive; ``GPT-3-13B`` works).
     Raises ConfigError if ``source`` is neither an existing path nor a known name, or its config cannot
     be described.
     """

@@ -40,6 +40,7 @@ MOE = (
     "GptOssForCausalLM",
     "Glm4MoeForCausalLM",
     "DeepseekV3ForCausalLM",
+    "Llama4ForCausalLM",
 )
 """Mixture-of-experts families: a decoder layer (attention, router, every expert, shared experts) is one
 block. GPT-OSS: attention sinks (eager attention: ``adapters.attention_kernel``), biased router and
@@ -91,7 +92,7 @@ VERIFIED = (
 """Families (``model_type``) whose ``forward`` methods define the standard decoder shape: dense, and
 mixtures of experts with a balance loss (Mixtral, Qwen2/3-MoE) or a routing bias instead (GLM-4.5,
 DeepSeek-V3)."""
-ATTENTION_KINDS = ("full_attention", "sliding_attention")
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 """The per-layer attention kinds (``config.layer_types``) Fuyou runs."""
 
 

@@ -498,7 +498,11 @@ def _search_groups(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, r
     last: InfeasibleError | None = None
     for i, g in enumerate(options):
         try:
-            res = _search_split(shape.split(g) if shape.experts else shape, prof, budgets, req)
+            split = shape.split(g) if shape.experts else shape
+        except ConfigError:  # the family's layers do not split (Llama 4's experts run whole)
+            break
+        try:
+            res = _search_split(split, prof, budgets, req)
         except InfeasibleError as e:
             last = e
             if not (isinstance(e, BlockTooLargeError) or str(e).startswith("device memory")):
@@ -520,7 +524,7 @@ def _finer(
             break
         try:
             alt = _search_split(shape.split(g), prof, budgets, req)
-        except InfeasibleError:
+        except (InfeasibleError, ConfigError):
             break
         if alt.prediction.step_s >= res.prediction.step_s * 0.99:
             break

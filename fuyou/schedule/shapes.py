@@ -159,6 +159,23 @@ NAMED["deepseek-v3-671b"] = {  # deepseek-ai/DeepSeek-V3's config.json (its mult
     "routed_scaling_factor": 2.5,
     "tie_word_embeddings": False,
 }
+NAMED["llama-4-maverick"] = {  # meta-llama/Llama-4-Maverick-17B-128E's text_config
+    "model_type": "llama4_text",
+    "num_hidden_layers": 48,
+    "hidden_size": 5120,
+    "intermediate_size": 8192,
+    "intermediate_size_mlp": 16384,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 202048,
+    "num_local_experts": 128,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 2,
+    "attention_chunk_size": 8192,
+    "use_qk_norm": False,
+    "tie_word_embeddings": False,
+}
 NAMED["glm-4.5-355b"] = {  # zai-org/GLM-4.5's config.json (its multi-token-prediction layer aside)
     "model_type": "glm4_moe",
     "num_hidden_layers": 92,

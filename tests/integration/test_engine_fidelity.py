@@ -4,7 +4,15 @@ import pytest
 import torch
 
 from fuyou.engine import Engine, EngineConfig, Plan
-from tests.integration.tiny_models import MOE_FAMILIES, STANDARD, STANDARD_MOE, batches, reference_steps, tiny
+from tests.integration.tiny_models import (
+    MOE_FAMILIES,
+    STANDARD,
+    STANDARD_MOE,
+    batches,
+    hf_balance,
+    reference_steps,
+    tiny,
+)
 
 LR, WD, STEPS = 1e-3, 0.01, 5
 
@@ -101,7 +109,7 @@ def test_families_and_policies(tmp_path, family, policy):
     "family",
     [
         *("mistral_sw", "qwen2_sw", "llama31", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe"),
-        *("deepseek_v3", "gemma", "gemma2", "gemma3"),
+        *("deepseek_v3", "llama4", "gemma", "gemma2", "gemma3"),
     ],
 )
 @pytest.mark.parametrize("policy", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
@@ -112,11 +120,12 @@ def test_more_families(tmp_path, family, policy):
     expert) with the default balance loss (``global``: over both micro-batches, ``transformers``' own
     function over their router logits at once); clipping and accumulation on; GLM-4.5
     and DeepSeek-V3 (a routing bias instead of a balance loss, a shared expert, a dense first layer;
-    DeepSeek-V3's multi-head latent attention)."""
+    DeepSeek-V3's multi-head latent attention); Llama 4 (chunked attention, a NoPE layer, a mixture of
+    experts every other layer that runs every expert, a shared expert)."""
     cfg, model = tiny(family, layers=3)
     data = batches(STEPS)
     losses, weights = run_fuyou(cfg, model, tmp_path, data, policy=policy, K=2, clip=0.5)
-    balance = "global" if getattr(cfg, "router_aux_loss_coef", 0.0) else None
+    balance = hf_balance(cfg)
     ill = {} if family in MOE_FAMILIES else None
     ref = reference_steps(model, data, 2, LR, WD, clip=0.5, balance=balance, ill=ill)
     assert_same(model, ref, losses, weights, ill=ill)
@@ -155,9 +164,7 @@ def test_standard_shape_mixtures_of_experts_through_the_generic_adapter(tmp_path
     cfg, model = tiny(family, layers=3)
     data = batches(STEPS)
     losses, weights = run_fuyou(cfg, model, tmp_path, data, policy="keep", K=2, clip=0.5)
-    from fuyou.engine.balance import defines_balance_loss
-
-    balance = "global" if getattr(cfg, "router_aux_loss_coef", 0.0) and defines_balance_loss(cfg) else None
+    balance = hf_balance(cfg)
     ill: dict = {}
     ref = reference_steps(model, data, 2, LR, WD, clip=0.5, balance=balance, ill=ill)
     assert_same(model, ref, losses, weights, ill=ill, max_ill=0.11 if family == "flex_olmo" else 0.1)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from fuyou.engine import Engine, EngineConfig, Plan
 from fuyou.models.lora import LoraSettings, is_lora
-from tests.integration.tiny_models import batches, tiny
+from tests.integration.tiny_models import batches, hf_balance, tiny
 
 LR, WD, STEPS = 1e-3, 0.01, 5
 
@@ -282,7 +282,7 @@ def test_lora_on_a_mixture_of_experts_trains_as_peft(tmp_path, family):
     init = {k.removeprefix("base_model.model."): v.detach().clone() for k, v in pm.state_dict().items() if is_lora(k)}
     if family != "qwen2_moe":
         assert any(".experts" in k for k in init) and any(".mlp.gate." in k for k in init)
-    balance = "global" if getattr(cfg, "router_aux_loss_coef", 0.0) else None
+    balance = hf_balance(cfg)
     ref_losses = reference_steps(pm.base_model.model, data, 2, LR, WD, clip=0.5, balance=balance)
     eng, results = run(cfg, base_sd, init, settings, tmp_path, data, K=2, policy="recompute", clip=0.5)
     eng.source_dir = str(src)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from fuyou.engine import Engine, EngineConfig, Plan
 from tests.integration.test_engine_fidelity import LR, STEPS, WD, assert_same
-from tests.integration.tiny_models import batches, reference_steps, tiny
+from tests.integration.tiny_models import batches, hf_balance, reference_steps, tiny
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"])
@@ -35,7 +35,7 @@ def test_moe_checkpoint_trains_as_transformers_and_exports_what_it_loads(tmp_pat
         weights = dict(eng.master_weights())
         eng.export(str(tmp_path / "out"), dtype="fp32")
     ill: dict = {}
-    balance = "global" if getattr(cfg, "router_aux_loss_coef", 0.0) else None
+    balance = hf_balance(cfg)
     assert_same(model, reference_steps(model, data, 2, LR, WD, balance=balance, ill=ill), losses, weights, ill=ill)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     assert all(torch.equal(loaded[k], w) for k, w in weights.items())

@@ -17,7 +17,7 @@ from fuyou.errors import DeviceMemoryError
 from fuyou.models.adapters import make_adapter
 from fuyou.models.hf_io import CheckpointReader
 from tests.integration.test_engine_fidelity import LR, STEPS, WD, assert_same
-from tests.integration.tiny_models import batches, reference_steps, tiny
+from tests.integration.tiny_models import batches, hf_balance, reference_steps, tiny
 
 CLIP = 0.5
 
@@ -44,7 +44,7 @@ def train(cfg, model, ec: EngineConfig, data) -> tuple[list[float], dict, Engine
 
 def expect_reference(model, data, losses, weights, tol: float = 1e-5) -> None:
     ill: dict = {}
-    balance = "global" if getattr(model.config, "router_aux_loss_coef", 0.0) else None  # DeepSeek-V3: none
+    balance = hf_balance(model.config)
     ref = reference_steps(model, data, 2, LR, WD, clip=CLIP, balance=balance, ill=ill)
     assert_same(model, ref, losses, weights, tol=tol, ill=ill)
 

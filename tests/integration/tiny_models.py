@@ -32,9 +32,10 @@ FAMILIES = (
     "gpt_oss",
     "glm4_moe",
     "deepseek_v3",
+    "llama4",
 )
 """One tiny model of each family the adapters support, for tests that go through all of them."""
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v3")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v3", "llama4")
 """The mixtures of experts among them."""
 
 
@@ -88,6 +89,14 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
                     rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
                     mscale_all_dim=1.0, original_max_position_embeddings=16,
                 )  # fmt: skip
+        elif family == "llama4":  # Llama 4 text: 4-token attention chunks but in the last layer (full
+            # attention and no rotary: NoPE), mixtures of experts every 2nd layer (a sigmoid top-1 router
+            # scaling the expert's input, a shared expert), attention temperature tuning, L2 q/k norms
+            del moe["router_aux_loss_coef"]  # transformers computes no balance loss for it
+            moe |= dict(num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2)
+            moe |= dict(intermediate_size=hidden, intermediate_size_mlp=2 * hidden, head_dim=hidden // 4)
+            moe |= dict(attention_chunk_size=4, no_rope_layers=[1] * (layers - 1) + [0])  # the last layer: NoPE
+            moe |= dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         elif family == "gpt_oss":  # attention sinks, biased router and experts, alternating 4-token windows
             moe |= dict(num_local_experts=4, head_dim=hidden // 4, sliding_window=4, attention_dropout=0.0)
             moe["rope_parameters"] = dict(
@@ -98,7 +107,9 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
             moe |= dict(num_experts=4, moe_intermediate_size=hidden, decoder_sparse_step=1, norm_topk_prob=True)
         if family == "qwen2_moe":
             moe |= dict(shared_expert_intermediate_size=hidden)
-        cfg = AutoConfig.for_model(family, **(common | moe), tie_word_embeddings=False)
+        model_type = "llama4_text" if family == "llama4" else family
+        cfg = AutoConfig.for_model(model_type, **(common | {k: v for k, v in moe.items() if v is not None}))
+        cfg.tie_word_embeddings = False
         cls = AutoModelForCausalLM
         cfg.architectures = [type(cls.from_config(cfg)).__name__]
         torch.manual_seed(0)
@@ -241,6 +252,18 @@ def tiny_standard_moe(model_type: str, layers: int = 2, hidden: int = 64):
                 b.normal_(0.0, 0.3)
     model.train()
     return cfg, model
+
+
+def hf_balance(cfg) -> str | None:
+    """``global`` where the family's transformers model has a balance loss (``load_balancing_loss_func``
+    and a coefficient), else None (DeepSeek-V3, GLM-4.5, Llama 4: none): the reference's ``balance``."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    cls = AutoModelForCausalLM._model_mapping[type(cfg)]
+    has = hasattr(sys.modules[cls.__module__], "load_balancing_loss_func")
+    return "global" if has and getattr(cfg, "router_aux_loss_coef", 0.0) else None
 
 
 def batches(n: int, batch: int = 4, seq: int = 16, seed: int = 1):
