@@ -75,6 +75,26 @@ def attention_width(cfg: dict[str, Any]) -> int:
     return 2 * heads * 2 * d
 
 
+LINEAR_CHUNK = 64
+"""Tokens per chunk of ``transformers``' gated delta rule (``chunk_gated_delta_rule``)."""
+
+
+def linear_attention_width(cfg: dict[str, Any]) -> int:
+    """A linear-attention layer's (Gated DeltaNet: Qwen3.5, Qwen3-Next) FLOPs per token per position
+    within its chunk: 2 · value heads · (d_k + d_v), as softmax attention's (``attention_width``)."""
+    dk, dv = cfg.get("linear_key_head_dim") or 128, cfg.get("linear_value_head_dim") or 128
+    return 2 * (cfg.get("linear_num_value_heads") or cfg["num_attention_heads"]) * (dk + dv)
+
+
+def linear_attention_keys(cfg: dict[str, Any]) -> int:
+    """The positions a linear-attention layer's FLOPs per token equal softmax attention over (the T of
+    ``attention_width`` × T): its chunk (``LINEAR_CHUNK``, attended within) plus its recurrent state's
+    read and update, 6 · heads · d_k · d_v per token, expressed in those units: 3 · d_k · d_v / (d_k +
+    d_v) positions (192 at d = 128). Independent of the sequence length: the layer is linear in it."""
+    dk, dv = cfg.get("linear_key_head_dim") or 128, cfg.get("linear_value_head_dim") or 128
+    return LINEAR_CHUNK + 3 * dk * dv // (dk + dv)
+
+
 def layer(cfg: dict[str, Any], k: int, groups: int = 1, moe: bool | None = None) -> Activations:
     """Decoder layer ``k`` (with ``groups`` > 1 and a mixture of experts: its core, the attention,
     router and shared expert, whose expert groups follow it); ``moe``: whether it is a mixture of

@@ -532,7 +532,15 @@ def _masks(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None, ty
         "sliding_attention": create_sliding_window_causal_mask,
         "chunked_attention": create_chunked_causal_mask,
     }
-    return {t: _make_mask(make[t], config, embeds, documents) for t in types}
+    masks = {t: _make_mask(make[t], config, embeds, documents) for t in types if t in make}
+    if "linear_attention" in types:  # a recurrence over the whole row: no mask without padding
+        if documents is not None:
+            raise ConfigError(
+                "packed documents (position_ids restarting within a row) cannot be kept apart by this model's "
+                "linear-attention layers, whose state runs through the row; pack one document per row"
+            )
+        masks["linear_attention"] = None
+    return masks
 
 
 class LlamaLike(Adapter):

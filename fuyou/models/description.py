@@ -142,8 +142,8 @@ def _block(
         frozen_matmul_flops_per_token=round(flops * mm_frozen / mm_all) if mm_frozen and not whole else 0,
         work_elems_per_token=rule.work_elems_per_token,
         bwd_fixed_elems=largest,
-        attn_flops_per_key=activation_rules.attention_width(cfg) if kind == "layer" else 0,
-        window=_window(adapter, b) if kind == "layer" else 0,
+        attn_flops_per_key=_attention_width(adapter, cfg, b) if kind == "layer" else 0,
+        window=_window(adapter, cfg, b) if kind == "layer" else 0,
         act_fp32_bytes_per_token=rule.act_fp32_bytes_per_token,
     )
 
@@ -158,12 +158,28 @@ def _kind(adapter: Adapter, b: int) -> str:
     return "experts" if EXPERTS_PART in name else "layer"
 
 
-def _window(adapter: Adapter, b: int) -> int:
-    """The positions decoder layer block ``b`` attends over at most: its sliding window, or its chunk
-    (Llama 4's chunked attention); 0: the whole sequence."""
+def _attention_width(adapter: Adapter, cfg: dict[str, Any], b: int) -> int:
+    """Decoder layer block ``b``'s attention FLOPs per token per attended position
+    (``activation_rules.attention_width``; a linear-attention layer's: ``linear_attention_width``)."""
+    if _kind_of_layer(adapter, b) == "linear_attention":
+        return activation_rules.linear_attention_width(cfg)
+    return activation_rules.attention_width(cfg)
+
+
+def _kind_of_layer(adapter: Adapter, b: int) -> str:
+    """The attention kind of decoder layer block ``b`` (``families.layer_types``)."""
     if getattr(adapter.config, "model_type", "") == "gpt2":
-        return 0
-    kind = layer_types(adapter.config)[_layer_of(adapter, b)]
+        return "full_attention"
+    return layer_types(adapter.config)[_layer_of(adapter, b)]
+
+
+def _window(adapter: Adapter, cfg: dict[str, Any], b: int) -> int:
+    """The positions decoder layer block ``b`` attends over at most: its sliding window, or its chunk
+    (Llama 4's chunked attention); a linear-attention layer's equivalent
+    (``activation_rules.linear_attention_keys``); 0: the whole sequence."""
+    kind = _kind_of_layer(adapter, b)
+    if kind == "linear_attention":
+        return activation_rules.linear_attention_keys(cfg)
     attr = {"sliding_attention": "sliding_window", "chunked_attention": "attention_chunk_size"}.get(kind)
     return int(getattr(adapter.config, attr, 0) or 0) if attr else 0
 
@@ -237,7 +253,7 @@ def load_description(source: str, freeze: tuple[str, ...] = ()) -> ModelShape:
     Named shapes: ``gpt3-13b`` (40 layers, hidden 5120, LoHan's testbed), ``gpt3-175b``, ``llama-2-7b``,
     ``llama-2-13b``, ``llama-3-8b``, ``llama-3-70b``, ``llama-3.1-405b``, and the mixtures of experts
     ``mixtral-8x7b``, ``mixtral-8x22b``, ``qwen3-235b-a22b``, ``gpt-oss-20b``, ``gpt-oss-120b``, ``deepseek-v3-671b``,
-    ``glm-4.5-355b``, ``llama-4-maverick`` (case-insensitive; ``GPT-3-13B`` works).
+    ``glm-4.5-355b``, ``llama-4-maverick``, ``qwen3.5-397b-a17b`` (case-insensitive; ``GPT-3-13B`` works).
     Raises ConfigError if ``source`` is neither an existing path nor a known name, or its config cannot
     be described.
     """

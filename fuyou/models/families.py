@@ -41,10 +41,14 @@ MOE = (
     "Glm4MoeForCausalLM",
     "DeepseekV3ForCausalLM",
     "Llama4ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 )
 """Mixture-of-experts families: a decoder layer (attention, router, every expert, shared experts) is one
 block. GPT-OSS: attention sinks (eager attention: ``adapters.attention_kernel``), biased router and
 experts, alternating sliding windows."""
+LINEAR_ATTENTION = ("Qwen3_5ForCausalLM",)
+"""Dense families with linear-attention layers (Qwen3.5's Gated DeltaNet, beside gated full attention);
+Qwen3.5-MoE is among the ``MOE``."""
 GPT2 = ("GPT2LMHeadModel",)
 STANDARD = (
     "OlmoForCausalLM",
@@ -75,7 +79,7 @@ STANDARD_MOE = (
 )
 """Mixtures of experts of the standard decoder shape that the generic adapter runs with no code of their
 own (DeepSeek-V2, GLM-4 MoE Lite, ERNIE 4.5 MoE, Hunyuan MoE, OLMoE, FlexOlmo, Solar Open)."""
-TESTED = LLAMA_LIKE + GEMMA + MOE + GPT2 + STANDARD + STANDARD_MOE
+TESTED = LLAMA_LIKE + GEMMA + MOE + LINEAR_ATTENTION + GPT2 + STANDARD + STANDARD_MOE
 """Every family the fidelity tests prove."""
 VERIFIED = (
     "llama",
@@ -92,7 +96,7 @@ VERIFIED = (
 """Families (``model_type``) whose ``forward`` methods define the standard decoder shape: dense, and
 mixtures of experts with a balance loss (Mixtral, Qwen2/3-MoE) or a routing bias instead (GLM-4.5,
 DeepSeek-V3)."""
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
 """The per-layer attention kinds (``config.layer_types``) Fuyou runs."""
 
 

@@ -159,6 +159,24 @@ NAMED["deepseek-v3-671b"] = {  # deepseek-ai/DeepSeek-V3's config.json (its mult
     "routed_scaling_factor": 2.5,
     "tie_word_embeddings": False,
 }
+NAMED["qwen3.5-397b-a17b"] = {  # Qwen/Qwen3.5-397B-A17B's text model (its model card's architecture table)
+    "model_type": "qwen3_5_moe_text",
+    "num_hidden_layers": 60,  # 15 × (3 Gated DeltaNet layers + 1 full attention), every one a mixture of experts
+    "hidden_size": 4096,
+    "moe_intermediate_size": 1024,
+    "shared_expert_intermediate_size": 1024,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 64,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "vocab_size": 248320,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "tie_word_embeddings": False,
+}
 NAMED["llama-4-maverick"] = {  # meta-llama/Llama-4-Maverick-17B-128E's text_config
     "model_type": "llama4_text",
     "num_hidden_layers": 48,

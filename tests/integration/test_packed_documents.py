@@ -143,3 +143,25 @@ def test_positions_cost_no_device_read_back_and_plain_ones_change_nothing(tmp_pa
     train(family, tmp_path / "p", [(ids, labels, pos)], 2, positions=True)
     assert calls == {"find": 0, "read": 0}
     assert arange == none
+
+
+def test_linear_attention_layers_refuse_packed_documents_in_one_line(tmp_path) -> None:
+    """Qwen3.5's Gated DeltaNet layers carry a state through the whole row: packed documents cannot be
+    kept apart there. The engine refuses position ids that restart within a row; ``--packing auto``
+    packs concat for such a model (with a warning), ``documents`` is refused before any work."""
+    from fuyou.errors import ConfigError, FuyouWarning
+    from fuyou.run.data import packing_for
+
+    cfg, model = tiny("qwen3_5_moe")
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", lr=1e-3, cpu_memory="256MiB")
+    ids, labels, pos = packed_batch(0)
+    with Engine.from_state_dict(cfg, sd, ec) as eng:
+        with pytest.raises(ConfigError, match="packed documents .* linear-attention layers"):
+            eng.train_step(ids, labels, pos)
+        assert eng.train_step(ids, labels).applied  # one document per row (concat) trains
+    with pytest.raises(ConfigError, match="--packing documents cannot keep packed documents apart"):
+        packing_for("documents", cfg)
+    with pytest.warns(FuyouWarning, match="packs concat"):
+        assert packing_for("auto", cfg) == "concat"
+    assert packing_for("auto", tiny("llama")[0]) == "auto"

@@ -33,9 +33,10 @@ FAMILIES = (
     "glm4_moe",
     "deepseek_v3",
     "llama4",
+    "qwen3_5_moe",
 )
 """One tiny model of each family the adapters support, for tests that go through all of them."""
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v3", "llama4")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v3", "llama4", "qwen3_5_moe")
 """The mixtures of experts among them."""
 
 
@@ -97,6 +98,13 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
             moe |= dict(intermediate_size=hidden, intermediate_size_mlp=2 * hidden, head_dim=hidden // 4)
             moe |= dict(attention_chunk_size=4, no_rope_layers=[1] * (layers - 1) + [0])  # the last layer: NoPE
             moe |= dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        elif family == "qwen3_5_moe":  # Qwen3.5's text model: Gated DeltaNet linear-attention layers but
+            # the last (gated full attention), a shared expert behind its gate, interleaved multi-axis RoPE
+            moe |= dict(num_experts=4, moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden)
+            moe |= dict(head_dim=hidden // 4, linear_num_value_heads=4, linear_num_key_heads=2)
+            moe |= dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+            moe |= dict(layer_types=["linear_attention"] * (layers - 1) + ["full_attention"])
+            moe |= dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
         elif family == "gpt_oss":  # attention sinks, biased router and experts, alternating 4-token windows
             moe |= dict(num_local_experts=4, head_dim=hidden // 4, sliding_window=4, attention_dropout=0.0)
             moe["rope_parameters"] = dict(
@@ -107,7 +115,7 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
             moe |= dict(num_experts=4, moe_intermediate_size=hidden, decoder_sparse_step=1, norm_topk_prob=True)
         if family == "qwen2_moe":
             moe |= dict(shared_expert_intermediate_size=hidden)
-        model_type = "llama4_text" if family == "llama4" else family
+        model_type = {"llama4": "llama4_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(family, family)
         cfg = AutoConfig.for_model(model_type, **(common | {k: v for k, v in moe.items() if v is not None}))
         cfg.tie_word_embeddings = False
         cls = AutoModelForCausalLM
@@ -140,6 +148,18 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
         cfg.architectures = [type(AutoModelForCausalLM.from_config(cfg)).__name__]
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager" if family == "gemma2" else "sdpa")
+        model.train()
+        return cfg, model
+    elif family == "qwen3_5":  # Qwen3.5's dense text model, tied: Gated DeltaNet layers, then full attention
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        extra = dict(head_dim=hidden // 4, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8)
+        extra |= dict(linear_value_head_dim=8, layer_types=["linear_attention"] * (layers - 1) + ["full_attention"])
+        cfg = AutoConfig.for_model("qwen3_5_text", **common, **extra, tie_word_embeddings=True, pad_token_id=0)
+        cls = AutoModelForCausalLM
+        torch.manual_seed(0)
+        model = cls.from_config(cfg).float()
+        cfg.architectures = [type(model).__name__]
         model.train()
         return cfg, model
     elif family == "mistral_sw":
