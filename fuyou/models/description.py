@@ -21,6 +21,7 @@ import functools
 import json
 import os
 import threading
+import warnings
 from typing import Any
 
 from torch import nn
@@ -192,7 +193,9 @@ def _moe_lora_dims(key: str) -> dict[int, int]:
     (DeepSeek-V3: 0.48 B at rank 1), once per model."""
     from fuyou.models.lora import LoraSettings, is_lora
 
-    adapter = make_adapter(_config(json.loads(key), "model"), LoraSettings(rank=1, alpha=1))
+    with warnings.catch_warnings():  # peft's notes on patterns it did not need: nothing for the user
+        warnings.simplefilter("ignore")
+        adapter = make_adapter(_config(json.loads(key), "model"), LoraSettings(rank=1, alpha=1))
     out: dict[int, int] = {}
     for name, p in adapter.model.named_parameters():
         if is_lora(name) and ".layers." in name:
