@@ -30,6 +30,7 @@ from fuyou.errors import ConfigError
 from fuyou.models.activation_rules import EXPERTS, experts_of, top_k_of
 from fuyou.models.blocks import EXPERTS_PART, BlockSpec, ParamSpec, slice_key, split_experts, split_vocab
 from fuyou.models.families import GPT2, architecture_of, causal_lm_class, layer_types
+from fuyou.models.llama4 import route_experts
 from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
 from fuyou.schedule.experts import group_ranges
 from fuyou.schedule.vocab import row_ranges
@@ -144,6 +145,7 @@ class Adapter:
         config.use_cache = False
         with torch.device("meta"):
             self.model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_kernel(config))
+            route_experts(self.model, config)  # Llama 4: its experts on their tokens only (fuyou.models.llama4)
             if lora is not None:
                 inject(self.model, lora)
         self.lora_base = lora is not None
@@ -597,7 +599,8 @@ class LlamaLike(Adapter):
                 mlp.experts = RouteCapture()
             lo, hi = ranges[int(g)]
             self.slices[len(modules)] = (lo, hi)
-            modules.append((spec.name, [(f"model.layers.{i}.mlp.experts", self._experts_module(hi - lo))]))
+            ff = "mlp" if hasattr(layers[i], "mlp") else "feed_forward"  # Llama 4's name for it
+            modules.append((spec.name, [(f"model.layers.{i}.{ff}.experts", self._experts_module(hi - lo))]))
             layer_of.append(i)
         self.modules, self.layer_of = modules, layer_of
 

@@ -64,6 +64,7 @@ turns into relative weight differences of up to 7e-5 after 1–5 steps (measured
         ("qwen3_moe", 4, "swap_cpu"),  # one expert per group
         ("gpt_oss", 2, "keep"),  # biased experts and router, attention sinks in the core
         ("deepseek_v3", 2, "recompute"),  # a dense first layer, a routing bias and a shared expert in the core
+        ("llama4", 2, "keep"),  # routed (fuyou.models.llama4): the expert's input scaled, a dense layer 0
         pytest.param("glm4_moe", 4, "keep", marks=pytest.mark.slow),
         pytest.param("mixtral", 3, "swap_ssd", marks=pytest.mark.slow),
         pytest.param("qwen2_moe", 2, "recompute_cpu", marks=pytest.mark.slow),
@@ -75,7 +76,7 @@ def test_split_layers_train_as_plain_pytorch(tmp_path, family, groups, policy):
     data = batches(STEPS)
     losses, weights, eng = train(cfg, model, config(tmp_path, cfg, groups, policy), data)
     names = [b.name for b in eng.layout.blocks]
-    dense = getattr(cfg, "first_k_dense_replace", 0)  # DeepSeek-V3, GLM-4.5: the first layer is dense
+    dense = int("layer.0.experts.0" not in names)  # DeepSeek-V3, GLM-4.5, Llama 4: the first layer is dense
     assert names[1 + dense : 3 + dense] == [f"layer.{dense}", f"layer.{dense}.experts.0"]
     assert len(names) == 2 + 2 + (2 - dense) * groups
     assert all("[" not in k for k in weights)  # the groups' slices come back as the fused tensors

@@ -44,7 +44,7 @@ def test_blocks_are_the_engines_own(family):
     """Names, elements and FLOPs per block are the adapter's blocks and the store layout's, split or not;
     the largest weight tensor is backward's fixed transient."""
     cfg, _ = tiny(family, hidden=72)
-    moe = family in MOE_FAMILIES and family != "llama4"  # Llama 4's experts run whole: never split
+    moe = family in MOE_FAMILIES
     for groups in (1, 2, 3) if moe else (1,):
         ad = make_adapter(cfg, expert_groups=groups)
         lay = ModelLayout(tuple(ad.blocks), frozen_params=frozen_keys(tuple(ad.blocks), ()))  # buffers: read-only
@@ -125,13 +125,20 @@ def test_sliding_layers_count_their_window_and_latent_attention_its_width():
     assert layer.attn_flops_per_key == 2 * 128 * (192 + 128)  # 128 heads, 192-wide queries and keys, 128-wide values
 
 
-def test_experts_that_run_every_expert_count_them_all_and_are_never_split():
-    """transformers' Llama 4 runs every expert on every token (unrouted ones scaled by zero): its layers'
-    FLOPs are all the experts', and splitting them into expert groups is refused in one line."""
+def test_experts_that_run_every_expert_count_them_all_and_are_never_split(monkeypatch):
+    """transformers' own Llama 4 runs every expert on every token (unrouted ones scaled by zero); Fuyou
+    routes it (``fuyou.models.llama4``): top-1 FLOPs, and its layers split. An experts module that runs
+    them all (Llama 4's as transformers has it) counts all their FLOPs and is never split."""
+    from fuyou.models import adapters
+
     cfg, _ = tiny("llama4", layers=2)
-    ad = make_adapter(cfg)
-    layer = ad.blocks[2]  # layer 1: a mixture of experts
-    fused = [p for p in layer.params if len(p.shape) == 3]
-    assert ad.dense_experts and layer.flops_per_token >= 2 * sum(p.numel for p in fused)
+    fused = [p for p in make_adapter(cfg).blocks[2].params if len(p.shape) == 3]  # layer 1: experts
+    per_expert = 2 * sum(p.numel for p in fused) // cfg.num_local_experts
+    routed = make_adapter(cfg)
+    assert not routed.dense_experts and len(make_adapter(cfg, expert_groups=2).blocks) == len(routed.blocks) + 2
+    monkeypatch.setattr(adapters, "route_experts", lambda model, config: None)  # transformers' Llama 4 as it is
+    dense = make_adapter(cfg)
+    assert dense.dense_experts
+    assert dense.blocks[2].flops_per_token - routed.blocks[2].flops_per_token == (4 - 1) * per_expert
     with pytest.raises(ConfigError, match="run every expert on every token.*cannot be split into 2 expert groups"):
         make_adapter(cfg, expert_groups=2)
