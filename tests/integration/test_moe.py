@@ -82,13 +82,21 @@ def test_mxfp4_experts_import_as_transformers_dequantizes_them_and_export_unquan
     ref = AutoModelForCausalLM.from_pretrained(
         src, quantization_config=Mxfp4Config(dequantize=True), dtype=torch.bfloat16
     )
-    want = ref.state_dict()
+    # bit for bit: every MXFP4 value is exact in bf16 and in the fp32 master
+    import_train_export(tmp_path, src, ref.state_dict(), "bf16")
+
+
+def import_train_export(tmp_path, src, want: dict, precision: str) -> None:
+    """Import the checkpoint ``src``: its masters equal ``want`` (transformers' dequantized load) bit for
+    bit; one step trains; the fp32 export loads in transformers as plain tensors, equal to the masters."""
     (tmp_path / "ssd").mkdir()
-    ec = EngineConfig(ssd_dirs=(str(tmp_path / "ssd"),), precision="bf16", lr=LR, weight_decay=WD, cpu_memory="256MiB")
+    ec = EngineConfig(
+        ssd_dirs=(str(tmp_path / "ssd"),), precision=precision, lr=LR, weight_decay=WD, cpu_memory="256MiB"
+    )
     with Engine.from_pretrained(str(src), ec) as eng:
         got = dict(eng.master_weights())
         assert set(got) == set(want)
-        for k, w in got.items():  # bit for bit: every MXFP4 value is exact in bf16 and in the fp32 master
+        for k, w in got.items():
             assert torch.equal(w, want[k].float()), k
         ids, labels = batches(1)[0]
         assert eng.train_step(ids, labels).applied
@@ -150,19 +158,7 @@ def test_fp8_weights_import_as_transformers_dequantizes_them_and_export_unquanti
     ref = AutoModelForCausalLM.from_pretrained(
         src, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32
     )
-    want = ref.state_dict()
-    (tmp_path / "ssd").mkdir()
-    ec = EngineConfig(ssd_dirs=(str(tmp_path / "ssd"),), precision="fp32", lr=LR, weight_decay=WD, cpu_memory="256MiB")
-    with Engine.from_pretrained(str(src), ec) as eng:
-        got = dict(eng.master_weights())
-        assert set(got) == set(want)
-        assert all(torch.equal(w, want[k]) for k, w in got.items())
-        ids, labels = batches(1)[0]
-        assert eng.train_step(ids, labels).applied
-        trained = dict(eng.master_weights())
-        eng.export(str(tmp_path / "out"), dtype="fp32")
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out")  # no quantization_config: plain tensors
-    assert all(torch.equal(loaded.state_dict()[k], w) for k, w in trained.items())
+    import_train_export(tmp_path, src, ref.state_dict(), "fp32")
 
 
 def test_fp8_partial_tiles_take_the_scale_of_the_tile_they_are_in(tmp_path):
