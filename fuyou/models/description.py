@@ -60,8 +60,8 @@ def _describe(key: str, name: str, groups: int, vocab_groups: int, freeze: tuple
     specs = tuple(adapter.blocks)
     layout = ModelLayout(specs, frozen_blocks=frozen_blocks(specs, freeze), frozen_params=frozen_keys(specs, freeze))
     d = cfg.to_dict()
-    lora = _moe_lora_dims(key) if activation_rules.experts_of(d) else None
-    blocks = tuple(_block(adapter, layout, d, b, lora) for b in range(len(specs)))
+    moe = bool(activation_rules.experts_of(d))
+    blocks = tuple(_block(adapter, layout, d, b, moe) for b in range(len(specs)))
     hidden, layers = adapter.hidden, int(d.get("num_hidden_layers") or d.get("n_layer"))
 
     def again(expert_groups: int, vocab_groups: int) -> ModelShape:
@@ -70,6 +70,7 @@ def _describe(key: str, name: str, groups: int, vocab_groups: int, freeze: tuple
     return ModelShape(
         name, blocks, hidden, layers, int(d["vocab_size"]), activation_rules.experts_of(d), groups, vocab_groups,
         source=d, describer=again, probe=_Prober(adapter),
+        lora_dims=functools.partial(_moe_lora_dims, key) if moe else None,
     )  # fmt: skip
 
 
@@ -107,11 +108,9 @@ class _Prober:
             return self.cache[key]
 
 
-def _block(
-    adapter: Adapter, layout: ModelLayout, cfg: dict[str, Any], b: int, lora: dict[int, int] | None = None
-) -> BlockShape:
-    """Block ``b`` of ``adapter`` as the planner sees it (``lora``: a mixture of experts' LoRA
-    parameters at rank 1 per decoder layer, ``_moe_lora_dims``)."""
+def _block(adapter: Adapter, layout: ModelLayout, cfg: dict[str, Any], b: int, moe: bool = False) -> BlockShape:
+    """Block ``b`` of ``adapter`` as the planner sees it (``moe``: a mixture of experts, whose LoRA
+    parameters the shape counts apart, ``_moe_lora_dims``)."""
     spec = layout.blocks[b]
     kind = _kind(adapter, b)
     frozen = set(layout.frozen_params)
@@ -136,7 +135,7 @@ def _block(
         rule.act_bytes_per_token,
         spec.borrows,
         rule.act_bytes_per_token_per_key,
-        (_linear_dims(adapter, b) if lora is None else lora.get(_layer_of(adapter, b), 0)) if kind == "layer" else 0,
+        _linear_dims(adapter, b) if kind == "layer" and not moe else 0,
         keeps_input=not adapter.additive(b),
         frozen=whole,
         frozen_numel=layout.frozen_numel(b) if not whole else 0,
@@ -186,22 +185,17 @@ def _window(adapter: Adapter, cfg: dict[str, Any], b: int) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def _moe_lora_dims(key: str) -> dict[int, int]:
-    """A mixture of experts' LoRA parameters at rank 1 per decoder layer, as ``peft``'s ``all-linear``
-    injects them into its skeleton: attention, shared experts, and the tensors it targets as such (each
-    of the fused experts' own rank-r pair, the router), which differ by family. Seconds for the largest
-    (DeepSeek-V3: 0.48 B at rank 1), once per model."""
+def _moe_lora_dims(key: str) -> int:
+    """A mixture of experts' LoRA parameters at rank 1, as ``peft``'s ``all-linear`` injects them into its
+    skeleton: attention, shared experts, and the tensors it targets as such (each of the fused experts'
+    own rank-r pair, the router), which differ by family. Seconds for the largest (DeepSeek-V3: 0.48 B
+    at rank 1), once per model, when a LoRA run is planned (``ModelShape.lora_dims``)."""
     from fuyou.models.lora import LoraSettings, is_lora
 
     with warnings.catch_warnings():  # peft's notes on patterns it did not need: nothing for the user
         warnings.simplefilter("ignore")
         adapter = make_adapter(_config(json.loads(key), "model"), LoraSettings(rank=1, alpha=1))
-    out: dict[int, int] = {}
-    for name, p in adapter.model.named_parameters():
-        if is_lora(name) and ".layers." in name:
-            layer = int(name.split(".layers.")[1].split(".")[0])
-            out[layer] = out.get(layer, 0) + p.numel()
-    return out
+    return sum(p.numel() for name, p in adapter.model.named_parameters() if is_lora(name))
 
 
 def _is_moe(adapter: Adapter, b: int) -> bool:

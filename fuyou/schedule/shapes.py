@@ -236,8 +236,8 @@ class BlockShape:
     ``heads × T × T`` scores (soft-capped attention: ``fuyou.models.adapters.attention_kernel``)."""
     linear_dims: int = 0
     """LoRA parameters at rank 1 of ``peft``'s ``all-linear`` on the block: Σ (in + out) over its linear
-    layers (``nn.Linear``/``Conv1D``); a mixture of experts' layer as peft injects it (each fused
-    expert tensor's per-expert pairs and the router where it targets them). r × this at rank r."""
+    layers (``nn.Linear``/``Conv1D``); r × this at rank r. 0 in a mixture of experts, whose adapters
+    the shape counts whole (``ModelShape.lora_dims``)."""
     keeps_input: bool = True
     """Whether backward needs the block's input (kept, or offloaded by ``recompute_cpu``): not an
     expert group's, which adds to its input (``fuyou.engine.activations``)."""
@@ -306,6 +306,10 @@ class ModelShape:
     source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """The config dict the shape was made from."""
     describer: Callable[[int, int], ModelShape] | None = dataclasses.field(default=None, compare=False, repr=False)
+    lora_dims: Callable[[], int] | None = dataclasses.field(default=None, compare=False, repr=False)
+    """A mixture of experts' LoRA parameters at rank 1 as ``peft``'s ``all-linear`` injects them (its fused
+    expert tensors and routers included), counted when asked: building the injected skeleton takes
+    seconds on the largest (``fuyou.models.description._moe_lora_dims``); None: Σ ``linear_dims``."""
     """The same model at (expert groups, vocabulary groups): ``fuyou.models.description.describe``."""
     probe: Callable[[int, int, int, int], BlockMemory | None] | None = dataclasses.field(
         default=None, compare=False, repr=False
@@ -381,8 +385,9 @@ class ModelShape:
         return sum(b.numel + b.frozen_numel for b in self.blocks)
 
     def lora_params(self, rank: int) -> int:
-        """Parameters of LoRA adapters of ``rank`` on every linear layer (``all-linear``)."""
-        return rank * sum(b.linear_dims for b in self.blocks)
+        """Parameters of LoRA adapters of ``rank`` on every linear layer (``all-linear``; a mixture of
+        experts: as ``peft`` injects them, ``lora_dims``)."""
+        return rank * (self.lora_dims() if self.lora_dims is not None else sum(b.linear_dims for b in self.blocks))
 
     def train_flops_per_token(self, seq_len: int, lora_base: bool = False) -> int:
         """Model FLOPs per token, what achieved TFLOPS and MFU are computed from (the run's report too):
