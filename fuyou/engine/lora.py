@@ -196,7 +196,7 @@ class LoraState:
         if experts > 1:  # a fused expert tensor [E, …]: one rank-r update per expert, as peft's
             # ParamWrapper.get_delta_weight (which cannot run here: its base is a meta tensor)
             a3, b3 = a.double().reshape(experts, -1, a.shape[-1]), b.double().reshape(b.shape[0], -1, experts)
-            order = "e o i" if layer._did_swap_in_out_features else "e i o"
+            order = "e o i" if getattr(layer, "_did_swap_in_out_features", False) else "e i o"
             delta = torch.einsum(f"o r e, e r i -> {order}", b3, a3) * layer.scaling[ADAPTER]
         else:
             delta = (b.double() @ a.double()) * layer.scaling[ADAPTER]

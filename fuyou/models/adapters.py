@@ -325,8 +325,8 @@ class Adapter:
         """Put the meta placeholders back, so the modules no longer keep the block's device memory alive."""
         for (owner, attr), meta in self._meta[block]:
             owner._parameters[attr] = meta
-        for (owner, attr), meta in self._meta_buffers[block]:
-            owner._buffers[attr] = meta
+        for (owner, attr), buf in self._meta_buffers[block]:
+            owner._buffers[attr] = buf
 
     # -- running -------------------------------------------------------------------------------
     def forward(self, block: int, x: torch.Tensor, ctx: MicroBatchContext | None) -> tuple[torch.Tensor, Any]:
@@ -412,11 +412,8 @@ def _feed_forward(layer: nn.Module) -> nn.Module | None:
 def param_targets(model: nn.Module) -> set[tuple[int, str]]:
     """(id of the module, parameter name) of every parameter ``peft`` wraps as a tensor (its
     ``ParamWrapper``, what ``all-linear`` makes of a mixture of experts' fused expert tensors)."""
-    return {
-        (id(mod.get_base_layer()), mod.parameter_name)
-        for mod in model.modules()
-        if type(mod).__name__ == "ParamWrapper"
-    }
+    wrappers: list[Any] = [mod for mod in model.modules() if type(mod).__name__ == "ParamWrapper"]
+    return {(id(w.get_base_layer()), str(w.parameter_name)) for w in wrappers}
 
 
 def own_version(t: torch.Tensor) -> torch.Tensor:
@@ -593,7 +590,7 @@ class LlamaLike(Adapter):
                 continue
             name, g = spec.name.split(EXPERTS_PART)
             i = int(name.removeprefix("layer."))
-            mlp = _feed_forward(layers[i])
+            mlp: Any = _feed_forward(layers[i])
             if not isinstance(mlp.experts, RouteCapture):
                 self._experts_cls = type(mlp.experts)
                 mlp.experts = RouteCapture()

@@ -221,7 +221,8 @@ def _linear_dims(adapter: Adapter, b: int) -> int:
             if isinstance(sub, nn.Linear):
                 total += sub.in_features + sub.out_features
             elif type(sub).__name__ == "Conv1D":
-                total += int(sub.nx) + int(sub.nf)
+                conv: Any = sub
+                total += int(conv.nx) + int(conv.nf)
     return total
 
 

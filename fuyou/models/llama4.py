@@ -50,7 +50,7 @@ def route(moe: nn.Module, config: Any) -> None:
     """Make a ``Llama4TextMoe`` (on the meta device) run its experts routed: its experts module a
     ``RoutedExperts`` of the same parameters, its ``forward`` ``_routed_forward``."""
     moe.experts = RoutedExperts(config)
-    moe.forward = _routed_forward.__get__(moe)  # type: ignore[method-assign]
+    moe.forward = _routed_forward.__get__(moe)
 
 
 def _routed_forward(self: Any, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
