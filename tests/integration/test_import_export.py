@@ -95,6 +95,6 @@ def test_an_attention_kind_fuyou_does_not_run_is_refused_by_name(tmp_path):
     from tests.integration.tiny_models import tiny
 
     cfg, _ = tiny("qwen2_sw", layers=2)
-    cfg.layer_types = ["full_attention", "chunked_attention"]
-    with pytest.raises(ConfigError, match=r"unsupported attention layer type\(s\) \['chunked_attention'\]"):
+    cfg.layer_types = ["full_attention", "mamba"]  # a state-space layer: Jamba's, Falcon-H1's
+    with pytest.raises(ConfigError, match=r"unsupported attention layer type\(s\) \['mamba'\]"):
         architecture_of(cfg)

@@ -256,7 +256,10 @@ def test_a_killed_lora_run_resumes_from_its_checkpoint_bit_identically(tmp_path)
     assert losses[0] == losses[1] and len(losses[0]) == 8
 
 
-@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3", pytest.param("qwen2_moe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "family",
+    ["mixtral", pytest.param("deepseek_v3", marks=pytest.mark.slow), pytest.param("qwen2_moe", marks=pytest.mark.slow)],
+)
 def test_lora_on_a_mixture_of_experts_trains_as_peft(tmp_path, family):
     """``all-linear`` on a mixture of experts: what peft targets (Mixtral, DeepSeek-V3: every expert's
     fused tensors, each expert its own rank-r pair, and the router; Qwen2-MoE: its shared expert) trains

@@ -184,6 +184,7 @@ def test_fp8_partial_tiles_take_the_scale_of_the_tile_they_are_in(tmp_path):
             assert torch.equal(reader.get(key), expect), key
 
 
+@pytest.mark.slow
 def test_fp8_weights_without_a_block_size_are_refused_in_one_line(tmp_path):
     import json
 

@@ -28,7 +28,7 @@ def _real(monkeypatch: pytest.MonkeyPatch, adapter, b: int, cb: int, seq: int, m
     "family, groups",
     [
         *(("llama", 1), ("gpt2", 1), ("gemma2", 1), ("gemma3", 1), ("mixtral", 1), ("qwen3_moe", 2), ("gpt_oss", 2)),
-        ("deepseek_v3", 2),  # latent attention; a dense first layer, then a core and its expert groups
+        pytest.param("deepseek_v3", 2, marks=pytest.mark.slow),  # latent attention; a dense layer, a core, groups
     ],
 )
 @pytest.mark.parametrize("cb", [2, 4])
