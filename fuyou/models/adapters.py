@@ -189,8 +189,11 @@ class Adapter:
         """(module id, name) of the parameters peft's LoRA targets as tensors (``ParamWrapper``: fused experts,
         routers): bound with a version counter of their own (``own_version``)."""
         self._meta_buffers = [
-            [(_owner(mod, n), b) for _, mod in mods for n, b in kept_buffers(mod)] for _, mods in self.modules
+            [(_owner(mod, n), b, base_key(f"{prefix}.{n}")) for prefix, mod in mods for n, b in kept_buffers(mod)]
+            for _, mods in self.modules
         ]
+        """Per block: the family's checkpointed buffers — (owner, name), meta placeholder, store key — found
+        once here, not at every ``bind``."""
 
     # -- router tap (mixtures of experts) -----------------------------------------------------
     def _tap_routers(self) -> None:
@@ -316,16 +319,15 @@ class Adapter:
                 param = nn.Parameter(t, requires_grad=not (self.lora_base or key in self.frozen_keys))
                 owner._parameters[attr] = param
                 out[key] = param
-            for bname, _ in kept_buffers(mod):  # the family's checkpointed buffers: read-only inputs
-                owner, attr = _owner(mod, bname)
-                owner._buffers[attr] = tensors[base_key(f"{prefix}.{bname}")]
+        for (owner, attr), _, key in self._meta_buffers[block]:  # the family's buffers: read-only inputs
+            owner._buffers[attr] = tensors[key]
         return out
 
     def unbind(self, block: int) -> None:
         """Put the meta placeholders back, so the modules no longer keep the block's device memory alive."""
         for (owner, attr), meta in self._meta[block]:
             owner._parameters[attr] = meta
-        for (owner, attr), buf in self._meta_buffers[block]:
+        for (owner, attr), buf, _ in self._meta_buffers[block]:
             owner._buffers[attr] = buf
 
     # -- running -------------------------------------------------------------------------------
