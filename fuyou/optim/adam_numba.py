@@ -16,11 +16,11 @@ import torch
 
 from fuyou.errors import ConfigError
 from fuyou.optim.args import AdamWHyper, step_coefficients
-from fuyou.optim.buffers import as_numpy, check_buffers
-from fuyou.optim.numba_kernel import DEFAULT_CHUNK, adamw_kernel
+from fuyou.optim.buffers import as_numpy, check_buffers, check_split_buffers
+from fuyou.optim.numba_kernel import DEFAULT_CHUNK, adamw_kernel, adamw_split_kernel
 from fuyou.optim.parallel import KERNEL_LOCK, parallel_launch
 
-__all__ = ["KERNEL_LOCK", "adamw_step"]
+__all__ = ["KERNEL_LOCK", "adamw_split_step", "adamw_step"]
 
 _NO_OUT = np.empty(0, dtype=np.uint16)
 
@@ -67,6 +67,49 @@ def adamw_step(
     with parallel_launch():
         finite = adamw_kernel(
             *arrays, out_np,
+            k.decay, k.grad_scale, k.m_weight, k.beta2, k.v_weight, k.bc2_sqrt, k.eps,
+            k.neg_step_size, chunk,
+        )  # fmt: skip
+    return bool(finite)
+
+
+def adamw_split_step(
+    rem: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    lr: float,
+    step: int,
+    hyper: AdamWHyper = AdamWHyper(),
+    grad_scale: float = 1.0,
+    out: torch.Tensor,
+    chunk: int = DEFAULT_CHUNK,
+) -> bool:
+    """One AdamW step on a split master (``fuyou.optim.split``) with the numba kernel, in place; returns
+    whether every new master value is finite. Bit-identical to ``adamw_step`` on the decoded fp32 master.
+
+    Args:
+        rem: int16 remainders [n], updated in place.
+        m, v: moments [n], fp32 or bf16; v's sign bits are the tie flags.
+        grad: gradient [n], fp32 or bf16; read only.
+        out: bf16 [n]: the old compute weights on entry, the new ones on return.
+        lr, step, hyper, grad_scale, chunk: as ``adamw_step``.
+
+    Raises:
+        OptimBufferError: if a buffer has the wrong dtype, length, device or layout, or two overlap.
+        ConfigError: if lr, step, grad_scale or chunk is invalid.
+    """
+    check_split_buffers(rem, m, v, grad, out)
+    k = step_coefficients(hyper, lr, step, grad_scale)
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ConfigError(f"chunk={chunk!r} must be an int >= 1 (elements per parallel task)")
+    if rem.numel() == 0:
+        return True
+    arrays = [as_numpy(t) for t in (rem, m, v, grad, out)]
+    with parallel_launch():
+        finite = adamw_split_kernel(
+            *arrays,
             k.decay, k.grad_scale, k.m_weight, k.beta2, k.v_weight, k.bc2_sqrt, k.eps,
             k.neg_step_size, chunk,
         )  # fmt: skip

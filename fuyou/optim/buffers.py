@@ -36,7 +36,7 @@ def _check_flat(name: str, t: torch.Tensor, dtypes: tuple[torch.dtype, ...], num
             "buffer (hint: pass t.view(-1) of a contiguous tensor)"
         )
     if t.numel() != numel:
-        raise OptimBufferError(f"{name}: {t.numel()} elements, expected {numel} (as master)")
+        raise OptimBufferError(f"{name}: {t.numel()} elements, expected {numel} (as the first buffer)")
     if t.requires_grad:
         raise OptimBufferError(f"{name}: requires_grad=True; pass .detach() buffers")
 
@@ -79,8 +79,30 @@ def check_buffers(
     _check_disjoint(named)
 
 
+def check_split_buffers(
+    rem: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Validate one split-master step's buffers (``fuyou.optim.split``): int16 remainders ``rem``, the
+    bf16 weights ``out`` (read and written), m and v, the gradient.
+
+    Raises:
+        OptimBufferError: if rem is not int16; out is not bf16; m and v are not both fp32 or both bf16;
+            grad is not fp32/bf16; any buffer is not a flat contiguous CPU tensor of rem's length; or two
+            buffers overlap.
+    """
+    numel = rem.numel() if isinstance(rem, torch.Tensor) else -1
+    _check_flat("rem", rem, (torch.int16,), numel)
+    _check_flat("out", out, (torch.bfloat16,), numel)
+    _check_flat("m", m, STATE_DTYPES, numel)
+    _check_flat("v", v, STATE_DTYPES, numel)
+    if m.dtype != v.dtype:
+        raise OptimBufferError(f"m is {m.dtype} but v is {v.dtype}; they must share one dtype")
+    _check_flat("grad", grad, GRAD_DTYPES, numel)
+    _check_disjoint({"rem": rem, "m": m, "v": v, "grad": grad, "out": out})
+
+
 def as_numpy(t: torch.Tensor) -> np.ndarray:
-    """Zero-copy numpy view: fp32 as float32, bf16 as uint16 holding the same bits."""
-    if t.dtype == torch.bfloat16:
+    """Zero-copy numpy view: fp32 as float32, bf16 and int16 as uint16 holding the same bits."""
+    if t.dtype in (torch.bfloat16, torch.int16):
         return t.view(torch.int16).numpy().view(np.uint16)
     return t.numpy()

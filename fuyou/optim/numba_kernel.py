@@ -310,6 +310,116 @@ def adamw_kernel(p, m, v, g, out, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, ne
     return not bad.any()
 
 
+# ---- the split master: bf16 compute weight + 16-bit remainder (``fuyou.optim.split``) ----
+
+
+def load_flagged(arr, i):
+    """``(arr[i] without its sign bit as float32, the sign bit as uint32 0/1)``: a second moment, which is
+    never negative, carrying the split master's tie flag in its sign bit (numba only)."""
+    raise NotImplementedError("load_flagged is only callable inside numba-compiled code")
+
+
+def store_flagged(arr, i, x, flag):
+    """Store the non-negative float32 ``x`` in ``arr[i]`` (bf16-rounded if ``arr`` is uint16) with the
+    uint32 ``flag`` (0/1) in its sign bit (numba only)."""
+    raise NotImplementedError("store_flagged is only callable inside numba-compiled code")
+
+
+@overload(load_flagged, inline="always")
+def _load_flagged_impl(arr, i):
+    if arr.dtype == types.float32:
+
+        def load_fp32(arr, i):
+            u = bits_from_f32(arr[i])
+            return f32_from_bits(u & np.uint32(0x7FFFFFFF)), u >> np.uint32(31)
+
+        return load_fp32
+    if arr.dtype == types.uint16:
+
+        def load_bf16(arr, i):
+            u = np.uint32(arr[i])
+            return bf16_bits_to_f32(np.uint16(u & np.uint32(0x7FFF))), u >> np.uint32(15)
+
+        return load_bf16
+    return None
+
+
+@overload(store_flagged, inline="always")
+def _store_flagged_impl(arr, i, x, flag):
+    if arr.dtype == types.float32:
+
+        def store_fp32(arr, i, x, flag):
+            arr[i] = f32_from_bits(bits_from_f32(x) | (flag << np.uint32(31)))
+
+        return store_fp32
+    if arr.dtype == types.uint16:
+
+        def store_bf16(arr, i, x, flag):
+            arr[i] = np.uint16(np.uint32(f32_to_bf16_bits(x)) | (flag << np.uint32(15)))
+
+        return store_bf16
+    return None
+
+
+@njit(inline="always", cache=True)
+def split_join(w: np.uint16, code: np.uint16, flag: np.uint32) -> np.float32:
+    """The fp32 master of bf16 weight bits ``w``, remainder ``code`` (int16 bits) and tie ``flag``:
+    bits(w) · 2¹⁶ + r, r the sign-extended code, or +2¹⁵ where the flag is set (code −2¹⁵)."""
+    c = np.uint32(code)
+    r = c - ((c & np.uint32(0x8000)) << np.uint32(1)) + (flag << np.uint32(16))  # mod 2³²
+    return f32_from_bits((np.uint32(w) << np.uint32(16)) + r)
+
+
+@njit(nogil=True, error_model="numpy", inline="always", cache=True)
+def _split_span(rem, m, v, g, w, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step):
+    """``_update_span`` on a split master: decode from ``w`` (bf16 bits, in/out), ``rem`` and v's sign
+    bit, update, encode back; returns bit 31 set iff a new master value is non-finite."""
+    acc = np.uint32(0)
+    for i in range(rem.size):
+        vi, flag = load_flagged(v, i)
+        p = split_join(w[i], rem[i], flag)
+        gi = load_f32(g, i) * gscale
+        mi = load_f32(m, i)
+        mi = fma_f32(m_w, gi - mi, mi)
+        vi = fma_f32(v_w * gi, gi, vi * b2)
+        denom = np.sqrt(vi) / bc2_sqrt + eps
+        p = p * decay + (neg_step * mi) / denom
+        u = bits_from_f32(p)
+        wn = f32_to_bf16_bits(p)
+        r = u - (np.uint32(wn) << np.uint32(16))  # in [-2^15, 2^15] mod 2^32 for a finite p
+        w[i] = wn
+        rem[i] = np.uint16(r & np.uint32(0xFFFF))
+        store_f32(m, i, mi)
+        store_flagged(v, i, vi, np.uint32(r == np.uint32(0x8000)))
+        acc |= (u & np.uint32(0x7F800000)) + np.uint32(0x00800000)
+    return acc & np.uint32(0x80000000)
+
+
+@njit(parallel=True, nogil=True, error_model="numpy", cache=True)
+def adamw_split_kernel(rem, m, v, g, w, decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step, chunk):
+    """Fused AdamW on a split master, in place: ``w`` (uint16 bf16 bits) holds the old compute weights
+    and receives the new ones, ``rem`` (uint16: int16 bits) the remainders, v's sign bits the tie flags
+    (``fuyou.optim.split``). Returns True if every new master value is finite.
+
+    rem, w: uint16[n]; m, v: float32[n] or uint16[n] (bf16 bits); g: float32[n] or uint16[n];
+    scalars as ``adamw_kernel``; chunk: elements per parallel task (> 0).
+    """
+    n = rem.size
+    tasks = (n + chunk - 1) // chunk
+    bad = np.zeros(tasks, dtype=np.uint8)
+    for c in prange(tasks):
+        lo, hi = c * chunk, min(c * chunk + chunk, n)
+        acc = np.uint32(0)
+        for b in range(lo, hi, BLOCK):
+            e = min(b + BLOCK, hi)
+            acc |= _split_span(
+                rem[b:e], m[b:e], v[b:e], g[b:e], w[b:e],
+                decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step,
+            )  # fmt: skip
+        bad[c] = acc != 0
+    return not bad.any()
+
+
 # ---- sum of squares (a gradient's contribution to the global norm) ----
 
 
