@@ -7,7 +7,11 @@ single-GPU box (``--profile``: also issue 33's two boxes, ``bench/profiles/box_4
 Pure prediction, no hardware: the hand-written profile ``bench/profiles/lohan_4090.json`` (Fuyou/LoHan's
 published testbed: one RTX 4090, 768 GB DDR4, 12 NVMe drives in RAID0), budgets as the README's
 example (``--cpu-memory 700GiB --gpu-memory 22GiB``), seq 2048, 65,536 tokens per step, clipping on
-(the CLI's default), bf16 compute with fp32 Adam state. Mixtures of experts count the FLOPs of the
+(``fuyou finetune``'s default, ``--max-grad-norm 1``), bf16 compute with fp32 Adam state. The budgets and
+the request are built by ``fuyou plan``'s own code (``fuyou.cli.plan_cmd.plan_inputs``): a row is what
+``fuyou plan SHAPE --profile P --cpu-memory C --gpu-memory G --seq-len 2048 --tokens-per-step 65536
+--max-grad-norm 1`` answers (``fuyou plan`` clips only when asked: without ``--max-grad-norm`` it plans
+another run). Mixtures of experts count the FLOPs of the
 tokens routed (``num_experts_per_tok`` experts per token) and of their shared experts; attention counts each
 layer's heads (multi-head latent attention's wider ones) over its window (``BlockShape.attn_flops``).
 
@@ -26,12 +30,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.common import emit  # noqa: E402
+from fuyou.cli.plan_cmd import plan_inputs  # noqa: E402
 from fuyou.models.description import load_description  # noqa: E402
-from fuyou.planner.profile import load_profile  # noqa: E402
+from fuyou.planner.profile import HardwareProfile, load_profile  # noqa: E402
 from fuyou.planner.result import Budgets  # noqa: E402
 from fuyou.planner.search import InfeasibleError, Request, search  # noqa: E402
+from fuyou.run.config import FinetuneConfig  # noqa: E402
 from fuyou.run.plan_choice import describe  # noqa: E402
-from fuyou.units import parse_size  # noqa: E402
 
 PROFILE = os.path.join(ROOT, "bench", "profiles", "lohan_4090.json")
 SHAPES = (
@@ -48,6 +53,20 @@ SHAPES = (
     "qwen3.5-397b-a17b",
 )
 SEQ, TOKENS = 2048, 65536
+CLIP = FinetuneConfig.max_grad_norm
+"""Clipping threshold of the planned runs: ``fuyou finetune``'s default (on)."""
+
+
+def inputs(prof: HardwareProfile, cpu_memory: str, gpu_memory: str) -> tuple[Budgets, Request]:
+    """The budgets and request of every row on ``prof``: ``fuyou plan``'s (``plan_inputs``) for this bench's run."""
+    return plan_inputs(
+        prof,
+        cpu_memory=cpu_memory,
+        gpu_memory=gpu_memory,
+        seq_len=SEQ,
+        tokens_per_step=TOKENS,
+        max_grad_norm=CLIP,
+    )
 
 
 def main() -> None:
@@ -58,8 +77,7 @@ def main() -> None:
     ap.add_argument("--profile", default=PROFILE, help="a hardware profile (default: LoHan's 4090 testbed)")
     a = ap.parse_args()
     prof = load_profile(a.profile)
-    bud = Budgets(cpu_memory=parse_size(a.cpu_memory), gpu_memory=parse_size(a.gpu_memory))
-    req = Request(seq_len=SEQ, tokens_per_step=TOKENS, clip=True)
+    bud, req = inputs(prof, a.cpu_memory, a.gpu_memory)
     rows = []
     for name in a.shapes.split(","):
         shape = load_description(name)
@@ -95,7 +113,7 @@ def main() -> None:
         emit(rec)
     print(
         f"profile {os.path.relpath(a.profile, ROOT)}, --cpu-memory {a.cpu_memory} --gpu-memory {a.gpu_memory}, seq {SEQ}, "
-        f"{TOKENS} tokens per step, clipping on\n\n"
+        f"{TOKENS} tokens per step, clipping on (--max-grad-norm {CLIP:g})\n\n"
         "| shape | parameters | host GB | SSD store TB | step s | tokens/s | TFLOPS | bottleneck "
         "| SSD TB read+written per step | plan, or the binding constraint |\n"
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n" + "\n".join(rows),

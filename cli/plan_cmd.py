@@ -16,6 +16,9 @@ import click
 from fuyou.schedule.plan import POLICIES
 
 if TYPE_CHECKING:
+    from fuyou.planner.profile import HardwareProfile
+    from fuyou.planner.result import Budgets
+    from fuyou.planner.search import Request
     from fuyou.schedule.shapes import ModelShape
 
 DEFAULT_PROFILE = "$FUYOU_CACHE/hw.json (default ~/.cache/fuyou/hw.json)"
@@ -135,17 +138,77 @@ def plan_cmd(
 
     With --gpus/--nodes the profile describes one rank (its GPU, its share of the cores, its own
     SSDs), budgets are per rank and --tokens-per-step is the global batch."""
-    from fuyou.planner.cluster import Cluster, link_Bps
     from fuyou.planner.profile import load_profile
-    from fuyou.planner.result import Budgets
-    from fuyou.planner.search import Request, search
-    from fuyou.units import parse_size
+    from fuyou.planner.search import search
 
     shape = _load_shape(model)
-    cluster = Cluster(gpus, nodes, link_Bps(interconnect, "--interconnect"), link_Bps(network, "--network"))
     prof = load_profile(_profile_path(profile_path))
+    bud, req = plan_inputs(
+        prof,
+        cpu_memory=cpu_memory,
+        gpu_memory=gpu_memory,
+        ssd_space=ssd_space,
+        seq_len=seq_len,
+        tokens_per_step=tokens_per_step,
+        max_grad_norm=max_grad_norm,
+        state_precision=state_precision,
+        precision=precision,
+        micro_batch_size=micro_batch_size,
+        schedule=schedule,
+        prefetch_depth=prefetch_depth,
+        activations=activations,
+        gpus=gpus,
+        nodes=nodes,
+        interconnect=interconnect,
+        network=network,
+        lora_rank=lora_rank,
+    )
+    res = search(shape, prof, bud, req)
+    if json_out == "-":
+        click.echo(json.dumps(res.to_json(), indent=2))
+        return
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(res.to_json(), f, indent=2)
+    print_result(res, shape.params)
+
+
+def plan_inputs(
+    prof: HardwareProfile,
+    *,
+    cpu_memory: str | None = None,
+    gpu_memory: str | None = None,
+    ssd_space: str | None = None,
+    seq_len: int = 1024,
+    tokens_per_step: int | None = None,
+    max_grad_norm: float = 0.0,
+    state_precision: str = "fp32",
+    precision: str = "bf16",
+    micro_batch_size: int | None = None,
+    schedule: str | None = None,
+    prefetch_depth: int | None = None,
+    activations: str | None = None,
+    gpus: int = 1,
+    nodes: int = 1,
+    interconnect: str = "pcie4",
+    network: str = "ib200",
+    lora_rank: int | None = None,
+) -> tuple[Budgets, Request]:
+    """The budgets and the planner request of ``fuyou plan`` with these options (each as its flag; defaults
+    as the command's), on the hardware profile ``prof``: what the command searches, and what
+    ``bench/bench_frontier_plans.py`` searches too, so the two cannot drift apart. Budgets left out: the
+    host's 3/4 of the profile's RAM ÷ ``gpus`` (the node's RAM is shared by its ranks), the device's
+    memory; ``tokens_per_step`` left out: 8 sequences; ``max_grad_norm`` > 0 turns clipping on (note:
+    ``fuyou plan``'s default is off, ``fuyou finetune``'s 1.0).
+
+    Raises ConfigError for an unreadable size or link speed."""
+    from fuyou.planner.cluster import Cluster, link_Bps
+    from fuyou.planner.result import Budgets
+    from fuyou.planner.search import Request
+    from fuyou.units import parse_size
+
+    cluster = Cluster(gpus, nodes, link_Bps(interconnect, "--interconnect"), link_Bps(network, "--network"))
     bud = Budgets(
-        # the node's RAM is shared by its ranks: each gets its part of the default budget
         cpu_memory=parse_size(cpu_memory, "--cpu-memory") if cpu_memory else prof.host_memory_bytes * 3 // 4 // gpus,
         gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory else prof.device_memory_bytes,
         ssd_bytes=parse_size(ssd_space, "--ssd-space") if ssd_space else 0,
@@ -164,14 +227,7 @@ def plan_cmd(
         lora_base=lora_rank is not None,
         lora_rank=lora_rank or 0,
     )
-    res = search(shape, prof, bud, req)
-    if json_out == "-":
-        click.echo(json.dumps(res.to_json(), indent=2))
-        return
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(res.to_json(), f, indent=2)
-    print_result(res, shape.params)
+    return bud, req
 
 
 def _policies(pol: tuple[str, ...]) -> str:

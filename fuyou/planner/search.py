@@ -31,7 +31,7 @@ from typing import NoReturn, TypeVar
 
 from fuyou.errors import ConfigError
 from fuyou.planner.cluster import Cluster
-from fuyou.planner.cost import Memory, Prediction, footprint, host_buffers, memory, predict
+from fuyou.planner.cost import Memory, Prediction, device_peak, footprint, host_buffers, memory, predict
 from fuyou.planner.graph import StepConfig
 from fuyou.planner.profile import HardwareProfile
 from fuyou.planner.result import Budgets, PlannerResult
@@ -200,15 +200,26 @@ class _Search:
 
     def knobs(self, sched: str, chunk: int) -> tuple[int, int, int]:
         """The default depth/buffers with ``chunk``, shrunk by the engine's budget rules
-        (``sizing.fit_host``) until the buffers fit: the state chunk, then (clipping) parked gradients
-        moved to SSD (``self.park``), then the depth unless the user fixed it."""
+        (``sizing.fit_host``) until the buffers fit beside the block inputs every candidate keeps in host
+        RAM (``inputs_in_host``): the state chunk, then (clipping) parked gradients moved to SSD
+        (``self.park``), then the depth unless the user fixed it."""
         base = self.plan(1, (), self.r.prefetch_depth or 2, 2, sched, chunk)
-        fit = sizing.fit_host(
-            footprint(self.m, self.cfg(1)), base, self.b.cpu_memory, fixed_depth=bool(self.r.prefetch_depth)
-        )
+        room = self.b.cpu_memory - self.inputs_in_host(base)
+        fit = sizing.fit_host(footprint(self.m, self.cfg(1)), base, room, fixed_depth=bool(self.r.prefetch_depth))
         if fit.clips:
             self.park = fit.park_ram_blocks
         return fit.prefetch_depth, fit.state_buffers, fit.state_chunk
+
+    def inputs_in_host(self, plan: Plan) -> int:
+        """Host bytes of the block inputs ``recompute_cpu`` offloads when every layer recomputes
+        (``base_policies``: the least any candidate of this search holds in host RAM; the step's tokens
+        whatever the micro-batch): 0 where recomputed layers keep their inputs on the device. Parked
+        gradients must leave this room, or no candidate of the offloading search fits (they can wait on
+        SSD; the inputs cannot)."""
+        if self.rc != "recompute_cpu":
+            return 0
+        pol = dataclasses.replace(plan, activation_policy=tuple(self.base_policies()))
+        return memory(self.m, pol, self.cfg(1), self.hw).host_activations
 
     # ------------------------------------------------------------------ the search
     def run(self) -> PlannerResult:
@@ -216,14 +227,7 @@ class _Search:
         self._check_static(sched)
         big = max(b.numel for b in self.own.blocks)
         depth, bufs, chunk = self.knobs(sched, max(1 << 23, _chunk_for(big, MAX_CHUNKS)))
-        mbs = [d for d in range(self.seqs, 0, -1) if self.seqs % d == 0]
-        if self.r.micro_batch_size:
-            if self.seqs % self.r.micro_batch_size:
-                raise ConfigError(
-                    f"--micro-batch-size {self.r.micro_batch_size} does not divide the "
-                    f"{self.seqs} sequences of a step (--tokens-per-step / --seq-len)"
-                )
-            mbs = [self.r.micro_batch_size]
+        mbs = self.micro_batches()
         feasible = [mb for mb in mbs if self.assign(mb, 0, depth, bufs, sched, chunk, self.cfg(mb)) is not None]
         if not feasible:
             self._device_error(mbs[-1], depth, bufs, sched, chunk)
@@ -258,6 +262,30 @@ class _Search:
             if pol is not None:
                 best = self._try(dataclasses.replace(plan, schedule=other, activation_policy=pol), cfg, best)
         return self._result(best)
+
+    def micro_batches(self) -> list[int]:
+        """The micro-batch sizes searched, largest first: every divisor of a step's sequences, or the
+        one the user fixed. Raises ConfigError if that one does not divide them."""
+        if not self.r.micro_batch_size:
+            return [d for d in range(self.seqs, 0, -1) if self.seqs % d == 0]
+        if self.seqs % self.r.micro_batch_size:
+            raise ConfigError(
+                f"--micro-batch-size {self.r.micro_batch_size} does not divide the "
+                f"{self.seqs} sequences of a step (--tokens-per-step / --seq-len)"
+            )
+        return [self.r.micro_batch_size]
+
+    def experts_set_peak(self, mbs: list[int]) -> bool:
+        """Whether, at some micro-batch size of ``mbs``, the device peak of the plan with every layer
+        recomputed (``base_policies``) falls in an expert group's phase (``DevicePeak.by_kind``; a tie
+        is not: a finer split could not lower it below the other block's)."""
+        sched = self._schedules()[0]
+        for mb in mbs:
+            plan = self.plan(mb, tuple(self.base_policies()), 1, 2, sched, MIN_CHUNK)
+            kinds = device_peak(self.m, plan, self.cfg(mb), self.hw.device).by_kind
+            if kinds.get("experts", 0) > max(v for k, v in kinds.items() if k != "experts"):
+                return True
+        return False
 
     def _schedules(self) -> list[str]:
         if self.r.clip:
@@ -458,7 +486,8 @@ def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Requ
     whose layers do not fit whole (``BlockTooLargeError``, or a device working set too large) is
     planned with its layers split into the fewest expert groups
     (``fuyou.schedule.experts.expert_group_options``) that fit: ``Plan.expert_groups``; where device
-    memory shapes that plan, into more groups while each is predicted ≥ 1 % faster (``_finer``). A
+    memory shapes that plan, into more groups while each is predicted ≥ 1 % faster (``_finer``); in
+    either walk, no finer than the first count whose groups set no memory floor (``_experts_bind``). A
     model whose embedding or untied head sets a host floor above the budget is planned with them split
     by vocabulary rows (``_vocab_split``: ``Plan.vocab_groups``).
 
@@ -507,10 +536,44 @@ def _search_groups(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, r
             last = e
             if not (isinstance(e, BlockTooLargeError) or str(e).startswith("device memory")):
                 raise
+            if not _experts_bind(split, prof, budgets, req, smallest=True):
+                break  # no finer split needs less memory than this one
             continue
         return _finer(res, shape, options[i + 1 :], prof, budgets, req)
     assert last is not None  # one option at least was tried
     raise last
+
+
+def _experts_bind(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Request, smallest: bool) -> bool:
+    """Whether splitting ``shape``'s layers into more expert groups than it has could lower a memory
+    floor: the largest block (the host's weight, gradient and state buffers are sized to it) is an
+    expert group, or the device peak of the plan with every layer recomputed (inputs on the device,
+    or in host RAM) falls in an expert group's phase at the smallest micro-batch size searched
+    (``smallest``: the least device memory any plan needs) or at any (otherwise). True for a model not
+    split yet (its layers hold their experts whole).
+
+    Sound because from two groups on nothing but the expert groups changes with their count: each split
+    layer keeps one route whatever its groups (``ModelShape.route_holders``), its core and the other
+    blocks stay as they are, and an expert group's weights, gradients and transients only shrink as it
+    holds fewer experts. Where this is False, a finer split needs as much memory as this one at those
+    micro-batch sizes: ``_search_groups`` stops at a count that did not fit, ``_finer`` at a plan
+    more groups cannot give more room. Comparing the blocks' sizes alone would not do: an expert
+    group's transients per token exceed a decoder layer's core's, so its phase can set the device peak
+    while it is smaller than the LM head (GLM-4.5 at 22 GiB, 8 groups, inputs in host RAM, micro-batch 1:
+    5.65 GiB against the head's 5.39)."""
+    if shape.expert_groups == 1:
+        return True
+    own = shape.sharded(req.cluster.world).blocks
+    groups, others = [b for b in own if b.kind == "experts"], [b for b in own if b.kind != "experts"]
+    for size in (lambda b: b.numel, lambda b: b.numel + b.frozen_numel):  # gradient and state; weights read
+        if max(map(size, groups), default=0) > max(map(size, others)):
+            return True
+    for offload in (False, True):
+        s = _Search(shape, prof, budgets, req, offload)
+        mbs = s.micro_batches()
+        if s.experts_set_peak(mbs[-1:] if smallest else mbs):
+            return True
+    return False
 
 
 def _finer(
@@ -518,12 +581,15 @@ def _finer(
 ) -> PlannerResult:
     """``res``, or a plan with the layers in more expert groups while each is predicted ≥ 1 % faster:
     where device memory shaped the plan (``_device_bound``), smaller blocks leave room for larger
-    micro-batches or saved activations."""
+    micro-batches or saved activations — as long as the expert groups set a device peak or the
+    buffers' size at some micro-batch size (``_experts_bind``)."""
+    split = shape.split(res.plan.expert_groups)
     for g in finer:
-        if not _device_bound(res):
+        if not _device_bound(res) or not _experts_bind(split, prof, budgets, req, smallest=False):
             break
         try:
-            alt = _search_split(shape.split(g), prof, budgets, req)
+            split = shape.split(g)
+            alt = _search_split(split, prof, budgets, req)
         except (InfeasibleError, ConfigError):
             break
         if alt.prediction.step_s >= res.prediction.step_s * 0.99:

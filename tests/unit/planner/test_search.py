@@ -132,6 +132,32 @@ def test_a_layer_too_big_for_the_device_is_split_into_expert_groups():
     ), msg
 
 
+def test_expert_group_counts_stop_where_the_groups_set_no_floor(monkeypatch):
+    """A Qwen3-235B-wide model (2 layers of 128 experts) whose LM head alone needs more host buffers
+    than the budget: no expert-group count fits. The search stops at the first count whose groups
+    neither are the largest block nor set the device peak (``_experts_bind``), not at one group per
+    expert, and refuses with the message the walk over every count ends with."""
+    from fuyou.models.description import describe_model
+    from fuyou.planner import search as planner
+    from fuyou.schedule.shapes import NAMED
+
+    shape = describe_model(NAMED["qwen3-235b-a22b"] | {"num_hidden_layers": 2}, "qwen3-235b-a22b, 2 layers")
+    bud, req = Budgets(cpu_memory=2 * GiB, gpu_memory=8 * GiB), Request(1024, 64 * 1024)
+    tried: list[int] = []
+    split = planner._search_split
+    monkeypatch.setattr(planner, "_search_split", lambda s, *a: tried.append(s.expert_groups) or split(s, *a))
+    with pytest.raises(InfeasibleError) as capped:
+        search(shape, HW, bud, req)
+    assert tried[-1] < 128 and "largest block" in str(capped.value)
+    last = shape.split(tried[-1])
+    assert not planner._experts_bind(last, HW, bud, req, smallest=True)
+    monkeypatch.setattr(planner, "_experts_bind", lambda *a, **k: True)
+    tried.clear()
+    with pytest.raises(InfeasibleError) as every:
+        search(shape, HW, bud, req)
+    assert tried[-1] == 128 and str(every.value) == str(capped.value)
+
+
 def test_split_layers_keep_their_routes_where_the_policy_says():
     """A split layer's route (one tokens × hidden tensor) stays on the device unless the layer's last
     expert group is ``recompute_cpu``; then it waits in host memory and its copies cost time."""
