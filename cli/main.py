@@ -14,6 +14,7 @@ import click
 from fuyou import __version__
 from fuyou.run.reporters import REPORT_TO
 from fuyou.schedule.plan import POLICIES
+from fuyou.schedule.state_format import OFFERED
 
 
 class FuyouGroup(click.Group):
@@ -117,6 +118,13 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
     "--precision",
     type=click.Choice(["auto", "bf16", "fp32"]),
     help="Compute dtype; auto (default): bf16 where the device computes it fast, else fp32.",
+)
+@click.option(
+    "--optimizer-state",
+    type=click.Choice(list(OFFERED)),
+    help=f"How AdamW's state is stored: {', '.join(OFFERED)}. fp32 (default): an fp32 master, m and v; split: the "
+    "master as the compute weights + a remainder (identical updates, fewer SSD bytes); bf16: split with bf16 m and "
+    "v (lossy). A store keeps its format: resume with the same.",
 )
 @click.option("--seed", type=int)
 @click.option("--metrics", type=click.Path(), help="Per-step metrics JSONL (default OUTPUT/metrics.jsonl).")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from fuyou.schedule.plan import POLICIES
+from fuyou.schedule.state_format import OFFERED
 
 if TYPE_CHECKING:
     from fuyou.planner.profile import HardwareProfile
@@ -73,7 +74,14 @@ def _load_shape(model: str) -> ModelShape:
 @click.option(
     "--max-grad-norm", type=float, default=0.0, help="Clipping (> 0 forces the overlap_next_forward schedule)."
 )
-@click.option("--state-precision", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True)
+@click.option(
+    "--optimizer-state",
+    type=click.Choice(list(OFFERED)),
+    default="fp32",
+    show_default=True,
+    help="How AdamW's state is stored: fp32; split (the master as the bf16 weights + a remainder: identical "
+    "updates, fewer bytes); bf16 (split with bf16 moments: lossy).",
+)
 @click.option(
     "--precision",
     type=click.Choice(["bf16", "fp32"]),
@@ -120,7 +128,7 @@ def plan_cmd(
     seq_len: int,
     tokens_per_step: int | None,
     max_grad_norm: float,
-    state_precision: str,
+    optimizer_state: str,
     precision: str,
     micro_batch_size: int | None,
     schedule: str | None,
@@ -151,7 +159,7 @@ def plan_cmd(
         seq_len=seq_len,
         tokens_per_step=tokens_per_step,
         max_grad_norm=max_grad_norm,
-        state_precision=state_precision,
+        optimizer_state=optimizer_state,
         precision=precision,
         micro_batch_size=micro_batch_size,
         schedule=schedule,
@@ -182,7 +190,7 @@ def plan_inputs(
     seq_len: int = 1024,
     tokens_per_step: int | None = None,
     max_grad_norm: float = 0.0,
-    state_precision: str = "fp32",
+    optimizer_state: str = "fp32",
     precision: str = "bf16",
     micro_batch_size: int | None = None,
     schedule: str | None = None,
@@ -217,7 +225,7 @@ def plan_inputs(
         seq_len=seq_len,
         tokens_per_step=tokens_per_step or 8 * seq_len,
         clip=max_grad_norm > 0,
-        state_precision=state_precision,
+        optimizer_state=optimizer_state,
         micro_batch_size=micro_batch_size,
         schedule=schedule,
         prefetch_depth=prefetch_depth,

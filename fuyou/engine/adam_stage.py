@@ -23,8 +23,9 @@ import torch
 
 from fuyou.device.base import Backend, Event
 from fuyou.device.host_threads import serial_worker
+from fuyou.engine.state_update import for_format
 from fuyou.models.store_layout import ModelLayout
-from fuyou.optim import AdamJob, AdamWHyper, AdamWorker, adamw_step
+from fuyou.optim import AdamWHyper, AdamWorker
 from fuyou.schedule.sizing import GRADS, NEW_WEIGHTS, STATE
 from fuyou.storage.io_base import gather
 from fuyou.timeline import Timeline
@@ -55,6 +56,8 @@ class AdamStage:
         self.no_decay = no_decay
         self.timeline = timeline
         self.gradients = GradientOffload(backend, pool, layout, timeline, d2h_stream)
+        self.rule = for_format(layout.optimizer_state, layout.compute_dtype)
+        """How a chunk's master is kept and updated (``fuyou.engine.state_update``)."""
         self.worker = AdamWorker(hyper, step_fn=self._timed_step, num_threads=num_threads)
         self.new_weights = NewWeights(timeline, store.store.io)
         """Each block's new weights, handed to a read of the block while their buffer is held."""
@@ -78,7 +81,7 @@ class AdamStage:
         self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, **kw: object
     ) -> bool:
         t0 = time.perf_counter()
-        finite = adamw_step(master, m, v, grad, **kw)  # type: ignore[arg-type]
+        finite = self.rule.step(master, m, v, grad, **kw)
         self.timeline.add("adam", f"adam {master.numel()}", t0, time.perf_counter(), master.numel())
         return finite
 
@@ -154,14 +157,18 @@ class AdamStage:
         """Run AdamW for block ``b`` (1-based ``step``, gradient × ``scale``) and write it back.
 
         State goes chunk by chunk (read, update, write), each chunk's new compute weights landing in
-        one weight buffer that is written once all chunks are done. The future completes once
+        one weight buffer that is written once all chunks are done (a split master first reads the old
+        weights into it: ``StateUpdate.reads_weights``). The future completes once
         ``w/<b>`` and every ``s/<b>/<c>`` are written; ``grad`` is released after the last kernel,
         the state buffers after their writes, the weight buffer after its write.
         """
         w_ext = self.layout.w(b)
         wbuf = self.pool.acquire(NEW_WEIGHTS)
+        old = done_future()
+        if self.rule.reads_weights:
+            old = self._io(self.store.read(w_ext.name, wbuf.data), "ssd_read", w_ext.name, w_ext.nbytes)
         chunk_writes = [
-            self._chunk(b, c, grad, ready, wbuf, lr, step, scale) for c in range(len(self.layout.chunks(b)))
+            self._chunk(b, c, grad, ready, wbuf, old, lr, step, scale) for c in range(len(self.layout.chunks(b)))
         ]
         jobs = gather([j for j, _ in chunk_writes])
         jobs.add_done_callback(lambda _: self.pool.release(grad))
@@ -184,9 +191,19 @@ class AdamStage:
         return gather([ww] + [w for _, w in chunk_writes])
 
     def _chunk(
-        self, b: int, c: int, grad: HostBuffer, ready: Event, wbuf: HostBuffer, lr: float, step: int, scale: float
+        self,
+        b: int,
+        c: int,
+        grad: HostBuffer,
+        ready: Event,
+        wbuf: HostBuffer,
+        old: Future,
+        lr: float,
+        step: int,
+        scale: float,
     ) -> tuple[Future, Future]:
-        """Read, update and write state chunk ``c`` of block ``b``: (job future, write future)."""
+        """Read, update and write state chunk ``c`` of block ``b`` once ``old`` (the read of the old
+        weights into ``wbuf``, where the rule needs them) is done: (job future, write future)."""
         s_ext = self.layout.s(b, c)
         lo, hi = self.layout.chunks(b)[c]
         dt = self.layout.compute_dtype
@@ -205,26 +222,17 @@ class AdamStage:
             views = s_ext.views(data)
             jobs = []
             for a, z, decay in self._runs(b, lo, hi):  # one job per run of equal weight decay
-                out = wbuf.view(dt, z)[a:z]
-                job = AdamJob(
-                    key=f"{s_ext.name}[{a}:{z}]",
-                    master=views["master"][a - lo : z - lo],
-                    m=views["m"][a - lo : z - lo],
-                    v=views["v"][a - lo : z - lo],
-                    grad=grad.view(dt, z)[a:z],
-                    lr=lr,
-                    step=step,
-                    grad_scale=scale,
-                    out=out if dt == torch.bfloat16 else None,
-                    weight_decay=None if decay else 0.0,
-                )
-                on_done = None if dt == torch.bfloat16 else (lambda j, out=out: out.copy_(j.master))
+                job, on_done = self.rule.job(
+                    views, a - lo, z - lo, wbuf.view(dt, z)[a:z],
+                    key=f"{s_ext.name}[{a}:{z}]", grad=grad.view(dt, z)[a:z], lr=lr, step=step,
+                    grad_scale=scale, weight_decay=None if decay else 0.0,
+                )  # fmt: skip
                 jobs.append(self.worker.submit(job, on_done))
             done = gather(jobs)
             done.add_done_callback(partial(self._check, b))
             return done
 
-        job = chain(read, start_job)
+        job = chain(gather([read, old]), start_job)
 
         if sbuf is None:
             return job, job

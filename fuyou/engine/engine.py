@@ -40,6 +40,7 @@ from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config, w
 from fuyou.models.lora import is_lora
 from fuyou.models.store_layout import elem_size
 from fuyou.optim import AdamWHyper
+from fuyou.optim.split import put_flag, split_encode
 from fuyou.schedule import rules, sizing
 from fuyou.schedule.device_memory import DevicePeak
 from fuyou.storage.dirs import rank_dirs
@@ -53,6 +54,9 @@ from fuyou.transfer.host_pool import HostBufferPool
 from fuyou.transfer.ram_tier import RamTier, refuse_stale
 from fuyou.transfer.weights import WeightLoader
 from fuyou.units import format_size
+
+_PIECE = 1 << 18
+"""Elements of the fp32 pieces a split master's remainders are imported through."""
 
 
 class Engine:
@@ -303,10 +307,26 @@ class Engine:
             try:
                 s = buf.data[: ext.nbytes]
                 s.zero_()
-                lay.flatten_into(b, src, ext.views(s)[field], lo, hi, frozen=field == "origin" and lay.trains(b))
+                views = ext.views(s)
+                if field in views:
+                    lay.flatten_into(b, src, views[field], lo, hi, frozen=field == "origin" and lay.trains(b))
+                elif "rem" in views:  # a split master: the remainders of the source's fp32 values
+                    self._import_remainders(b, src, views, lo, hi)
                 self.tier.write_through(ext.name, s).result()
             finally:
                 self.pool.release(buf)
+
+    def _import_remainders(self, b: int, src: dict[str, torch.Tensor], views: dict, lo: int, hi: int) -> None:
+        """A split master's state chunk [lo, hi) of block ``b`` from its source values: the remainders the
+        bf16 weights drop, and the tie flags in v's sign bits (``fuyou.optim.split``). Goes through fp32
+        pieces of ``_PIECE`` elements (1 MiB), so no chunk-sized copy is made beside the pool's buffer."""
+        for a in range(lo, hi, _PIECE):
+            z = min(a + _PIECE, hi)
+            master = torch.empty(z - a, dtype=torch.float32)
+            self.layout.flatten_into(b, src, master, a, z)
+            _, code, flag = split_encode(master)
+            views["rem"][a - lo : z - lo] = code
+            put_flag(views["v"][a - lo : z - lo], flag)
 
     def commit_meta(self) -> dict:
         """What each committed store version records (``StoreMeta``, as JSON)."""
@@ -319,7 +339,7 @@ class Engine:
             step=self.step,
             lr=self.lr,
             compute_dtype=lay.compute_dtype,
-            state_dtype=lay.state_dtype,
+            optimizer_state=lay.optimizer_state.name,
             state_chunk=lay.state_chunk,
             source_dtype=self.source_dtype,
             origin=lay.origin,

@@ -19,6 +19,8 @@ from fuyou.models.blocks import parse_slice
 from fuyou.models.freeze import frozen_blocks, frozen_keys
 from fuyou.models.hf_io import load_config, save_streamed
 from fuyou.models.store_layout import ModelLayout
+from fuyou.optim.split import split_decode, take_flag
+from fuyou.schedule.state_format import state_format
 from fuyou.storage.run_meta import EXPORT_DTYPES, StoreMeta
 from fuyou.storage.store import TensorStore
 from fuyou.transfer.ram_tier import RamTier, refuse_stale
@@ -49,11 +51,21 @@ def read_master(store: TensorStore | RamTier, layout: ModelLayout, b: int) -> to
         w = torch.empty(layout.w(b).nbytes, dtype=torch.uint8)
         store.read(layout.w(b).name, w).result()
         return w.view(layout.compute_dtype)[: layout.numel(b)].float()
+    if layout.optimizer_state.split:
+        w = torch.empty(layout.w(b).nbytes, dtype=torch.uint8)
+        store.read(layout.w(b).name, w).result()
+        weights = w.view(layout.compute_dtype)[: layout.numel(b)]
+        if layout.compute_dtype == torch.float32:
+            return weights.clone()
     master = torch.empty(layout.numel(b), dtype=torch.float32)
     for c, (lo, hi) in enumerate(layout.chunks(b)):
         s = torch.empty(layout.s(b, c).nbytes, dtype=torch.uint8)
         store.read(layout.s(b, c).name, s).result()
-        master[lo:hi] = layout.s(b, c).views(s)["master"]
+        views = layout.s(b, c).views(s)
+        if layout.optimizer_state.split:
+            master[lo:hi] = split_decode(weights[lo:hi], views["rem"], take_flag(views["v"])[1])
+        else:
+            master[lo:hi] = views["master"]
     return master
 
 
@@ -262,7 +274,7 @@ def _store_layout(store: TensorStore, first: str, ranked: bool) -> tuple[ModelLa
     layout = ModelLayout(
         blocks,
         meta.compute_dtype,
-        meta.state_dtype,
+        state_format(meta.optimizer_state, resumable=True),
         meta.state_chunk,
         meta.rank,
         meta.world,

@@ -2,9 +2,11 @@
 
 * ``w/<block>`` — the compute weights (bf16, or fp32 in fp32 mode), keyed by HF parameter name,
   read in forward and backward, written by Adam.
-* ``s/<block>/<chunk>`` — the optimizer state as three flat vectors ``master`` (fp32), ``m``, ``v``
-  (fp32 or bf16) over the same element positions as the ``w`` extent (the 64-byte gaps between
-  tensors included, and zero), cut into chunks of at most ``state_chunk`` elements. Adam runs chunk
+* ``s/<block>/<chunk>`` — the optimizer state as flat vectors over the same element positions as the
+  ``w`` extent (the 64-byte gaps between tensors included, and zero), cut into chunks of at most
+  ``state_chunk`` elements: the master (``master``, fp32; or with a split master the remainder ``rem``
+  the compute weights drop, int16 beside bf16 weights, nothing beside fp32 ones), ``m`` and ``v`` (fp32
+  or bf16), as the run's ``optimizer_state`` (``fuyou.schedule.state_format``) says. Adam runs chunk
   by chunk, so host memory for state is bounded by the chunk size, not by the largest block (a
   150k-token embedding), and writes the new compute weights straight into a ``w`` buffer.
 
@@ -30,6 +32,7 @@ import torch
 from fuyou.models.blocks import BlockSpec
 from fuyou.schedule import shards
 from fuyou.schedule.sizing import Footprint, staged_offset, state_chunks
+from fuyou.schedule.state_format import FORMATS, StateFormat
 from fuyou.storage.extents import ExtentSpec, TensorSpec
 
 
@@ -47,11 +50,11 @@ def elem_size(dtype: torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """Extents of every block for a compute dtype and an optimizer-state dtype."""
+    """Extents of every block for a compute dtype and an optimizer-state format."""
 
     blocks: tuple[BlockSpec, ...]
     compute_dtype: torch.dtype = torch.bfloat16
-    state_dtype: torch.dtype = torch.float32
+    optimizer_state: StateFormat = FORMATS["fp32"]
     state_chunk: int = 1 << 23
     """Elements per optimizer-state chunk (8 Mi: 96 MiB of fp32 master+m+v); a multiple of 32."""
 
@@ -155,18 +158,22 @@ class ModelLayout:
         """Element ranges [lo, hi) of block ``b``'s optimizer-state chunks."""
         return state_chunks(self.numel(b), self.state_chunk)
 
+    @property
+    def moment_dtype(self) -> torch.dtype:
+        """The dtype of m and v."""
+        return torch.float32 if self.optimizer_state.moment_bytes == 4 else torch.bfloat16
+
     def s(self, b: int, c: int) -> ExtentSpec:
-        """Chunk ``c`` of block ``b``'s optimizer state: master, m, v."""
+        """Chunk ``c`` of block ``b``'s optimizer state: the master (``master``) or the split master's
+        remainder (``rem``; none beside fp32 weights), m, v."""
         lo, hi = self.chunks(b)[c]
         n = hi - lo
-        return ExtentSpec(
-            f"s/{self.blocks[b].name}/{c}",
-            (
-                TensorSpec("master", (n,), torch.float32),
-                TensorSpec("m", (n,), self.state_dtype),
-                TensorSpec("v", (n,), self.state_dtype),
-            ),
-        )
+        fmt, compute = self.optimizer_state, elem_size(self.compute_dtype)
+        master = () if fmt.remainder_bytes(compute) == 0 else (
+            (TensorSpec("rem", (n,), torch.int16),) if fmt.split else (TensorSpec("master", (n,), torch.float32),)
+        )  # fmt: skip
+        moments = (TensorSpec("m", (n,), self.moment_dtype), TensorSpec("v", (n,), self.moment_dtype))
+        return ExtentSpec(f"s/{self.blocks[b].name}/{c}", master + moments)
 
     def origin_chunks(self, b: int) -> list[tuple[int, int]]:
         """Element ranges [lo, hi) of block ``b``'s ``o`` extents: its frozen vector (the whole block's ``w``
@@ -191,7 +198,7 @@ class ModelLayout:
             tuple(self.w(b).nbytes for b in nb),
             tuple(self.numel(b) for b in nb),
             elem_size(self.compute_dtype),
-            4 + 2 * elem_size(self.state_dtype),
+            self.optimizer_state.state_bytes(elem_size(self.compute_dtype)),
             tuple(self.index(o) for o in head.borrows),
             self.world,
             self.adapter_bytes,

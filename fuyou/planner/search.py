@@ -39,6 +39,7 @@ from fuyou.schedule import sizing
 from fuyou.schedule.experts import expert_group_options
 from fuyou.schedule.plan import MIN_CHUNK, RECOMPUTES, Plan
 from fuyou.schedule.shapes import ModelShape
+from fuyou.schedule.state_format import state_format
 from fuyou.schedule.vocab import bounding_groups
 from fuyou.units import format_size as fs
 
@@ -79,7 +80,8 @@ class Request:
     tokens_per_step: int = 8192
     clip: bool = False
     """Global-norm clipping wanted (forces ``overlap_next_forward``)."""
-    state_precision: str = "fp32"
+    optimizer_state: str = "fp32"
+    """How AdamW's state is stored (``--optimizer-state``: ``fuyou.schedule.state_format``)."""
     micro_batch_size: int | None = None
     schedule: str | None = None
     prefetch_depth: int | None = None
@@ -115,8 +117,8 @@ class _Search:
         """Sequences per step on each rank."""
         self.own = shape.sharded(world)
         """What one rank stores (its shards)."""
-        self.spp = 12 if req.state_precision == "fp32" else 8
         self.cb = 4 if req.precision == "fp32" else 2
+        self.spp = state_format(req.optimizer_state, resumable=True).state_bytes(self.cb)
         self.park: int | None = None
         """``Plan.park_ram_blocks`` of every candidate with the clipping schedule (None: all in RAM)."""
         self.evals = 0
@@ -163,6 +165,7 @@ class _Search:
             self.r.cluster,
             self.m.lora_params(self.r.lora_rank),
             self.b.gpu_memory,
+            self.r.optimizer_state,
         )
 
     def fits(self, plan: Plan, cfg: StepConfig) -> bool:
@@ -496,8 +499,7 @@ def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Requ
     """
     if req.seq_len < 1 or req.tokens_per_step < 1:
         raise ConfigError(f"--seq-len and --tokens-per-step must be ≥ 1, got {req.seq_len} and {req.tokens_per_step}")
-    if req.state_precision not in ("fp32", "bf16"):
-        raise ConfigError(f"--state-precision must be fp32 or bf16, got {req.state_precision!r}")
+    state_format(req.optimizer_state, resumable=True)  # raises ConfigError naming the choices
     try:
         return _search_groups(shape, prof, budgets, req)
     except BlockTooLargeError as e:

@@ -14,6 +14,7 @@ from fuyou.models.lora import LoraSettings
 from fuyou.run import reporters
 from fuyou.run.lr import SCHEDULES
 from fuyou.schedule.plan import POLICIES
+from fuyou.schedule.state_format import FORMATS, OFFERED
 from fuyou.units import parse_size
 
 DEFAULT_SAVE_EVERY = "30min"
@@ -54,6 +55,9 @@ class FinetuneConfig:
     max_grad_norm: float = 1.0
     precision: str = "auto"
     """``auto`` (bf16 where the device computes it fast, else fp32: ``fuyou.device.precision``), ``bf16`` or ``fp32``."""
+    optimizer_state: str = "fp32"
+    """How AdamW's state is stored (``fuyou.schedule.state_format``): ``fp32``, ``split`` (identical updates,
+    fewer bytes) or ``bf16`` (split with bf16 moments: lossy)."""
     seed: int = 0
     metrics: str | None = None
     """Per-step metrics JSONL; None: OUTPUT/metrics.jsonl."""
@@ -146,6 +150,8 @@ class FinetuneConfig:
             p.append(f"--warmup-steps must be an integer ≥ 0, got {self.warmup_steps!r}")
         if self.precision not in ("auto", "bf16", "fp32"):
             p.append(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.optimizer_state not in FORMATS:
+            p.append(f"--optimizer-state must be one of {', '.join(OFFERED)}, got {self.optimizer_state!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             p.append(f"--device must be auto, cuda or cpu, got {self.device!r}")
         try:

@@ -87,6 +87,7 @@ def plan_request(cfg: FinetuneConfig, config: Any, stripes: list[str] | None = N
         gpu_memory=cfg.gpu_memory,
         device=cfg.device,
         precision=cfg.precision,
+        optimizer_state=cfg.optimizer_state,
         micro_batch_size=cfg.micro_batch_size,
         grad_accum=cfg.grad_accum,
         seq_len=cfg.seq_len,

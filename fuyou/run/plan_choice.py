@@ -33,6 +33,7 @@ from typing import Any
 
 from fuyou.errors import ConfigError
 from fuyou.schedule.plan import POLICIES, Plan
+from fuyou.schedule.state_format import FORMATS, OFFERED
 from fuyou.units import parse_size
 
 MODES = ("auto", "rules")
@@ -61,8 +62,8 @@ class PlanRequest:
     """``auto`` | ``cuda`` | ``cpu``."""
     precision: str = "bf16"
     """Compute dtype, resolved: ``bf16`` or ``fp32``."""
-    state_precision: str = "fp32"
-    """Adam m and v: ``fp32`` or ``bf16``."""
+    optimizer_state: str = "fp32"
+    """How AdamW's state is stored (``fuyou.schedule.state_format``)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch (kept: the planner does not change the run's batch)."""
     grad_accum: int = 1
@@ -96,9 +97,10 @@ class PlanRequest:
             p.append("at least one store directory is needed")
         if self.mode not in MODES:
             p.append(f"plan mode must be auto or rules, got {self.mode!r}")
-        for name in ("precision", "state_precision"):
-            if getattr(self, name) not in ("bf16", "fp32"):
-                p.append(f"{name.replace('_', ' ')} must be bf16 or fp32, got {getattr(self, name)!r}")
+        if self.precision not in ("bf16", "fp32"):
+            p.append(f"precision must be bf16 or fp32, got {self.precision!r}")
+        if self.optimizer_state not in FORMATS:
+            p.append(f"--optimizer-state must be one of {', '.join(OFFERED)}, got {self.optimizer_state!r}")
         for name, low in (("micro_batch_size", 1), ("grad_accum", 1), ("seq_len", 2), ("ranks", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or v < low:
@@ -282,9 +284,10 @@ def _predicted_step_s(req: PlanRequest, prof: Any, plan: Plan) -> float:
     from fuyou.planner.graph import StepConfig
 
     shape = _shape(req)
+    cb = 4 if req.precision == "fp32" else 2
     cfg = StepConfig(
-        req.micro_batch_size, req.seq_len, 12 if req.state_precision == "fp32" else 8,
-        4 if req.precision == "fp32" else 2, Cluster(req.ranks), shape.lora_params(req.lora_rank),
+        req.micro_batch_size, req.seq_len, FORMATS[req.optimizer_state].state_bytes(cb), cb, Cluster(req.ranks),
+        shape.lora_params(req.lora_rank), optimizer_state=req.optimizer_state,
     )  # fmt: skip
     return predict(shape, plan, cfg, prof).step_s
 
@@ -334,7 +337,7 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         seq_len=req.seq_len,
         tokens_per_step=req.seq_len * req.micro_batch_size * req.grad_accum * req.ranks,
         clip=req.clip,
-        state_precision=req.state_precision,
+        optimizer_state=req.optimizer_state,
         micro_batch_size=req.micro_batch_size,
         prefetch_depth=req.prefetch_depth,
         activations=req.activations,
@@ -422,7 +425,7 @@ def engine_config(
         gpu_memory=req.gpu_memory,
         cpu_memory=req.cpu_memory,
         precision=req.precision,
-        state_precision=req.state_precision,
+        optimizer_state=req.optimizer_state,
         lr=optim.lr,
         betas=optim.betas,
         eps=optim.eps,

@@ -21,7 +21,7 @@ STALE = "ram_tier_stale"
 ``fuyou.transfer.ram_tier``; such a version must not be resumed from, exported or checkpointed)."""
 
 PRECISIONS: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
-"""``--precision`` / ``--state-precision`` names of a run's compute and optimizer-state dtypes."""
+"""``--precision`` names of a run's compute dtype."""
 EXPORT_DTYPES: dict[str, torch.dtype] = {**PRECISIONS, "fp16": torch.float16}
 """``fuyou export --dtype`` names (``auto`` aside: the checkpoint's own)."""
 
@@ -39,6 +39,16 @@ def precision_name(dtype: torch.dtype) -> str:
     raise ConfigError(f"{dtype_name(dtype)} is not a training precision; expected one of {sorted(EXPORT_DTYPES)}")
 
 
+_LEGACY_STATE = {"float32": "fp32", "bfloat16": "fp32-bf16"}
+"""The optimizer-state format of a store from before formats were named, by its recorded moment dtype."""
+
+
+def _legacy_state(meta: dict[str, Any]) -> str:
+    """The format name of an older store's ``state_dtype`` (an unknown one passes through, to be refused)."""
+    dtype = meta.get("state_dtype", "float32")
+    return _LEGACY_STATE.get(dtype, dtype)
+
+
 def _dtype(name: str) -> torch.dtype:
     from fuyou.storage.extents import dtype_from_name
 
@@ -54,7 +64,8 @@ class StoreMeta:
     lr: float
     """Learning rate of the last update."""
     compute_dtype: torch.dtype
-    state_dtype: torch.dtype
+    optimizer_state: str
+    """The optimizer-state format's name (``fuyou.schedule.state_format``)."""
     state_chunk: int
     """Elements per optimizer-state chunk (the extents' shape: a resumed store keeps it)."""
     source_dtype: torch.dtype
@@ -76,7 +87,7 @@ class StoreMeta:
             "step": self.step,
             "lr": self.lr,
             "compute_dtype": dtype_name(self.compute_dtype),
-            "state_dtype": dtype_name(self.state_dtype),
+            "optimizer_state": self.optimizer_state,
             "state_chunk": self.state_chunk,
             "source_dtype": dtype_name(self.source_dtype),
         }
@@ -106,7 +117,7 @@ class StoreMeta:
             step=int(meta.get("step", 0)),
             lr=float(meta.get("lr", 0.0)),
             compute_dtype=compute,
-            state_dtype=_dtype(meta.get("state_dtype", "float32")),
+            optimizer_state=meta.get("optimizer_state") or _legacy_state(meta),
             state_chunk=int(meta["state_chunk"]),
             source_dtype=_dtype(meta["source_dtype"]) if meta.get("source_dtype") else compute,
             origin=bool(meta.get("origin", False)),

@@ -47,7 +47,7 @@ def test_parking_on_ssd_is_bit_identical_to_parking_in_ram(tmp_path, ram_blocks)
 def _layout_and_budget(family="llama_tied"):
     cfg, _ = tiny(family, layers=3)
     ad = make_adapter(cfg)
-    layout = ModelLayout(tuple(ad.blocks), torch.float32, torch.float32, 1 << 20)
+    layout = ModelLayout(tuple(ad.blocks), torch.float32, state_chunk=1 << 20)
     clip = Plan(schedule="overlap_next_forward", prefetch_depth=1, state_chunk=1 << 20)
     all_ssd = host_need(layout.footprint(), dataclasses.replace(clip, park_ram_blocks=0))
     all_ram = host_need(layout.footprint(), clip)

@@ -24,6 +24,7 @@ from fuyou.planner.result import Budgets
 from fuyou.planner.search import InfeasibleError, Request, search
 from fuyou.schedule import sizing
 from fuyou.schedule.plan import MIN_CHUNK, Plan
+from fuyou.schedule.state_format import FORMATS
 from tests.unit.planner.helpers import profile
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -104,7 +105,7 @@ requests = st.builds(
         micro_batch_size=mb if seqs % mb == 0 else None,
         clip=clip,
         precision=prec,
-        state_precision=sprec,
+        optimizer_state=sprec,
         ram_tiers=tiers,
         cluster=Cluster(world),
     ),
@@ -113,7 +114,7 @@ requests = st.builds(
     st.integers(1, 4),
     st.booleans(),
     st.sampled_from(["bf16", "fp32"]),
-    st.sampled_from(["fp32", "bf16"]),
+    st.sampled_from(["fp32", "split", "bf16", "fp32-bf16"]),
     st.booleans(),
     st.sampled_from([1, 1, 2, 3]),  # data-parallel ranks: the plan is one rank's, for its shards
 )
@@ -158,7 +159,8 @@ def test_planner_plans_are_admitted_and_refusals_name_the_binding_budget(m, prof
     freeze = tuple(fill.get(p, p).replace("{layers}", fill["{layers}"]) for p in freeze)
     shape = describe_model(cfg, freeze=freeze)
     if not isinstance(bud, Budgets):
-        cb, spp = (4 if req.precision == "fp32" else 2), (12 if req.state_precision == "fp32" else 8)
+        cb = 4 if req.precision == "fp32" else 2
+        spp = FORMATS[req.optimizer_state].state_bytes(cb)
         floor = sizing.host_need(
             shape.footprint(cb, spp),
             Plan(prefetch_depth=1, state_chunk=MIN_CHUNK, schedule="overlap_next_forward", park_ram_blocks=0),
@@ -175,8 +177,10 @@ def test_planner_plans_are_admitted_and_refusals_name_the_binding_budget(m, prof
             assert not _smallest_fits(shape, prof, bud, req), msg
         return
     world = req.cluster.world
+    if res.plan.vocab_groups > 1:  # the embedding and head split by vocabulary rows, as the engine builds them
+        blocks = tuple(make_adapter(cfg, vocab_groups=res.plan.vocab_groups).blocks)
     layout = ModelLayout(
-        blocks, DTYPES[req.precision], DTYPES[req.state_precision], res.plan.state_chunk, world - 1, world,
+        blocks, DTYPES[req.precision], FORMATS[req.optimizer_state], res.plan.state_chunk, world - 1, world,
         frozen_blocks=frozen_blocks(blocks, freeze), frozen_params=frozen_keys(blocks, freeze),
     )  # fmt: skip
     fp = layout.footprint()
@@ -196,8 +200,17 @@ def _smallest_fits(shape, prof, bud: Budgets, req: Request) -> bool:
     follows."""
     seqs = req.tokens_per_step // (req.seq_len * req.cluster.world)
     mb = req.micro_batch_size or 1
-    cb, spp = (4 if req.precision == "fp32" else 2), (12 if req.state_precision == "fp32" else 8)
-    cfg = StepConfig(mb, req.seq_len, spp, cb, req.cluster, 0, bud.gpu_memory)
+    cb = 4 if req.precision == "fp32" else 2
+    cfg = StepConfig(
+        mb,
+        req.seq_len,
+        FORMATS[req.optimizer_state].state_bytes(cb),
+        cb,
+        req.cluster,
+        0,
+        bud.gpu_memory,
+        req.optimizer_state,
+    )
     n = len(shape.blocks)
     for pol in ("recompute", "recompute_cpu"):
         plan = Plan(

@@ -40,6 +40,7 @@ def test_the_planner_sizes_host_memory_from_the_engines_footprint():
     from fuyou.models.adapters import make_adapter
     from fuyou.models.freeze import frozen_keys
     from fuyou.models.store_layout import ModelLayout
+    from fuyou.schedule.state_format import FORMATS
     from tests.integration.tiny_models import tiny
 
     for fam in FAMILIES:
@@ -48,7 +49,10 @@ def test_the_planner_sizes_host_memory_from_the_engines_footprint():
         shape = describe_model(cfg)
         fixed = frozen_keys(blocks, ())  # the family's buffers (DeepSeek-V3's routing bias): read-only
         assert ModelLayout(blocks, frozen_params=fixed).footprint() == shape.footprint(2, 12)
-        assert ModelLayout(blocks, state_dtype=torch.bfloat16, frozen_params=fixed).footprint() == shape.footprint(2, 8)
+        legacy = FORMATS["fp32-bf16"]
+        assert ModelLayout(blocks, optimizer_state=legacy, frozen_params=fixed).footprint() == shape.footprint(2, 8)
+        split = ModelLayout(blocks, optimizer_state=FORMATS["split"], frozen_params=fixed)
+        assert split.footprint() == shape.footprint(2, 10)
         fp32, planned = ModelLayout(blocks, torch.float32, frozen_params=fixed).footprint(), shape.footprint(4, 12)
         assert fp32.numels == tuple(-(-w // 4) for w in fp32.weight_bytes) and fp32.borrowed == planned.borrowed
         assert all(e <= p for e, p in zip(fp32.weight_bytes, planned.weight_bytes))

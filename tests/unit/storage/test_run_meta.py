@@ -12,16 +12,16 @@ from fuyou.storage.run_meta import StoreMeta, dtype_name, precision_name
 
 def test_round_trip_and_defaults_left_out():
     full = StoreMeta(
-        step=7, lr=1e-4, compute_dtype=torch.bfloat16, state_dtype=torch.float32, state_chunk=1 << 20,
+        step=7, lr=1e-4, compute_dtype=torch.bfloat16, optimizer_state="split", state_chunk=1 << 20,
         source_dtype=torch.float16, origin=True, rank=1, world=2, lora_base=True, expert_groups=2,
         vocab_groups=3, freeze=("model.layers.0.*",),
     )  # fmt: skip
     js = full.to_json()
     assert js["frozen"] is True and js["freeze"] == ["model.layers.0.*"] and js["compute_dtype"] == "bfloat16"
     assert StoreMeta.from_json(js, "d") == full
-    plain = StoreMeta(step=0, lr=1e-5, compute_dtype=torch.float32, state_dtype=torch.float32, state_chunk=64,
+    plain = StoreMeta(step=0, lr=1e-5, compute_dtype=torch.float32, optimizer_state="fp32", state_chunk=64,
                       source_dtype=torch.float32)  # fmt: skip
-    assert set(plain.to_json()) == {"step", "lr", "compute_dtype", "state_dtype", "state_chunk", "source_dtype"}
+    assert set(plain.to_json()) == {"step", "lr", "compute_dtype", "optimizer_state", "state_chunk", "source_dtype"}
     assert StoreMeta.from_json(plain.to_json(), "d") == plain
 
 
@@ -30,6 +30,12 @@ def test_an_older_store_without_source_dtype_reads_its_compute_dtype():
         {"step": 3, "compute_dtype": "bfloat16", "state_dtype": "float32", "state_chunk": 8}, "d"
     )
     assert meta.source_dtype == torch.bfloat16 and meta.world == 1 and meta.freeze == ()
+    assert meta.optimizer_state == "fp32"
+
+
+def test_an_older_store_with_bf16_moments_reads_as_the_fp32_bf16_format():
+    meta = StoreMeta.from_json({"compute_dtype": "bfloat16", "state_dtype": "bfloat16", "state_chunk": 8}, "d")
+    assert meta.optimizer_state == "fp32-bf16"
 
 
 def test_not_a_training_store_and_unknown_dtypes_are_one_line_errors():

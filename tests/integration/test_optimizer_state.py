@@ -1,0 +1,134 @@
+"""``--optimizer-state``: a split master trains bit-identically to the fp32 master with fewer stored bytes;
+bf16 moments on a split master equal them on an fp32 master; formats are kept, resumed, refused and
+exported as the store says."""
+
+import json
+
+import pytest
+import torch
+
+from fuyou.engine import Engine, EngineConfig, Plan
+from fuyou.engine.export import export_store
+from fuyou.errors import ConfigError
+from tests.integration.tiny_models import batches, tiny
+
+LR = 1e-3
+
+
+def config(d, fmt, precision="bf16", clip=1.0, **plan):
+    """Clipping on, two micro-batches a step, state chunks of 4 Ki elements (several per block)."""
+    return EngineConfig(
+        ssd_dirs=(str(d),), precision=precision, lr=LR, weight_decay=0.01, cpu_memory="64MiB",
+        max_grad_norm=clip, plan=Plan(grad_accum=2, state_chunk=4096, **plan), optimizer_state=fmt,
+    )  # fmt: skip
+
+
+def train(tmp_path, name, fmt, steps=3, precision="bf16", **kw):
+    """(losses, fp32 masters, bytes of the store's state extents) after ``steps`` steps of a tiny Llama."""
+    cfg, model = tiny("llama_tied", layers=2)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    d = tmp_path / name
+    d.mkdir()
+    with Engine.from_state_dict(cfg, sd, config(d, fmt, precision, **kw)) as eng:
+        losses = [eng.train_step(*b)["loss"] for b in batches(steps)]
+        masters = dict(eng.master_weights())
+        state = sum(e.nbytes for e in eng.layout.extents() if e.name.startswith("s/"))
+    return losses, masters, state
+
+
+def assert_identical(a, b):
+    assert a[0] == b[0], "losses"
+    assert a[1].keys() == b[1].keys()
+    for k in a[1]:
+        assert torch.equal(a[1][k].view(torch.int32), b[1][k].view(torch.int32)), k
+
+
+@pytest.mark.parametrize("precision, ratio", [("bf16", 10 / 12), ("fp32", 8 / 12)])
+def test_a_split_master_trains_bit_identically_in_fewer_bytes(tmp_path, precision, ratio):
+    full = train(tmp_path, "fp32", "fp32", precision=precision)
+    split = train(tmp_path, "split", "split", precision=precision)
+    assert_identical(split, full)
+    assert split[2] == pytest.approx(ratio * full[2], rel=0.01)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"clip": 0.0},  # updates inside backward
+        {"ram_weight_blocks": 2, "ram_state_blocks": 2},  # the RAM tier's in-place state, weights by memcpy
+        {"park_ram_blocks": 0},  # clipping's gradients parked on SSD
+    ],
+    ids=["in-backward", "ram-tier", "parked"],
+)
+def test_split_equals_fp32_under_every_update_path(tmp_path, kw):
+    assert_identical(train(tmp_path, "split", "split", **kw), train(tmp_path, "fp32", "fp32", **kw))
+
+
+def test_bf16_moments_on_a_split_master_equal_them_on_an_fp32_master(tmp_path):
+    assert_identical(train(tmp_path, "bf16", "bf16"), train(tmp_path, "legacy", "fp32-bf16"))
+
+
+def test_a_split_store_resumes_bit_identically_refuses_another_format_and_exports(tmp_path):
+    cfg, model = tiny("llama_tied", layers=2)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    data = batches(4)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with Engine.from_state_dict(cfg, sd, config(tmp_path / "a", "split")) as eng:
+        straight = [eng.train_step(*b)["loss"] for b in data]
+        w_straight = dict(eng.master_weights())
+    with Engine.from_state_dict(cfg, sd, config(tmp_path / "b", "split")) as eng:
+        first = [eng.train_step(*b)["loss"] for b in data[:2]]
+    with pytest.raises(ConfigError, match="written with --optimizer-state split; resume with the same") as e:
+        Engine.resume(config(tmp_path / "b", "fp32"))
+    assert "\n" not in str(e.value)
+    with Engine.resume(config(tmp_path / "b", "split")) as eng:
+        rest = [eng.train_step(*b)["loss"] for b in data[2:]]
+        w_resumed = dict(eng.master_weights())
+    assert first + rest == straight
+    assert all(torch.equal(w_straight[k], w_resumed[k]) for k in w_straight)
+    out = tmp_path / "hf"
+    export_store([str(tmp_path / "b")], str(out), dtype="fp32")
+    from safetensors.torch import load_file
+
+    exported = {}
+    for f in out.glob("*.safetensors"):
+        exported |= load_file(f)
+    for k, w in w_resumed.items():
+        assert torch.equal(exported[k], w), k
+    manifest_meta = json.dumps(export_meta(tmp_path / "b"))
+    assert '"optimizer_state": "split"' in manifest_meta
+
+
+def export_meta(d):
+    from fuyou.storage.manifest import read_manifest
+
+    return read_manifest(str(d))["meta"]
+
+
+def test_an_unknown_format_is_refused_naming_the_choices(tmp_path):
+    with pytest.raises(ConfigError, match="--optimizer-state must be one of fp32, split, bf16, got 'int4'"):
+        config(tmp_path, "int4")
+
+
+@pytest.mark.slow  # 50 s: three CLI runs, one a subprocess
+def test_the_cli_trains_resumes_and_refuses_by_the_store_format(tmp_path):
+    """``fuyou finetune`` with the defaults (clipping, planner, precision auto) and ``optimizer-state`` from
+    YAML; a resume naming another format is one line, exit ≠ 0; with the same it continues."""
+    from fuyou.run.demo import _random_model
+    from tests.integration.test_cli_finetune import TEXT, cli_error, run, write_jsonl
+
+    model = _random_model(str(tmp_path / "tiny"))
+    data = write_jsonl(tmp_path / "d.jsonl", TEXT)
+    (tmp_path / "c.yaml").write_text("optimizer-state: split\n")
+    out = str(tmp_path / "run")
+    args = ["finetune", model, "--data", data, "--output", out, "--seq-len", "32", "--cpu-memory", "256MiB"]
+    r = run([*args, "--config", str(tmp_path / "c.yaml"), "--steps", "2", "--save-every", "1", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    err = cli_error([*args, "--steps", "3", "--resume", "auto", "--optimizer-state", "bf16"])
+    last = err.splitlines()[-1]  # after the planner's one line
+    assert last.startswith("error: ") and "written with --optimizer-state split; resume with the same" in last, err
+    r = run([*args, "--steps", "3", "--resume", "auto", "--optimizer-state", "split", "--no-progress"])
+    assert r.exit_code == 0, r.output
+    steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 3
