@@ -65,7 +65,7 @@ def predicted(eng: Engine, fmt: str, a: argparse.Namespace) -> dict:
     shape = describe_model(eng.adapter.config)
     cfg = StepConfig(1, a.seq_len, state_format(fmt).state_bytes(cb), cb, Cluster(1), optimizer_state=fmt)
     rates = dict(ssd_read_Bps=1e9, ssd_write_Bps=1e9, h2d_Bps=1e10, d2h_Bps=1e10, pageable_Bps=1e10)
-    prof = HardwareProfile(**rates, host_mem_Bps=1e10, device_mem_Bps=1e10, adam_params_per_s=1e8, device="cpu")
+    prof = HardwareProfile(**rates, host_mem_Bps=1e10, device_mem_Bps=1e10, adam_params_per_s=1e8, device="cpu", device_peak_flops=1e12)
     p = predict(shape, eng.plan, cfg, prof)  # bytes do not depend on the speeds
     return {"ssd_read_bytes": p.ssd_read_bytes, "ssd_write_bytes": p.ssd_write_bytes}
 
@@ -92,18 +92,19 @@ def main() -> None:
         ids = torch.randint(0, vocab, (1, a.seq_len), generator=gen)
         for f, eng in engines.items():
             t0 = time.perf_counter()
-            eng.train_step(ids)
+            st = eng.train_step(ids)  # its summary counts the bytes whose transfer completed since the last
             t1 = time.perf_counter()
             if i == a.warmup - 1:
                 eng.flush()
                 eng.timeline.summary(t0, time.perf_counter())  # counts from here on
             if i >= a.warmup:
                 times[f].append(t1 - t0)
+                moved[f] = [moved[f][0] + st["ssd_read_bytes"], moved[f][1] + st["ssd_write_bytes"]]
     for f, eng in engines.items():
         t0 = time.perf_counter()
-        eng.flush()
+        eng.flush()  # the last step's updates land: their bytes count too
         s = eng.timeline.summary(t0, time.perf_counter())
-        moved[f] = [s["ssd_read_bytes"], s["ssd_write_bytes"]]
+        moved[f] = [moved[f][0] + s["ssd_read_bytes"], moved[f][1] + s["ssd_write_bytes"]]
     raise SystemExit(report(engines, times, moved, params, real, a))
 
 

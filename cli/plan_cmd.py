@@ -308,9 +308,12 @@ def print_result(res: object, params: int) -> None:
                 f"{s.cluster.bus_Bps / 1e9:.0f} GB/s; collectives {pr.comm_bytes / 1e9:.2f} GB/step per rank; "
                 "memory and SSD figures are per rank",
             )
+        own = params / world  # a rank stores and updates its shard of every block
         t.add_row(
             "SSD per step",
-            f"read {pr.ssd_read_bytes / 1e9:.1f} GB, write {pr.ssd_write_bytes / 1e9:.1f} GB; "
+            f"read {pr.ssd_read_bytes / 1e9:.1f} GB, write {pr.ssd_write_bytes / 1e9:.1f} GB "
+            f"({pr.ssd_read_bytes / own:.1f} + {pr.ssd_write_bytes / own:.1f} B per parameter"
+            f"{' of the rank' if world > 1 else ''}, optimizer state {s.optimizer_state}); "
             f"{pr.dwpd:.2f} drive-writes/day",
         )
         t.add_row(
