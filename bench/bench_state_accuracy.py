@@ -48,6 +48,7 @@ def finetune(a: argparse.Namespace, model: str, train: str, held: str, name: str
     evals = {x["step"]: x["eval_loss"] for x in lines if x.get("eval_loss") is not None}
     run = json.load(open(os.path.join(out, "run.json")))
     evals.setdefault(0, run.get("eval_loss_before"))
+    evals.setdefault(a.steps, run.get("eval_loss_after"))
     return {"eval_loss": dict(sorted(evals.items())), "train_loss_last": lines[-1]["loss"], "wall_s": wall}
 
 

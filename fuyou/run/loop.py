@@ -527,6 +527,8 @@ def _train(
         **_device_figures(engine),
         "ssd_write_bytes": c["written"],
         "ssd_read_bytes": c["read"],
+        "optimizer_state": engine.layout.optimizer_state.name,
+        "stored_params": sum(engine.layout.numel(b) for b in range(len(engine.layout.blocks))),
         "checkpoint_stall_s": c["stall"],
         "resumed_from_step": start,
         "cpu_memory_bytes": parse_size(cfg.cpu_memory),

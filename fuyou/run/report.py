@@ -106,6 +106,17 @@ def _budget(nbytes: int) -> str:
     return "none given" if nbytes >= 2**62 else format_size(nbytes)
 
 
+def _per_param(s: dict) -> str:
+    """`` (R + W B per parameter per step, optimizer state F)`` of a run summary, or "" without the counts
+    (a summary from before they were recorded, a run that took no step)."""
+    steps = s.get("steps", 0) - (s.get("resumed_from_step") or 0)
+    n = s.get("stored_params")
+    if not n or steps <= 0:
+        return ""
+    read, written = s["ssd_read_bytes"] / steps / n, s["ssd_write_bytes"] / steps / n
+    return f" ({read:.1f} + {written:.1f} B per parameter per step, optimizer state {s.get('optimizer_state', 'fp32')})"
+
+
 def summary_table(s: dict, run_dir: str | None = None) -> None:
     """Print the end-of-run table, including what the SSD writes mean for drive endurance, and where
     the run's one-page report (``fuyou report``) and TensorBoard logs are."""
@@ -128,7 +139,10 @@ def summary_table(s: dict, run_dir: str | None = None) -> None:
         ("peak host memory (RSS)", format_size(s["peak_rss_bytes"])),
         ("host budget (--cpu-memory)", format_size(s["cpu_memory_bytes"])),
         *_device_rows(s),
-        ("SSD read / written", f"{format_size(s['ssd_read_bytes'])} / {format_size(s['ssd_write_bytes'])}"),
+        (
+            "SSD read / written",
+            f"{format_size(s['ssd_read_bytes'])} / {format_size(s['ssd_write_bytes'])}" + _per_param(s),
+        ),
         ("SSD writes at this rate", ssd_endurance(s["ssd_write_bytes"], s["wall_s"], s.get("store_dirs") or [])),
         ("model written to", s.get("output", "?")),
     ]
