@@ -211,6 +211,14 @@ class Timeline:
         with open(path, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
+    def take_moved(self) -> dict[str, int]:
+        """Bytes each resource of ``MOVED`` moved since the previous ``summary`` or ``take_moved``, which
+        now count as reported (a run's tail: what landed after its last step's summary)."""
+        with self._lock:
+            moved = {r: self._moved[r] - self._reported[r] for r in MOVED}
+            self._reported = dict(self._moved)
+        return moved
+
     def clear(self) -> None:
         """Forget recorded spans (long runs keep only the recent ones); device-timed spans still in
         flight stay, and so do the byte counts of the next ``summary``."""

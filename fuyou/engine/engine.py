@@ -521,6 +521,14 @@ class Engine:
         self.updates.settle()
         self.lora.commit(self.store, self.pool, self.tier, self.commit_meta())
 
+    def io_tail(self) -> tuple[int, int]:
+        """SSD bytes (read, written) that landed since the last step's figures, once every pending update
+        has landed (``flush``): what a run adds to its steps' figures for exact totals (each step counts
+        the transfers that completed within it, so the last step's updates would otherwise be left out)."""
+        self.flush()
+        moved = self.timeline.take_moved()
+        return moved["ssd_read"], moved["ssd_write"]
+
     # ------------------------------------------------------------------ results
     def master_weights(self, everywhere: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF key, fp32 master tensor) for every parameter, one block at a time. With several ranks

@@ -512,6 +512,8 @@ def _train(
                 _interrupted(stopping, done, saved, engine, ranks)
         if cfg.trace:
             engine.timeline.to_chrome_trace(cfg.trace)
+        read, written = engine.io_tail()  # the last updates' bytes: totals are exact, run to run
+        c["read"], c["written"] = c["read"] + read, c["written"] + written
         eval_after = _evaluate(engine, data.eval_batches)
         tb.eval_loss(total, eval_after)
     return {

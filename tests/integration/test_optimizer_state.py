@@ -132,3 +132,27 @@ def test_the_cli_trains_resumes_and_refuses_by_the_store_format(tmp_path):
     assert r.exit_code == 0, r.output
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 3
+
+
+@pytest.mark.parametrize(
+    "fmt, park", [("fp32", None), ("split", 0), ("bf16", 0)], ids=["fp32-grads-in-ram", "split-parked", "bf16-parked"]
+)
+def test_bytes_written_are_exact_and_the_planners(tmp_path, fmt, park):
+    """The steps' SSD writes plus the run's tail (``Engine.io_tail``) are the planner's bytes per step × steps,
+    to the byte, in every format, with clipping's gradients parked in RAM or on the store."""
+    from fuyou.models.description import describe_model
+    from fuyou.planner.cluster import Cluster
+    from fuyou.planner.cost import predict
+    from fuyou.planner.graph import StepConfig
+    from fuyou.schedule.state_format import FORMATS
+    from tests.unit.planner.helpers import profile
+
+    cfg, model = tiny("llama_tied", layers=2)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    data = batches(3)
+    with Engine.from_state_dict(cfg, sd, config(tmp_path, fmt, park_ram_blocks=park)) as eng:
+        eng.io_tail()  # the import's and the first evaluation's bytes are not the steps'
+        written = sum(eng.train_step(*b)["ssd_write_bytes"] for b in data) + eng.io_tail()[1]
+        step = StepConfig(2, data[0][0].shape[1], FORMATS[fmt].state_bytes(2), 2, Cluster(1), optimizer_state=fmt)
+        planned = predict(describe_model(cfg), eng.plan, step, profile(device="cpu")).ssd_write_bytes
+    assert written == len(data) * planned
