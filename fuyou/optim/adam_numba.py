@@ -11,6 +11,8 @@ number of numba threads is per calling thread (``numba.set_num_threads``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -57,16 +59,24 @@ def adamw_step(
         ConfigError: if lr, step, grad_scale or chunk is invalid.
     """
     check_buffers(master, m, v, grad, out)
+    arrays = [as_numpy(t) for t in (master, m, v, grad)] + [_NO_OUT if out is None else as_numpy(out)]
+    return _launch(adamw_kernel, arrays, hyper, lr, step, grad_scale, chunk)
+
+
+def _launch(
+    kernel: Callable[..., bool], arrays: list[np.ndarray], hyper: AdamWHyper, lr: float, step: int,
+    grad_scale: float, chunk: int,
+) -> bool:  # fmt: skip
+    """Run ``kernel`` over ``arrays`` with this step's float32 coefficients; whether every new master value
+    is finite. Raises ConfigError for an invalid lr, step, grad_scale or chunk."""
     k = step_coefficients(hyper, lr, step, grad_scale)
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ConfigError(f"chunk={chunk!r} must be an int >= 1 (elements per parallel task)")
-    if master.numel() == 0:
+    if arrays[0].size == 0:
         return True
-    arrays = [as_numpy(t) for t in (master, m, v, grad)]
-    out_np = _NO_OUT if out is None else as_numpy(out)
     with parallel_launch():
-        finite = adamw_kernel(
-            *arrays, out_np,
+        finite = kernel(
+            *arrays,
             k.decay, k.grad_scale, k.m_weight, k.beta2, k.v_weight, k.bc2_sqrt, k.eps,
             k.neg_step_size, chunk,
         )  # fmt: skip
@@ -101,16 +111,5 @@ def adamw_split_step(
         ConfigError: if lr, step, grad_scale or chunk is invalid.
     """
     check_split_buffers(rem, m, v, grad, out)
-    k = step_coefficients(hyper, lr, step, grad_scale)
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ConfigError(f"chunk={chunk!r} must be an int >= 1 (elements per parallel task)")
-    if rem.numel() == 0:
-        return True
     arrays = [as_numpy(t) for t in (rem, m, v, grad, out)]
-    with parallel_launch():
-        finite = adamw_split_kernel(
-            *arrays,
-            k.decay, k.grad_scale, k.m_weight, k.beta2, k.v_weight, k.bc2_sqrt, k.eps,
-            k.neg_step_size, chunk,
-        )  # fmt: skip
-    return bool(finite)
+    return _launch(adamw_split_kernel, arrays, hyper, lr, step, grad_scale, chunk)
