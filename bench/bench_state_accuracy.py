@@ -102,7 +102,9 @@ def main() -> None:
     emit({"bench": "state_accuracy", "hardware": hardware_info([a.dir]), "model": model, "steps": a.steps,
           "seq_len": a.seq_len, "micro_batch_size": a.micro_batch_size, "lr": a.lr, "runs": runs,
           "summary": summary, "split_masters_equal_fp32": identical})  # fmt: skip
-    print("| run | held-out loss at " + ", ".join(str(s) for s in base) + " | max gap to fp32 | wall s |", file=sys.stderr)
+    print(
+        "| run | held-out loss at " + ", ".join(str(s) for s in base) + " | max gap to fp32 | wall s |", file=sys.stderr
+    )
     for n, r in runs.items():
         losses = ", ".join(f"{v:.4f}" for v in r["eval_loss"].values())
         print(f"| {n} | {losses} | {summary[n]['max_gap_to_fp32']:.4f} | {r['wall_s']:.0f} |", file=sys.stderr)

@@ -65,7 +65,9 @@ def predicted(eng: Engine, fmt: str, a: argparse.Namespace) -> dict:
     shape = describe_model(eng.adapter.config)
     cfg = StepConfig(1, a.seq_len, state_format(fmt).state_bytes(cb), cb, Cluster(1), optimizer_state=fmt)
     rates = dict(ssd_read_Bps=1e9, ssd_write_Bps=1e9, h2d_Bps=1e10, d2h_Bps=1e10, pageable_Bps=1e10)
-    prof = HardwareProfile(**rates, host_mem_Bps=1e10, device_mem_Bps=1e10, adam_params_per_s=1e8, device="cpu", device_peak_flops=1e12)
+    prof = HardwareProfile(
+        **rates, host_mem_Bps=1e10, device_mem_Bps=1e10, adam_params_per_s=1e8, device="cpu", device_peak_flops=1e12
+    )
     p = predict(shape, eng.plan, cfg, prof)  # bytes do not depend on the speeds
     return {"ssd_read_bytes": p.ssd_read_bytes, "ssd_write_bytes": p.ssd_write_bytes}
 
