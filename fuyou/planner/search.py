@@ -477,11 +477,12 @@ class _Search:
 
 
 def _device_bound(res: PlannerResult) -> bool:
-    """Whether device memory shaped ``res``: some layer recomputes, or the micro-batch is smaller than
-    the step's sequences. Otherwise block inputs in host RAM cannot buy anything (every layer keeps its
-    activations at the largest micro-batch) and the second search is skipped."""
+    """Whether device memory shaped ``res``: some layer recomputes (its input on the device or in host
+    RAM), or the micro-batch is smaller than the step's sequences. Otherwise block inputs in host RAM
+    cannot buy anything (every layer keeps its activations at the largest micro-batch) and the second
+    search is skipped, as are finer expert groups (``_finer``)."""
     seqs = res.plan.grad_accum * res.step.micro_batch_size
-    return "recompute" in res.plan.activation_policy or res.step.micro_batch_size < seqs
+    return any(p in RECOMPUTES for p in res.plan.activation_policy) or res.step.micro_batch_size < seqs
 
 
 def search(shape: ModelShape, prof: HardwareProfile, budgets: Budgets, req: Request = Request()) -> PlannerResult:

@@ -6,44 +6,48 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from bench.bench_frontier_plans import inputs
 from fuyou.cli.main import main
+from fuyou.models.description import load_description
 from fuyou.planner.profile import load_profile
 from fuyou.planner.search import search
-from tests.unit.planner.helpers import small_llama
 
 PROFILE = "bench/profiles/lohan_4090.json"
 CPU, GPU = "1300MiB", "1GiB"
-"""A 120 M-parameter Llama at 65,536 tokens a step: its block inputs (864 MiB) exceed the device, so they
+"""``small_llama`` (a 120 M-parameter Llama) at 65,536 tokens a step: its block inputs (864 MiB) exceed the device, so they
 wait in host RAM (``recompute_cpu``), and with clipping they and every block's parked gradient do not fit
 the host together. Before the fix the search sized the buffers and parked gradients for the whole host
 budget, then found no room for the inputs: infeasible with clipping (the bench), a plan without (``fuyou
 plan``'s default)."""
 
 
-def _config(tmp_path) -> str:
+@pytest.fixture(scope="module")
+def config(tmp_path_factory) -> str:
+    """``small_llama``'s config.json, which ``fuyou plan`` and the tests describe alike (one description,
+    cached by ``load_description``: its blocks are probed once)."""
     cfg = {"model_type": "llama", "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 8}
     cfg |= {"num_attention_heads": 12, "num_key_value_heads": 4, "vocab_size": 32000}
-    path = tmp_path / "config.json"
+    path = tmp_path_factory.mktemp("small") / "config.json"
     path.write_text(json.dumps(cfg))
     return str(path)
 
 
-def test_the_frontier_bench_plans_what_fuyou_plan_plans_with_clipping(tmp_path):
+def test_the_frontier_bench_plans_what_fuyou_plan_plans_with_clipping(config):
     """The bench's budgets and request are ``fuyou plan``'s with ``--max-grad-norm 1`` (clipping on, as
     ``fuyou finetune`` runs by default), and both answer with the same plan: block inputs in host RAM,
     the last block's gradient parked on SSD to leave them room."""
     prof = load_profile(PROFILE)
     bud, req = inputs(prof, CPU, GPU)
     assert req.clip and req.seq_len == 2048 and req.tokens_per_step == 65536
-    args = ["plan", _config(tmp_path), "--profile", PROFILE, "--cpu-memory", CPU, "--gpu-memory", GPU]
+    args = ["plan", config, "--profile", PROFILE, "--cpu-memory", CPU, "--gpu-memory", GPU]
     args += ["--seq-len", "2048", "--tokens-per-step", "65536", "--max-grad-norm", "1", "--json", "-"]
     r = CliRunner().invoke(main, args)
     assert r.exit_code == 0, r.output
     cli = json.loads(r.output)
-    res = search(small_llama(), prof, bud, req)
+    res = search(load_description(config), prof, bud, req)
     bench = json.loads(json.dumps(res.to_json()))
     assert cli["plan"] == bench["plan"] and cli["budgets"] == bench["budgets"]
     plan, mem = res.plan, res.prediction.memory
@@ -52,13 +56,14 @@ def test_the_frontier_bench_plans_what_fuyou_plan_plans_with_clipping(tmp_path):
     assert mem.host <= bud.cpu_memory
 
 
-def test_clipping_leaves_block_inputs_room_in_host_ram():
+def test_clipping_leaves_block_inputs_room_in_host_ram(config):
     """Without clipping the same run fits too (``fuyou plan``'s default request): clipping moves parked
     gradients to SSD, never turns a plan into a refusal."""
     prof = load_profile(PROFILE)
     bud, req = inputs(prof, CPU, GPU)
-    plain = search(small_llama(), prof, bud, dataclasses.replace(req, clip=False))
-    clipped = search(small_llama(), prof, bud, req)
+    shape = load_description(config)
+    plain = search(shape, prof, bud, dataclasses.replace(req, clip=False))
+    clipped = search(shape, prof, bud, req)
     for r in (plain, clipped):
         assert "recompute_cpu" in r.plan.activation_policy and r.prediction.memory.host <= bud.cpu_memory
     assert plain.plan.park_ram_blocks is None and clipped.plan.schedule == "overlap_next_forward"
