@@ -65,14 +65,22 @@ def check_buffers(
             not fp32/bf16; out is not bf16; any buffer is not a flat contiguous CPU tensor of
             master's length; or two buffers overlap.
     """
-    numel = master.numel() if isinstance(master, torch.Tensor) else -1
-    _check_flat("master", master, (torch.float32,), numel)
+    _check_step("master", master, torch.float32, m, v, grad, out)
+
+
+def _check_step(
+    name: str, first: torch.Tensor, dtype: torch.dtype, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+    out: torch.Tensor | None,
+) -> None:  # fmt: skip
+    """The checks of ``check_buffers`` with the first buffer called ``name`` and of ``dtype``."""
+    numel = first.numel() if isinstance(first, torch.Tensor) else -1
+    _check_flat(name, first, (dtype,), numel)
     _check_flat("m", m, STATE_DTYPES, numel)
     _check_flat("v", v, STATE_DTYPES, numel)
     if m.dtype != v.dtype:
         raise OptimBufferError(f"m is {m.dtype} but v is {v.dtype}; they must share one dtype")
     _check_flat("grad", grad, GRAD_DTYPES, numel)
-    named = {"master": master, "m": m, "v": v, "grad": grad}
+    named = {name: first, "m": m, "v": v, "grad": grad}
     if out is not None:
         _check_flat("out", out, (torch.bfloat16,), numel)
         named["out"] = out
@@ -90,15 +98,9 @@ def check_split_buffers(
             grad is not fp32/bf16; any buffer is not a flat contiguous CPU tensor of rem's length; or two
             buffers overlap.
     """
-    numel = rem.numel() if isinstance(rem, torch.Tensor) else -1
-    _check_flat("rem", rem, (torch.int16,), numel)
-    _check_flat("out", out, (torch.bfloat16,), numel)
-    _check_flat("m", m, STATE_DTYPES, numel)
-    _check_flat("v", v, STATE_DTYPES, numel)
-    if m.dtype != v.dtype:
-        raise OptimBufferError(f"m is {m.dtype} but v is {v.dtype}; they must share one dtype")
-    _check_flat("grad", grad, GRAD_DTYPES, numel)
-    _check_disjoint({"rem": rem, "m": m, "v": v, "grad": grad, "out": out})
+    if not isinstance(out, torch.Tensor):
+        raise OptimBufferError(f"out: expected the bf16 weights (a torch.Tensor), got {type(out).__name__}")
+    _check_step("rem", rem, torch.int16, m, v, grad, out)
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:
