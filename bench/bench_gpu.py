@@ -53,6 +53,7 @@ from bench.common import device_memory, emit, hardware_info  # noqa: E402
 from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
 from fuyou.models.description import describe_model  # noqa: E402
 from fuyou.planner.cost import FLOP_FORMULA  # noqa: E402
+from fuyou.schedule.state_format import OFFERED  # noqa: E402
 
 LR, CLIP = 1e-5, 1.0
 
@@ -116,6 +117,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", default=None, help="hardware profile for --plan auto (default: as fuyou finetune)")
     ap.add_argument("--trace", default=None, help="Chrome trace of the (first) Fuyou run's last step")
     ap.add_argument("--torch-profile", action="store_true", help="one more Fuyou step under torch.profiler")
+    ap.add_argument(
+        "--optimizer-state", choices=OFFERED, default="fp32", help="the Fuyou runs' state format on the store"
+    )
     ap.add_argument("--label", default="fuyou", help="the Fuyou run's name in its line (``run``)")
     ap.add_argument("--allow-cpu", action="store_true", help="run on the CPU backend where CUDA is not available")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, any device (implies --allow-cpu)")
@@ -259,6 +263,7 @@ def choose(
         grad_accum=a.grad_accum,
         seq_len=a.seq,
         clip=True,
+        optimizer_state=a.optimizer_state,
         mode=a.plan,
         profile=a.profile,
         profile_out=None if a.profile else os.path.join(work, "profile.json"),
@@ -395,6 +400,7 @@ class Context:
             precision="bf16",
             lr=LR,
             max_grad_norm=CLIP,
+            optimizer_state=a.optimizer_state,
             plan=plan,
         )
         before = device_memory(dev, reset=True)
@@ -421,6 +427,7 @@ class Context:
                 "step_over_busiest": stats["step_time_s"] / busiest if busiest > 0 else None,
                 "ssd_read_bytes": stats["ssd_read_bytes"],
                 "ssd_write_bytes": stats["ssd_write_bytes"],
+                "optimizer_state": a.optimizer_state,
                 "plan": plan.to_json(),
                 **chosen,
                 **(

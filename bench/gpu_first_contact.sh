@@ -5,7 +5,7 @@
 #
 #   bash bench/gpu_wheels.sh                        # beforehand, where pip can download: fills .whl/
 #   bash bench/gpu_first_contact.sh                 # there (carry .whl): env install tests p6 store  <= 8 min
-#   bash bench/gpu_first_contact.sh second          # the same lease, next call: env install ssd profile  <= 4 min
+#   bash bench/gpu_first_contact.sh second          # the same lease, next call: env install ssd formats profile  <= 6.5 min
 #   bash bench/gpu_first_contact.sh again           # after fixing what `first` found: env install tests store ssd profile  <= 7.5 min
 #
 # Stages of `first`, in value order (cap in seconds; FC_CAP_<STAGE> overrides one, FC_DEADLINE_S the total):
@@ -25,7 +25,8 @@
 #                from the store); each line and ratio appended to figures.jsonl as soon as measured
 #   store    45  bench_store.py: the store's POSIX and (where usable) kvikio engines side by side, O_DIRECT
 # Stages of `second`: env 15, install 40 (skipped work if the same wheels are installed already),
-#   ssd 90 (an SSD-bound point: bench_gpu.py --plan auto, predicted ÷ measured step time), profile 70 (one
+#   ssd 90 (an SSD-bound point: bench_gpu.py --plan auto, predicted ÷ measured step time), formats 150 (the
+#   same point under --optimizer-state split, then bf16: FORMATS_RUN), profile 70 (one
 #   step under torch.profiler: kernel busy time beside the timeline's compute busy time).
 # A stage starts only if the time left is at least its cap (+5 s to kill it); else its summary line says
 # skipped. Exit status: 0 all stages passed, 1 some failed or were skipped, 3 stopped at env.
@@ -48,6 +49,8 @@ REHEARSAL=${FUYOU_REHEARSAL:-0}
 SITE=${FC_SITE:-/tmp/site}
 if [ -n "${FC_WHEELS:-}" ]; then WHEELS=$FC_WHEELS; elif [ -d .whl ] || [ ! -d wheels ]; then WHEELS=.whl; else WHEELS=wheels; fi
 GRACE=5
+# a carried fio (a build of its own, e.g. static) in the wheels folder's bin/: the store stage's reference
+[ -x "$WHEELS/bin/fio" ] && PATH="$(cd "$WHEELS/bin" && pwd):$PATH" && export PATH
 export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # 0.75 B Llama (12 × 2048, FFN 5632, 32k vocabulary), 8 × 2048 tokens × 4 micro-batches = 65,536 tokens/step;
 # its store is ~21 GB (two versions of 14 B/param: 19.6 GiB), one Fuyou run's at a time (removed after each)
@@ -64,6 +67,7 @@ SSD_SHAPE=${SSD_SHAPE:---layers 8 --hidden 2048 --ffn 5632 --vocab 32000 --seq 2
 SSD_CPU=${SSD_CPU:-4GiB}
 SSD_GPU=${SSD_GPU:-16GiB}
 SSD_STEPS=${SSD_STEPS:-2}
+FORMATS_RUN=${FORMATS_RUN:-split bf16}
 PROF_SHAPE=${PROF_SHAPE:---layers 4 --hidden 2048 --ffn 5632 --vocab 32000 --seq 2048 --micro-batch 4 --grad-accum 2}
 PROF_CPU=${PROF_CPU:-32GiB}
 TEST_TIMEOUT=${TEST_TIMEOUT:-60}
@@ -337,6 +341,16 @@ stage_ssd() {
     --label ssd_bound
 }
 
+stage_formats() { # the ssd stage's shape and budgets under the other optimizer-state formats (issue 34)
+  local fmt rc=0
+  for fmt in ${FORMATS_RUN}; do
+    # shellcheck disable=SC2086
+    bench --mode fuyou $SSD_SHAPE --plan auto --cpu-memory "$SSD_CPU" --gpu-memory "$SSD_GPU" --steps "$SSD_STEPS" \
+      --optimizer-state "$fmt" --label "ssd_bound_$fmt" || rc=$?
+  done
+  return "$rc"
+}
+
 stage_profile() {
   local rc
   rm -f "$SCRATCH/trace-profile.json"
@@ -358,7 +372,7 @@ fi
 MODE=${1:-first}
 case "$MODE" in
 first) STAGES=(env:20 install:45 tests:150 p6:180 store:45) DEADLINE=${FC_DEADLINE_S:-480} need=22 ;;
-second) STAGES=(env:15 install:40 ssd:90 profile:70) DEADLINE=${FC_DEADLINE_S:-240} need=16 ;;
+second) STAGES=(env:15 install:40 ssd:90 formats:150 profile:70) DEADLINE=${FC_DEADLINE_S:-390} need=16 ;;
 again) STAGES=(env:15 install:40 tests:150 store:45 ssd:90 profile:70) DEADLINE=${FC_DEADLINE_S:-450} need=16 ;;
 *)
   echo "usage: bash bench/gpu_first_contact.sh [first|second|again]" >&2

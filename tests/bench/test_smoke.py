@@ -138,9 +138,9 @@ def test_junit_skips_other_than_a_missing_package_are_found(tmp_path):
 
 FIRST_CONTACT = os.path.join(ROOT, "bench", "gpu_first_contact.sh")
 TINY = "--layers 2 --hidden 128 --ffn 256 --vocab 512 --seq 64 --micro-batch 2 --grad-accum 2"
-REHEARSAL_CAPS = {  # each stage's cap scaled down from the GPU run's (first: 480 s in all, second: 240, again: 450)
+REHEARSAL_CAPS = {  # each stage's cap scaled down from the GPU run's (first: 480 s in all, second: 390, again: 450)
     "first": {"env": 15, "install": 30, "tests": 60, "p6": 60, "store": 30},
-    "second": {"env": 15, "install": 30, "ssd": 45, "profile": 45},
+    "second": {"env": 15, "install": 30, "ssd": 45, "formats": 60, "profile": 45},
     "again": {"env": 15, "install": 30, "tests": 60, "store": 30, "ssd": 45, "profile": 45},
 }
 
@@ -222,7 +222,7 @@ def test_gpu_first_contact_rehearses_on_a_cpu(tmp_path):
         PROF_CPU="512MiB",
     )  # fmt: skip
     wheels = tiny_wheel(tmp_path / "wheels")
-    for mode, deadline in (("first", 240), ("second", 160), ("again", 240)):
+    for mode, deadline in (("first", 240), ("second", 220), ("again", 240)):
         env = dict(FUYOU_REHEARSAL="1", FC_DEADLINE_S=str(deadline), FC_WHEELS=wheels, **caps, **shapes)
         r, dt = first_contact(tmp_path, mode, **env)
         out = tmp_path / f"out-{mode}"
@@ -262,6 +262,10 @@ def test_gpu_first_contact_rehearses_on_a_cpu(tmp_path):
         else:
             assert "installed in" in log and "already" in log  # the same wheels: no second pip run
             assert by["gpu_throughput", "ssd_bound"]["predicted_over_measured"] > 0
+            assert by["gpu_throughput", "ssd_bound"]["optimizer_state"] == "fp32"
+            if mode == "second":  # the ssd stage's point under the other state formats
+                formats = {f: by["gpu_throughput", f"ssd_bound_{f}"]["optimizer_state"] for f in ("split", "bf16")}
+                assert formats == {"split": "split", "bf16": "bf16"}
             check = by["gpu_profile_check", "profiled"]
             assert check["timeline_compute_busy_s"] > 0 and check["step_s"] > 0
             assert (out / "trace-profile.json.gz").stat().st_size > 0
