@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -110,8 +111,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--also-fixed",
         default=None,
-        help="side-by-side: one more Fuyou run under the same budgets with this policy on every layer (--plan fixed), "
-        "beside the planner's choice",
+        help="side-by-side: one more Fuyou run, the chosen plan (its RAM tier, schedule, buffers) with this "
+        "activation policy on every layer: what the planner's activation choice cost",
     )
     ap.add_argument("--plan", choices=("fixed", "auto", "rules"), default="fixed")
     ap.add_argument("--profile", default=None, help="hardware profile for --plan auto (default: as fuyou finetune)")
@@ -181,7 +182,7 @@ def side_by_side(ctx: Context) -> None:
     )
     if a.also_fixed:
         fixed = copy.copy(ctx)
-        fixed.a = argparse.Namespace(**{**vars(a), "plan": "fixed", "policy": a.also_fixed})
+        fixed.a = argparse.Namespace(**{**vars(a), "layer_policy": a.also_fixed})
         label = f"{a.label}_{a.also_fixed}"
         attempt(
             fixed,
@@ -248,6 +249,20 @@ def choose(
 ) -> tuple[Plan, dict]:
     """The run's plan: ``--policy`` everywhere (``fixed``), or chosen as ``fuyou finetune`` chooses
     (``auto``: the planner, ``rules``); with the chooser's record (source, predicted step time, bottleneck)."""
+    plan, info = _choose(a, cfg, work, device, cpu_memory, gpu_memory)
+    policy = getattr(a, "layer_policy", None)
+    if policy is not None:  # the same plan, every layer (not the embedding or the head) under ``policy``
+        acts = plan.activation_policy
+        plan = dataclasses.replace(
+            plan, activation_policy=tuple(p if i in (0, len(acts) - 1) else policy for i, p in enumerate(acts))
+        )
+        info = {k: v for k, v in info.items() if not k.startswith("predicted")} | {"layer_policy": policy}
+    return plan, info
+
+
+def _choose(
+    a: argparse.Namespace, cfg: LlamaConfig, work: str, device: str, cpu_memory: str, gpu_memory: str | None
+) -> tuple[Plan, dict]:
     if a.plan == "fixed":
         return Plan(grad_accum=a.grad_accum, activation_policy=("keep",) + (a.policy,) * a.layers + ("keep",)), {}
     from fuyou.run.plan_choice import PlanRequest, choose_plan

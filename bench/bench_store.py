@@ -2,7 +2,8 @@
 
 Sequential write and read of ≥ 1 GiB through ``TensorStore`` (extents of ``--extent-mib`` written
 and read concurrently from pre-allocated host buffers, O_DIRECT) against
-``fio --direct=1 --bs=1M --ioengine=libaio`` on the same directory, at ``--iodepth=8`` and at the
+``fio --direct=1 --bs=1M`` (libaio; io_uring or posixaio where the fio at hand lacks it: the line's
+``fio_engine``) on the same directory, at ``--iodepth=8`` and at the
 store's own queue depth (``--threads`` 1 MiB blocks in flight: ``ratio_store_qd``). Repeats are
 interleaved (fio, store, fio, store, …) so drift hits both alike; medians of ``--repeats`` after a
 warm-up. Prints one JSON line per figure (see bench/common.py).
@@ -38,9 +39,38 @@ from fuyou.device import get_backend  # noqa: E402
 from fuyou.storage import ExtentSpec, TensorSpec, TensorStore  # noqa: E402
 from fuyou.transfer.host_pool import HostBufferPool  # noqa: E402
 
+FIO_ENGINES = ("libaio", "io_uring", "posixaio")
+"""fio's asynchronous engines in the order tried: a fio built without libaio (a static build carried to
+a machine whose image has no fio) still has io_uring or POSIX AIO."""
 
-def fio(directory: str, rw: str, size_mib: int, iodepth: int = 8) -> float:
-    """Run fio once (O_DIRECT, 1 MiB blocks, libaio at ``iodepth``) and return bytes/s."""
+
+class Fio:
+    """fio on one directory, with the first of ``FIO_ENGINES`` this fio lists (``fio --enghelp``) and
+    that runs: an engine that fails is dropped and the next one tried (raises the last failure if none
+    runs)."""
+
+    def __init__(self, directory: str) -> None:
+        listed = subprocess.run(["fio", "--enghelp"], capture_output=True, text=True).stdout.split()
+        self.directory = directory
+        self.engines = [e for e in FIO_ENGINES if e in listed] or list(FIO_ENGINES)
+
+    @property
+    def engine(self) -> str:
+        return self.engines[0]
+
+    def __call__(self, rw: str, size_mib: int, iodepth: int = 8) -> float:
+        """One fio run (O_DIRECT, 1 MiB blocks, ``iodepth`` in flight): bytes/s."""
+        while True:
+            try:
+                return fio(self.directory, rw, size_mib, iodepth, self.engine)
+            except subprocess.CalledProcessError:
+                if len(self.engines) == 1:
+                    raise
+                print(f"fio: engine {self.engines.pop(0)} failed here; trying {self.engine}", file=sys.stderr)
+
+
+def fio(directory: str, rw: str, size_mib: int, iodepth: int = 8, engine: str = "libaio") -> float:
+    """Run fio once (O_DIRECT, 1 MiB blocks, ``engine`` at ``iodepth``) and return bytes/s."""
     cmd = [
         "fio",
         "--name=fuyou-bench",
@@ -49,7 +79,7 @@ def fio(directory: str, rw: str, size_mib: int, iodepth: int = 8) -> float:
         "--bs=1M",
         f"--iodepth={iodepth}",
         "--direct=1",
-        "--ioengine=libaio",
+        f"--ioengine={engine}",
         f"--size={size_mib}M",
         "--numjobs=1",
         "--output-format=json",
@@ -130,6 +160,7 @@ def run(a: argparse.Namespace, work: str) -> None:
     for b in bufs:
         b.view(torch.float32).normal_()
     have_fio = shutil.which("fio") is not None and not a.no_fio
+    ref = Fio(fdir) if have_fio else None
     if not have_fio and not (a.smoke or a.no_fio):
         sys.exit(
             "fio is not installed (apt-get install fio); it is the reference this benchmark compares against "
@@ -161,7 +192,7 @@ def run(a: argparse.Namespace, work: str) -> None:
                 ("fioqd", "write", a.threads),
                 ("fioqd", "read", a.threads),
             ):
-                row[f"{k}_{rw}"] = fio(fdir, rw, a.size_mib, qd) if have_fio else float("nan")
+                row[f"{k}_{rw}"] = ref(rw, a.size_mib, qd) if ref is not None else float("nan")
             if rep >= 2:
                 for k, v in row.items():
                     res[k].append(v)
@@ -177,6 +208,7 @@ def run(a: argparse.Namespace, work: str) -> None:
         "threads": a.threads,
         "block_kib": a.block_kib,
         "repeats": a.repeats,
+        "fio_engine": ref.engine if ref is not None else None,
         "hardware": hardware_info([work]),
     }
     for io in a.engines:

@@ -37,6 +37,27 @@ def test_store_bench_smoke(tmp_path):
     assert by["pyfile", "read"]["ratio_vs_posix"] > 0 and "ratio_vs_posix" not in by["posix", "read"]
 
 
+@pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
+def test_fio_reference_takes_the_engine_this_fio_has(tmp_path, monkeypatch):
+    """A fio without libaio (the static build carried to the GPU machine) is run with the next engine it
+    lists; the real fio here, with libaio left out of its engine list by a wrapper on PATH."""
+    from bench.bench_store import Fio
+
+    real = shutil.which("fio")
+    wrapper = tmp_path / "bin" / "fio"
+    wrapper.parent.mkdir()
+    wrapper.write_text(
+        f'#!/bin/sh\nif [ "$1" = --enghelp ]; then "{real}" --enghelp | grep -vx "[[:space:]]*libaio"; exit 0; fi\n'
+        f'case "$*" in *--ioengine=libaio*) exit 1;; esac\nexec "{real}" "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    (tmp_path / "d").mkdir()
+    assert Fio(str(tmp_path / "d")).engine == "libaio"
+    monkeypatch.setenv("PATH", f"{wrapper.parent}:{os.environ['PATH']}")
+    ref = Fio(str(tmp_path / "d"))
+    assert ref.engine in ("io_uring", "posixaio") and ref("write", 8, 2) > 0
+
+
 def test_store_bench_refuses_an_engine_it_cannot_run(tmp_path):
     """``--io kvikio`` without a CUDA driver (or an unknown engine) is one line and a non-zero exit."""
     from fuyou.storage.io_kvikio import kvikio_usable
@@ -249,6 +270,11 @@ def test_gpu_first_contact_rehearses_on_a_cpu(tmp_path):
             )
             assert plain["tokens_per_step"] == fuyou["tokens_per_step"] == 256 and plain["tflops"] > 0
             assert plain["flop_formula"] == fuyou["flop_formula"] and fuyou["step_over_busiest"] >= 1.0
+            keep = by["gpu_throughput", "fuyou_keep"]  # the planner's plan, every layer's activations kept
+            assert keep["layer_policy"] == "keep" and "predicted_step_s" not in keep
+            assert {k: v for k, v in keep["plan"].items() if k != "activation_policy"} == {
+                k: v for k, v in fuyou["plan"].items() if k != "activation_policy"
+            }
             ratio = [rec for rec in recs if rec["bench"] == "gpu_ratio" and rec["num"] == "fuyou"]
             assert ratio[0]["den"] == "plain"
             assert ratio[0]["step_time_ratio"] == pytest.approx(fuyou["step_s_median"] / plain["step_s_median"])
