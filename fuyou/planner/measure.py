@@ -135,11 +135,18 @@ def device_elementwise(
 
 
 def host_memcpy(nbytes: int = 256 << 20, repeats: int = 3) -> float:
-    """Host memcpy rate, bytes copied per second (one side counted), between page-aligned buffers."""
+    """Host copy rate, bytes copied per second (one side counted), between page-aligned buffers, as the
+    engine copies extents host to host (``host_copy`` on a serial worker thread: the RAM tier's reads
+    and writes, the new weights' hand-off), which is the rate the planner charges those copies."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from fuyou.device import host_aligned_empty
+    from fuyou.device.host_threads import host_copy, serial_worker
 
     a, b = host_aligned_empty(nbytes), host_aligned_empty(nbytes)
-    return nbytes / _median(lambda: b.copy_(a), repeats)
+    b.copy_(a)  # both touched
+    with ThreadPoolExecutor(1, initializer=serial_worker) as worker:
+        return nbytes / worker.submit(_median, lambda: host_copy(b, a), repeats).result()
 
 
 def host_device_copy(backend: Any, nbytes: int = 256 << 20, repeats: int = 3) -> tuple[float, float]:

@@ -31,6 +31,7 @@ from concurrent.futures import Future
 
 import torch
 
+from fuyou.device.host_threads import host_copy
 from fuyou.storage.io_base import IOBackend
 from fuyou.timeline import Timeline
 from fuyou.transfer.futures import done_future
@@ -126,7 +127,7 @@ class NewWeights:
         """Copy the extent's bytes (``src``, all of it) to the start of ``dst`` and account for them."""
         n = src.numel()
         t0, c0 = time.perf_counter(), time.thread_time()
-        dst[:n].copy_(src[:n])
+        host_copy(dst[:n], src[:n])
         self.timeline.add("ram_copy", f"adam→host {name}", t0, time.perf_counter(), n)
         meter = self.io.meter
         if meter is not None:

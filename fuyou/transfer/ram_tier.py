@@ -29,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from fuyou.device.host_threads import serial_worker
+from fuyou.device.host_threads import host_copy, serial_worker
 from fuyou.errors import ConfigError, FuyouError, StoreError
 from fuyou.models.store_layout import ModelLayout
 from fuyou.schedule.sizing import RAM_STATE, RAM_WEIGHTS
@@ -132,7 +132,7 @@ class RamTier:
     def _copy_out(self, name: str, src: torch.Tensor, dst: torch.Tensor) -> None:
         """(Copy thread.) ``dst`` ← ``src``, timed and charged."""
         t0, c0 = time.perf_counter(), time.thread_time()
-        dst.copy_(src)
+        host_copy(dst, src)
         self.timeline.add("ram_copy", f"ram→host {name}", t0, time.perf_counter(), src.numel())
         self._charge(name, "copy_out", c0, src.numel())
 
@@ -143,7 +143,7 @@ class RamTier:
         if dst is None:
             return self.store.write(name, buf)
         t0, c0 = time.perf_counter(), time.thread_time()
-        dst.copy_(_bytes(buf, dst.numel(), name))
+        host_copy(dst, _bytes(buf, dst.numel(), name))
         self.timeline.add("ram_copy", f"host→ram {name}", t0, time.perf_counter(), dst.numel())
         self._charge(name, "copy_in", c0, dst.numel())
         self.dirty.add(name)
