@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from fuyou.schedule.plan import POLICIES
+from fuyou.schedule.plan import DEFAULT_MAX_GRAD_NORM, POLICIES
 from fuyou.schedule.state_format import OFFERED
 
 if TYPE_CHECKING:
@@ -72,7 +72,11 @@ def _load_shape(model: str) -> ModelShape:
 @click.option("--seq-len", type=int, default=1024, show_default=True)
 @click.option("--tokens-per-step", type=int, help="Tokens per optimizer step (default 8 sequences).")
 @click.option(
-    "--max-grad-norm", type=float, default=0.0, help="Clipping (> 0 forces the overlap_next_forward schedule)."
+    "--max-grad-norm",
+    type=float,
+    default=DEFAULT_MAX_GRAD_NORM,
+    show_default=True,
+    help="Global-norm clipping as fuyou finetune's (0 = off; > 0 forces the overlap_next_forward schedule).",
 )
 @click.option(
     "--optimizer-state",
@@ -178,7 +182,7 @@ def plan_cmd(
     if json_out:
         with open(json_out, "w") as f:
             json.dump(res.to_json(), f, indent=2)
-    print_result(res, shape.params)
+    print_result(res, shape.params, max_grad_norm)
 
 
 def plan_inputs(
@@ -189,7 +193,7 @@ def plan_inputs(
     ssd_space: str | None = None,
     seq_len: int = 1024,
     tokens_per_step: int | None = None,
-    max_grad_norm: float = 0.0,
+    max_grad_norm: float = DEFAULT_MAX_GRAD_NORM,
     optimizer_state: str = "fp32",
     precision: str = "bf16",
     micro_batch_size: int | None = None,
@@ -206,8 +210,8 @@ def plan_inputs(
     as the command's), on the hardware profile ``prof``: what the command searches, and what
     ``bench/bench_frontier_plans.py`` searches too, so the two cannot drift apart. Budgets left out: the
     host's 3/4 of the profile's RAM ÷ ``gpus`` (the node's RAM is shared by its ranks), the device's
-    memory; ``tokens_per_step`` left out: 8 sequences; ``max_grad_norm`` > 0 turns clipping on (note:
-    ``fuyou plan``'s default is off, ``fuyou finetune``'s 1.0).
+    memory; ``tokens_per_step`` left out: 8 sequences; ``max_grad_norm`` > 0 turns clipping on (default: ``fuyou finetune``'s,
+    ``DEFAULT_MAX_GRAD_NORM``).
 
     Raises ConfigError for an unreadable size or link speed."""
     from fuyou.planner.cluster import Cluster, link_Bps
@@ -249,8 +253,8 @@ def _policies(pol: tuple[str, ...]) -> str:
     return ", ".join(f"{p} ×{n}" for p, n in out)
 
 
-def print_result(res: object, params: int) -> None:
-    """Print a PlannerResult as a rich table."""
+def print_result(res: object, params: int, max_grad_norm: float = 0.0) -> None:
+    """Print a PlannerResult as a rich table (``max_grad_norm``: the clipping it was planned with, 0 = off)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -271,7 +275,8 @@ def print_result(res: object, params: int) -> None:
         )
         t.add_row(
             "schedule",
-            f"{p.schedule}, prefetch depth {p.prefetch_depth}, state buffers {p.state_buffers}, "
+            f"{p.schedule} ({f'clipping at global norm {max_grad_norm:g}' if max_grad_norm > 0 else 'no clipping'}), "
+            f"prefetch depth {p.prefetch_depth}, state buffers {p.state_buffers}, "
             f"state chunk {p.state_chunk} elements",
         )
         if p.expert_groups > 1:

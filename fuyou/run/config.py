@@ -13,7 +13,7 @@ from fuyou.errors import ConfigError
 from fuyou.models.lora import LoraSettings
 from fuyou.run import reporters
 from fuyou.run.lr import SCHEDULES
-from fuyou.schedule.plan import POLICIES
+from fuyou.schedule.plan import DEFAULT_MAX_GRAD_NORM, POLICIES
 from fuyou.schedule.state_format import FORMATS, OFFERED
 from fuyou.units import parse_size
 
@@ -52,7 +52,7 @@ class FinetuneConfig:
     eps: float = 1e-8
     lr_schedule: str = "cosine"
     warmup_steps: int = 0
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = DEFAULT_MAX_GRAD_NORM
     precision: str = "auto"
     """``auto`` (bf16 where the device computes it fast, else fp32: ``fuyou.device.precision``), ``bf16`` or ``fp32``."""
     optimizer_state: str = "fp32"

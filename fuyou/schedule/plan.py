@@ -16,6 +16,9 @@ AUTO = "auto"
 """``Plan.schedule`` default: ``overlap_next_forward`` with clipping, else ``overlap_backward``
 (``fuyou.schedule.rules.resolve``)."""
 MIN_CHUNK = 1 << 20
+DEFAULT_MAX_GRAD_NORM = 1.0
+"""Global-norm clipping threshold of ``fuyou finetune`` and ``fuyou plan`` when none is given (clipping
+chooses the schedule: ``AUTO``)."""
 """Smallest state chunk the budget rules shrink to (elements)."""
 
 

@@ -136,8 +136,9 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
             str(out),
         ],
     )
-    d = json.loads(out.read_text())  # 64 GiB: state stays on SSD, which bounds the step at batch 8
-    assert d["prediction"]["bottleneck"] == "ssd" and d["plan"]["ram_state_blocks"] == 0
+    d = json.loads(out.read_text())  # 64 GiB: most state stays on SSD, which bounds the step at batch 8
+    assert d["prediction"]["bottleneck"] == "ssd" and d["plan"]["ram_state_blocks"] <= 42 // 10
+    assert "clipping at global norm 1" in r.output  # fuyou finetune's default
     r = CliRunner().invoke(plan_cmd, ["GPT-3-13B", "--profile", LOHAN, "--gpu-memory", "1GiB"])
     assert r.exit_code != 0 and "device memory" in str(r.exception)
 
