@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import click
 
 from fuyou.schedule.plan import DEFAULT_MAX_GRAD_NORM, POLICIES
-from fuyou.schedule.state_format import OFFERED
+from fuyou.schedule.state_format import DEFAULT_FORMAT, OFFERED
 
 if TYPE_CHECKING:
     from fuyou.planner.profile import HardwareProfile
@@ -81,9 +81,9 @@ def _load_shape(model: str) -> ModelShape:
 @click.option(
     "--optimizer-state",
     type=click.Choice(list(OFFERED)),
-    default="fp32",
+    default=DEFAULT_FORMAT,
     show_default=True,
-    help="How AdamW's state is stored: fp32; split (the master as the bf16 weights + a remainder: identical "
+    help="How AdamW's state is stored (fuyou finetune's default for a new run: split): fp32; split (the master as the bf16 weights + a remainder: identical "
     "updates, fewer bytes); bf16 (split with bf16 moments: lossy).",
 )
 @click.option(
@@ -194,7 +194,7 @@ def plan_inputs(
     seq_len: int = 1024,
     tokens_per_step: int | None = None,
     max_grad_norm: float = DEFAULT_MAX_GRAD_NORM,
-    optimizer_state: str = "fp32",
+    optimizer_state: str = DEFAULT_FORMAT,
     precision: str = "bf16",
     micro_batch_size: int | None = None,
     schedule: str | None = None,

@@ -30,7 +30,7 @@ from fuyou.models.store_layout import ModelLayout, origin_wanted
 from fuyou.schedule import rules, sizing
 from fuyou.schedule.experts import expert_group_options, spread_policies
 from fuyou.schedule.plan import Plan
-from fuyou.schedule.state_format import state_format
+from fuyou.schedule.state_format import AUTO, resolve_format, state_format
 from fuyou.schedule.vocab import bounding_groups
 from fuyou.storage.run_meta import PRECISIONS, STALE, StoreMeta, precision_name
 from fuyou.storage.store import TensorStore
@@ -153,7 +153,7 @@ def _new_layout(
     layout = ModelLayout(
         blocks,
         PRECISIONS[cfg.precision],
-        state_format(cfg.optimizer_state, resumable=True),
+        state_format(resolve_format(cfg.optimizer_state), resumable=True),
         cfg.plan.state_chunk,
         comm.rank,
         comm.world,
@@ -302,7 +302,7 @@ def stored_layout(blocks: tuple, meta: StoreMeta, where: str, cfg: EngineConfig,
             f"the store in {where} was trained with --precision {precision_name(meta.compute_dtype)}; resume "
             "with the same precision"
         )
-    if meta.optimizer_state != cfg.optimizer_state:
+    if cfg.optimizer_state not in (AUTO, meta.optimizer_state):
         raise ConfigError(
             f"the store in {where} was written with --optimizer-state {meta.optimizer_state}; resume with the "
             f"same format (or export it and start a new run with --optimizer-state {cfg.optimizer_state})"

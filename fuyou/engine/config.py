@@ -10,7 +10,7 @@ from fuyou.errors import ConfigError
 from fuyou.models.lora import LoraSettings
 from fuyou.schedule.plan import Plan
 from fuyou.schedule.rules import resolve
-from fuyou.schedule.state_format import FORMATS, OFFERED
+from fuyou.schedule.state_format import CHOICES, FORMATS
 from fuyou.units import parse_size
 
 PRECISIONS = ("bf16", "fp32")
@@ -30,10 +30,11 @@ class EngineConfig:
     """Host budget for Fuyou's buffers: weights in flight, optimizer state, gradients (``--cpu-memory``)."""
     precision: str = "bf16"
     """Compute weights and gradients: ``bf16`` (fp32 master) or ``fp32`` (``--precision``)."""
-    optimizer_state: str = "fp32"
+    optimizer_state: str = "auto"
     """How AdamW's state is stored (``--optimizer-state``, ``fuyou.schedule.state_format``): ``fp32`` (an fp32
     master, m and v), ``split`` (the master as the compute weights plus a remainder: identical updates, fewer
-    bytes), ``bf16`` (split, m and v in bf16: lossy). A store keeps the format it was created with."""
+    bytes), ``bf16`` (split, m and v in bf16: lossy); ``auto``: the resumed store's, else ``split``. A store keeps
+    the format it was created with."""
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -72,8 +73,8 @@ class EngineConfig:
             problems.append(f"--device must be auto, cuda or cpu, got {self.device!r}")
         if self.precision not in PRECISIONS:
             problems.append(f"--precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.optimizer_state not in OFFERED and self.optimizer_state not in FORMATS:
-            problems.append(f"--optimizer-state must be one of {', '.join(OFFERED)}, got {self.optimizer_state!r}")
+        if self.optimizer_state not in CHOICES and self.optimizer_state not in FORMATS:
+            problems.append(f"--optimizer-state must be one of {', '.join(CHOICES)}, got {self.optimizer_state!r}")
         if self.freeze and self.lora is not None:
             problems.append("--freeze and --lora-rank cannot be combined: LoRA freezes the whole base already")
         if any(not isinstance(p, str) or not p for p in self.freeze):

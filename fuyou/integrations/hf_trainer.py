@@ -57,6 +57,7 @@ from fuyou.run.plan_choice import (
     choose_plan,
     engine_config,
 )
+from fuyou.schedule.state_format import AUTO, CHOICES
 
 SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused")
 FUYOU_CKPT = "fuyou_checkpoint.json"
@@ -109,6 +110,15 @@ class FuyouTrainingArguments(TrainingArguments):
         },
     )
 
+    optimizer_state: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "How AdamW's state is stored: auto (a resumed checkpoint's format, else split), split (the "
+            "master as the compute weights + a remainder: fp32's updates exactly, fewer bytes), fp32, or bf16 "
+            "(split with bf16 moments: lossy)."
+        },
+    )
+
     @property
     def place_model_on_device(self) -> bool:
         """Never move the whole model to the GPU: Fuyou streams it layer by layer."""
@@ -132,6 +142,9 @@ def _unsupported(args: TrainingArguments) -> list[str]:
         problems.append("fp16 is not supported: use bf16=True (or neither, for fp32)")
     if args.gradient_checkpointing:
         problems.append("gradient_checkpointing is handled by Fuyou's activation policy; leave it off")
+    state = getattr(args, "optimizer_state", AUTO)
+    if state not in CHOICES:
+        problems.append(f"optimizer_state={state!r} is not one of {', '.join(CHOICES)}")
     return problems
 
 
@@ -505,6 +518,7 @@ def plan_request(args: FuyouTrainingArguments, config: Any, lora: Any = None) ->
         gpu_memory=args.gpu_memory,
         device="cpu" if args.use_cpu else "auto",
         precision="bf16" if args.bf16 else "fp32",
+        optimizer_state=args.optimizer_state,
         micro_batch_size=args.per_device_train_batch_size,
         grad_accum=args.gradient_accumulation_steps,
         seq_len=seq_len,

@@ -39,7 +39,7 @@ from fuyou.schedule import sizing
 from fuyou.schedule.experts import expert_group_options
 from fuyou.schedule.plan import MIN_CHUNK, RECOMPUTES, Plan
 from fuyou.schedule.shapes import ModelShape
-from fuyou.schedule.state_format import state_format
+from fuyou.schedule.state_format import DEFAULT_FORMAT, state_format
 from fuyou.schedule.vocab import bounding_groups
 from fuyou.units import format_size as fs
 
@@ -80,8 +80,9 @@ class Request:
     tokens_per_step: int = 8192
     clip: bool = False
     """Global-norm clipping wanted (forces ``overlap_next_forward``)."""
-    optimizer_state: str = "fp32"
-    """How AdamW's state is stored (``--optimizer-state``: ``fuyou.schedule.state_format``)."""
+    optimizer_state: str = DEFAULT_FORMAT
+    """How AdamW's state is stored (``--optimizer-state``: ``fuyou.schedule.state_format``; the default is a new
+    run's, as ``EngineConfig``'s ``auto``)."""
     micro_batch_size: int | None = None
     schedule: str | None = None
     prefetch_depth: int | None = None

@@ -14,7 +14,7 @@ from fuyou.models.lora import LoraSettings
 from fuyou.run import reporters
 from fuyou.run.lr import SCHEDULES
 from fuyou.schedule.plan import DEFAULT_MAX_GRAD_NORM, POLICIES
-from fuyou.schedule.state_format import FORMATS, OFFERED
+from fuyou.schedule.state_format import CHOICES, FORMATS
 from fuyou.units import parse_size
 
 DEFAULT_SAVE_EVERY = "30min"
@@ -55,9 +55,9 @@ class FinetuneConfig:
     max_grad_norm: float = DEFAULT_MAX_GRAD_NORM
     precision: str = "auto"
     """``auto`` (bf16 where the device computes it fast, else fp32: ``fuyou.device.precision``), ``bf16`` or ``fp32``."""
-    optimizer_state: str = "fp32"
+    optimizer_state: str = "auto"
     """How AdamW's state is stored (``fuyou.schedule.state_format``): ``fp32``, ``split`` (identical updates,
-    fewer bytes) or ``bf16`` (split with bf16 moments: lossy)."""
+    fewer bytes) or ``bf16`` (split with bf16 moments: lossy); ``auto``: the resumed store's, else ``split``."""
     seed: int = 0
     metrics: str | None = None
     """Per-step metrics JSONL; None: OUTPUT/metrics.jsonl."""
@@ -150,8 +150,8 @@ class FinetuneConfig:
             p.append(f"--warmup-steps must be an integer ≥ 0, got {self.warmup_steps!r}")
         if self.precision not in ("auto", "bf16", "fp32"):
             p.append(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
-        if self.optimizer_state not in FORMATS:
-            p.append(f"--optimizer-state must be one of {', '.join(OFFERED)}, got {self.optimizer_state!r}")
+        if self.optimizer_state not in CHOICES and self.optimizer_state not in FORMATS:
+            p.append(f"--optimizer-state must be one of {', '.join(CHOICES)}, got {self.optimizer_state!r}")
         if self.device not in ("auto", "cuda", "cpu"):
             p.append(f"--device must be auto, cuda or cpu, got {self.device!r}")
         try:

@@ -164,6 +164,7 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     config = load_config(model_dir)
     architecture_of(config)  # unsupported models fail before any data is read
     cfg, precision = ranks.decide(lambda: _precision(cfg, stripes))
+    cfg = _state_format(cfg, stripes)
     cfg = FinetuneConfig(**{**cfg.__dict__, "progress": cfg.progress and ranks.root})
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -284,8 +285,10 @@ def _precision(cfg: FinetuneConfig, stripes: list[str]) -> tuple[FinetuneConfig,
     choice is printed when training starts (``_say_precision``); an explicit bf16 on a device where it is slow warns with the measured factor."""
     from fuyou.device import get_backend
     from fuyou.device.precision import PrecisionChoice, choose_precision
+    from fuyou.storage.run_meta import precision_name
 
-    stored = _stored_precision(stripes[0]) if cfg.resume and cfg.precision == "auto" else None
+    meta = _stored_meta(stripes[0]) if cfg.resume and cfg.precision == "auto" else None
+    stored = precision_name(meta.compute_dtype) if meta is not None else None
     if stored:
         choice = PrecisionChoice(stored, "auto", None, f"auto: the store being resumed computes in {stored}")
     else:
@@ -305,15 +308,28 @@ def _say_precision(choice: Any) -> None:
     _log(f"precision: {choice.precision} ({choice.reason})")
 
 
-def _stored_precision(first: str) -> str | None:
-    """``bf16``/``fp32`` of the store in the run's first store directory ``first``, or None if there is none."""
+def _state_format(cfg: FinetuneConfig, stripes: list[str]) -> FinetuneConfig:
+    """``--optimizer-state auto`` resolved (``fuyou.schedule.state_format.resolve_format``): the format of the
+    store being resumed, else ``split``; an explicit format is kept (a resume checks it against the store's)."""
+    from fuyou.schedule.state_format import AUTO, resolve_format
+
+    if cfg.optimizer_state != AUTO:
+        return cfg
+    meta = _stored_meta(stripes[0]) if cfg.resume else None
+    stored = resolve_format(AUTO, meta.optimizer_state if meta is not None else None)
+    return FinetuneConfig(**{**cfg.__dict__, "optimizer_state": stored})
+
+
+def _stored_meta(first: str) -> Any:
+    """The ``StoreMeta`` of the store in the run's first store directory ``first``, or None if there is none
+    (or its manifest cannot be read: the resume itself reports that)."""
     from fuyou.storage.manifest import MANIFEST, read_manifest
-    from fuyou.storage.run_meta import StoreMeta, precision_name
+    from fuyou.storage.run_meta import StoreMeta
 
     if not os.path.isfile(os.path.join(first, MANIFEST)):
         return None
     try:
-        return precision_name(StoreMeta.from_json(read_manifest(first).get("meta", {}), first).compute_dtype)
+        return StoreMeta.from_json(read_manifest(first).get("meta", {}), first)
     except Exception:  # noqa: BLE001 - an unreadable manifest is reported by the resume itself
         return None
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from fuyou.errors import ConfigError
 from fuyou.schedule.plan import POLICIES, Plan
-from fuyou.schedule.state_format import FORMATS, OFFERED
+from fuyou.schedule.state_format import CHOICES, FORMATS, resolve_format
 from fuyou.units import parse_size
 
 MODES = ("auto", "rules")
@@ -62,8 +62,9 @@ class PlanRequest:
     """``auto`` | ``cuda`` | ``cpu``."""
     precision: str = "bf16"
     """Compute dtype, resolved: ``bf16`` or ``fp32``."""
-    optimizer_state: str = "fp32"
-    """How AdamW's state is stored (``fuyou.schedule.state_format``)."""
+    optimizer_state: str = "auto"
+    """How AdamW's state is stored (``fuyou.schedule.state_format``); ``auto``: the resumed store's, else
+    ``split`` (the plan is made for ``stored_format``; the engine gets ``auto`` and adopts a resumed store's)."""
     micro_batch_size: int = 1
     """Sequences per micro-batch (kept: the planner does not change the run's batch)."""
     grad_accum: int = 1
@@ -99,8 +100,8 @@ class PlanRequest:
             p.append(f"plan mode must be auto or rules, got {self.mode!r}")
         if self.precision not in ("bf16", "fp32"):
             p.append(f"precision must be bf16 or fp32, got {self.precision!r}")
-        if self.optimizer_state not in FORMATS:
-            p.append(f"--optimizer-state must be one of {', '.join(OFFERED)}, got {self.optimizer_state!r}")
+        if self.optimizer_state not in CHOICES and self.optimizer_state not in FORMATS:
+            p.append(f"--optimizer-state must be one of {', '.join(CHOICES)}, got {self.optimizer_state!r}")
         for name, low in (("micro_batch_size", 1), ("grad_accum", 1), ("seq_len", 2), ("ranks", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or v < low:
@@ -116,6 +117,12 @@ class PlanRequest:
     def lora_base(self) -> bool:
         """Whether the model is a LoRA run's frozen base (``lora`` given)."""
         return self.lora is not None
+
+    @property
+    def stored_format(self) -> str:
+        """The optimizer-state format the plan is made for: ``optimizer_state`` with ``auto`` resolved as for a
+        new store (a resume resolves it from the store before asking: ``fuyou.run.loop``)."""
+        return resolve_format(self.optimizer_state)
 
     @property
     def lora_rank(self) -> int:
@@ -286,8 +293,8 @@ def _predicted_step_s(req: PlanRequest, prof: Any, plan: Plan) -> float:
     shape = _shape(req)
     cb = 4 if req.precision == "fp32" else 2
     cfg = StepConfig(
-        req.micro_batch_size, req.seq_len, FORMATS[req.optimizer_state].state_bytes(cb), cb, Cluster(req.ranks),
-        shape.lora_params(req.lora_rank), optimizer_state=req.optimizer_state,
+        req.micro_batch_size, req.seq_len, FORMATS[req.stored_format].state_bytes(cb), cb, Cluster(req.ranks),
+        shape.lora_params(req.lora_rank), optimizer_state=req.stored_format,
     )  # fmt: skip
     return predict(shape, plan, cfg, prof).step_s
 
@@ -337,7 +344,7 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         seq_len=req.seq_len,
         tokens_per_step=req.seq_len * req.micro_batch_size * req.grad_accum * req.ranks,
         clip=req.clip,
-        optimizer_state=req.optimizer_state,
+        optimizer_state=req.stored_format,
         micro_batch_size=req.micro_batch_size,
         prefetch_depth=req.prefetch_depth,
         activations=req.activations,

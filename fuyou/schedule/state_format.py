@@ -7,6 +7,11 @@ the store layout, the Adam stage and the planner alike.
   ``fp32``; the Adam stage reads the block's compute weights to rebuild the master.
 * ``bf16`` — ``split`` with bf16 m and v (rounded to nearest even after each update: lossy).
 
+``auto`` (the default of ``fuyou finetune``, ``EngineConfig`` and ``FuyouTrainer``) is the format of the
+store being resumed, else ``DEFAULT_FORMAT``: ``split``, exact at 12 of ``fp32``'s 14 B per parameter
+beside bf16 weights, measured no slower (``bench/RESULTS.md``, session 20: 0.87 × fp32's step where the
+SSD binds on the lent H100 machine; 1.01 × where the CPU binds on 2 cores).
+
 A store written by an older Fuyou with fp32 masters and bf16 moments (``state_precision="bf16"``) resumes as
 ``fp32-bf16``, which new runs are not offered.
 
@@ -63,6 +68,21 @@ FORMATS: dict[str, StateFormat] = {
 }
 OFFERED: tuple[str, ...] = ("fp32", "split", "bf16")
 """The formats a new run may choose (``fp32-bf16`` only resumes)."""
+AUTO = "auto"
+"""The store's format when resuming, else ``DEFAULT_FORMAT`` (``resolve_format``)."""
+DEFAULT_FORMAT = "split"
+"""A new store's format when ``auto``: lossless, 2 B per parameter fewer than ``fp32`` beside bf16 weights."""
+CHOICES: tuple[str, ...] = (AUTO, *OFFERED)
+"""What ``--optimizer-state`` accepts."""
+
+
+def resolve_format(name: str, stored: str | None = None) -> str:
+    """The format a run uses: ``name``, or for ``auto`` the format of the store it resumes (``stored``, None
+    for a new store) else ``DEFAULT_FORMAT``. Raises ConfigError for a name that is neither."""
+    if name == AUTO:
+        return stored or DEFAULT_FORMAT
+    state_format(name, resumable=True)
+    return name
 
 
 def state_format(name: str, resumable: bool = False) -> StateFormat:

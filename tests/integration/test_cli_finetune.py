@@ -70,6 +70,7 @@ def test_finetune_each_format_then_export(tmp_path, model_dir, records):
     assert r.exit_code == 0, r.output
     summary = json.loads((out / "run.json").read_text())
     assert summary["steps"] == 3 and summary["eval_loss_before"] is not None
+    assert summary["optimizer_state"] == "split"  # --optimizer-state auto, a new store
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3]
     for key in (

@@ -20,7 +20,10 @@ def train(tmp_path, name, plan, cpu="256MiB", steps=4, family="llama_tied"):
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     d = tmp_path / name
     d.mkdir()
-    ec = EngineConfig(ssd_dirs=(str(d),), precision="fp32", lr=LR, cpu_memory=cpu, max_grad_norm=CLIP, plan=plan)
+    ec = EngineConfig(
+        ssd_dirs=(str(d),), precision="fp32", lr=LR, cpu_memory=cpu, max_grad_norm=CLIP, plan=plan,
+        optimizer_state="fp32",  # the budgets below are sized on an fp32-state layout
+    )  # fmt: skip
     out = []
     with Engine.from_state_dict(cfg, sd, ec) as eng:
         for ids, labels in batches(steps):

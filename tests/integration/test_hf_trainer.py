@@ -70,7 +70,7 @@ def test_same_losses_and_weights_as_plain_trainer(tmp_path):
     ref_model = copy.deepcopy(model)
     data = dataset()
     ref, fy = plain_and_fuyou(tmp_path, ref_model, model, data)
-    assert len(losses(fy)) == 6
+    assert len(losses(fy)) == 6 and fy.engine.layout.optimizer_state.name == "split"  # optimizer_state auto
     assert losses(fy) == pytest.approx(losses(ref), rel=1e-5)
     ref_sd = ref_model.state_dict()
     for k, v in fy.model.state_dict().items():
@@ -89,6 +89,7 @@ def test_same_losses_and_weights_as_plain_trainer(tmp_path):
         (dict(optim="sgd"), "optim='sgd' is not supported"),
         (dict(fp16=True), "fp16 is not supported"),
         (dict(gradient_checkpointing=True), "gradient_checkpointing"),
+        (dict(optimizer_state="int4"), "optimizer_state='int4' is not one of auto, fp32, split, bf16"),
     ],
 )
 def test_unsupported_settings_fail_at_construction(tmp_path, bad, match):
@@ -184,6 +185,7 @@ def test_trainer_runs_the_plan_the_shared_chooser_picks(tmp_path, capsys):
         cpu_memory="2MiB",
         seq_len=16,
         profile=profile,
+        optimizer_state="fp32",  # 2 MiB is tight for fp32 state: the plan shrinks its chunk or parks gradients
         **(kw | {"max_steps": 4}),
     )
     fy = FuyouTrainer(model=model, args=args, train_dataset=dataset())
@@ -193,6 +195,7 @@ def test_trainer_runs_the_plan_the_shared_chooser_picks(tmp_path, capsys):
         cpu_memory="2MiB",
         device="cpu",
         precision="fp32",
+        optimizer_state="fp32",
         micro_batch_size=2,
         grad_accum=2,
         seq_len=16,

@@ -107,29 +107,52 @@ def export_meta(d):
 
 
 def test_an_unknown_format_is_refused_naming_the_choices(tmp_path):
-    with pytest.raises(ConfigError, match="--optimizer-state must be one of fp32, split, bf16, got 'int4'"):
+    with pytest.raises(ConfigError, match="--optimizer-state must be one of auto, fp32, split, bf16, got 'int4'"):
         config(tmp_path, "int4")
+
+
+def test_auto_is_split_for_a_new_store_and_the_stores_format_on_resume(tmp_path):
+    """``EngineConfig``'s default ``auto``: a new store is written split; an fp32 store (an older default)
+    resumes as fp32 and trains on as an fp32 run does."""
+    assert EngineConfig(ssd_dirs=(str(tmp_path),)).optimizer_state == "auto"
+    cfg, model = tiny("llama_tied", layers=2)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    data = batches(3)
+    for name in ("auto", "fp32", "straight"):
+        (tmp_path / name).mkdir()
+    with Engine.from_state_dict(cfg, sd, config(tmp_path / "auto", "auto")) as eng:
+        assert eng.layout.optimizer_state.name == "split"
+    with Engine.from_state_dict(cfg, sd, config(tmp_path / "straight", "fp32")) as eng:
+        straight = [eng.train_step(*b)["loss"] for b in data]
+    with Engine.from_state_dict(cfg, sd, config(tmp_path / "fp32", "fp32")) as eng:
+        first = [eng.train_step(*b)["loss"] for b in data[:1]]
+    with Engine.resume(config(tmp_path / "fp32", "auto")) as eng:
+        assert eng.layout.optimizer_state.name == "fp32"
+        rest = [eng.train_step(*b)["loss"] for b in data[1:]]
+    assert first + rest == straight
 
 
 @pytest.mark.slow  # 50 s: three CLI runs, one a subprocess
 def test_the_cli_trains_resumes_and_refuses_by_the_store_format(tmp_path):
     """``fuyou finetune`` with the defaults (clipping, planner, precision auto) and ``optimizer-state`` from
-    YAML; a resume naming another format is one line, exit ≠ 0; with the same it continues."""
+    YAML; a resume naming another format is one line, exit ≠ 0; with none (``auto``) it continues in the
+    store's format."""
     from fuyou.run.demo import _random_model
     from tests.integration.test_cli_finetune import TEXT, cli_error, run, write_jsonl
 
     model = _random_model(str(tmp_path / "tiny"))
     data = write_jsonl(tmp_path / "d.jsonl", TEXT)
-    (tmp_path / "c.yaml").write_text("optimizer-state: split\n")
+    (tmp_path / "c.yaml").write_text("optimizer-state: fp32\n")
     out = str(tmp_path / "run")
     args = ["finetune", model, "--data", data, "--output", out, "--seq-len", "32", "--cpu-memory", "256MiB"]
     r = run([*args, "--config", str(tmp_path / "c.yaml"), "--steps", "2", "--save-every", "1", "--no-progress"])
     assert r.exit_code == 0, r.output
     err = cli_error([*args, "--steps", "3", "--resume", "auto", "--optimizer-state", "bf16"])
     last = err.splitlines()[-1]  # after the planner's one line
-    assert last.startswith("error: ") and "written with --optimizer-state split; resume with the same" in last, err
-    r = run([*args, "--steps", "3", "--resume", "auto", "--optimizer-state", "split", "--no-progress"])
+    assert last.startswith("error: ") and "written with --optimizer-state fp32; resume with the same" in last, err
+    r = run([*args, "--steps", "3", "--resume", "auto", "--no-progress"])
     assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["optimizer_state"] == "fp32"
     steps = [json.loads(x)["step"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 3
 

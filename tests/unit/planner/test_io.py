@@ -1,5 +1,6 @@
 """Shapes from configs, profile and result JSON round trips, the CLI, and the no-torch import rule."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -144,12 +145,13 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
 
 
 def test_cli_plan_precision_sizes_the_store_and_buffers(tmp_path):
-    """``--precision fp32`` plans 4-byte weights and gradients: a bigger store than bf16's."""
+    """``--precision fp32`` plans 4-byte weights and gradients: with an fp32 master a bigger store than bf16's;
+    with a split master (the default) the same store, the fp32 weights being the master."""
     from fuyou.cli.plan_cmd import plan_cmd
 
     sizes = {}
-    for p in ("bf16", "fp32"):
-        out = tmp_path / f"{p}.json"
+    for p, fmt in itertools.product(("bf16", "fp32"), ("fp32", "split")):
+        out = tmp_path / f"{p}-{fmt}.json"
         r = CliRunner().invoke(
             plan_cmd,
             [
@@ -166,13 +168,15 @@ def test_cli_plan_precision_sizes_the_store_and_buffers(tmp_path):
                 "22GiB",
                 "--precision",
                 p,
+                "--optimizer-state",
+                fmt,
                 "--json",
                 str(out),
             ],
         )
         assert r.exit_code == 0, r.output
-        sizes[p] = json.loads(out.read_text())["prediction"]["memory"]["ssd"]
-    assert sizes["fp32"] > sizes["bf16"]
+        sizes[p, fmt] = json.loads(out.read_text())["prediction"]["memory"]["ssd"]
+    assert sizes["fp32", "fp32"] > sizes["bf16", "fp32"] > sizes["bf16", "split"] == sizes["fp32", "split"]
 
 
 def test_cli_plan_puts_block_inputs_in_host_ram_where_a_24gb_gpu_cannot_hold_them(tmp_path):
