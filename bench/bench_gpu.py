@@ -114,6 +114,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="side-by-side: one more Fuyou run, the chosen plan (its RAM tier, schedule, buffers) with this "
         "activation policy on every layer: what the planner's activation choice cost",
     )
+    ap.add_argument(
+        "--also-adam-threads",
+        type=int,
+        default=None,
+        help="side-by-side: one more Fuyou run, the chosen plan with the CPU Adam on this many threads (default: "
+        "all cores, which may starve the thread that launches the GPU's work)",
+    )
+    ap.add_argument("--adam-threads", type=int, default=None, help="the CPU Adam's threads (default: all cores)")
     ap.add_argument("--plan", choices=("fixed", "auto", "rules"), default="fixed")
     ap.add_argument("--profile", default=None, help="hardware profile for --plan auto (default: as fuyou finetune)")
     ap.add_argument("--trace", default=None, help="Chrome trace of the (first) Fuyou run's last step")
@@ -180,14 +188,17 @@ def side_by_side(ctx: Context) -> None:
         ),
         failed,
     )
-    if a.also_fixed:
-        fixed = copy.copy(ctx)
-        fixed.a = argparse.Namespace(**{**vars(a), "layer_policy": a.also_fixed})
-        label = f"{a.label}_{a.also_fixed}"
+    variants = [(a.also_fixed, {"layer_policy": a.also_fixed})] if a.also_fixed else []
+    if a.also_adam_threads:
+        variants.append((f"adam{a.also_adam_threads}", {"adam_threads": a.also_adam_threads}))
+    for suffix, overrides in variants:  # the same run with one thing changed, beside plain and the planned run
+        alt = copy.copy(ctx)
+        alt.a = argparse.Namespace(**{**vars(a), **overrides})
+        label = f"{a.label}_{suffix}"
         attempt(
-            fixed,
+            alt,
             label,
-            lambda: fixed.fuyou(
+            lambda alt=alt, label=label: alt.fuyou(
                 label,
                 a.cpu_memory,
                 a.gpu_memory,
@@ -416,6 +427,7 @@ class Context:
             lr=LR,
             max_grad_norm=CLIP,
             optimizer_state=a.optimizer_state,
+            adam_threads=a.adam_threads,
             plan=plan,
         )
         before = device_memory(dev, reset=True)
@@ -443,6 +455,7 @@ class Context:
                 "ssd_read_bytes": stats["ssd_read_bytes"],
                 "ssd_write_bytes": stats["ssd_write_bytes"],
                 "optimizer_state": a.optimizer_state,
+                "adam_threads": a.adam_threads,
                 "plan": plan.to_json(),
                 **chosen,
                 **(

@@ -270,6 +270,8 @@ def test_gpu_first_contact_rehearses_on_a_cpu(tmp_path):
             )
             assert plain["tokens_per_step"] == fuyou["tokens_per_step"] == 256 and plain["tflops"] > 0
             assert plain["flop_formula"] == fuyou["flop_formula"] and fuyou["step_over_busiest"] >= 1.0
+            threads = by["gpu_throughput", "fuyou_adam1"]  # the planner's plan, Adam on 1 thread (2 cores - 4)
+            assert threads["adam_threads"] == 1 and threads["plan"] == fuyou["plan"]
             keep = by["gpu_throughput", "fuyou_keep"]  # the planner's plan, every layer's activations kept
             assert keep["layer_policy"] == "keep" and "predicted_step_s" not in keep
             assert {k: v for k, v in keep["plan"].items() if k != "activation_policy"} == {
