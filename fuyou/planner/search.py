@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
@@ -307,14 +308,20 @@ class _Search:
         return (p.step_s, plan, cfg, p) if best is None or p.step_s < best[0] * (1 - MARGIN) else best
 
     def _scan(self, mb: int, depth: int, bufs: int, sched: str, chunk: int, cfg: StepConfig, best: _B) -> _B:
+        for pol in self._policies(mb, depth, bufs, sched, chunk, cfg):
+            best = self._try(self.plan(mb, pol, depth, bufs, sched, chunk), cfg, best)
+        return best
+
+    def _policies(
+        self, mb: int, depth: int, bufs: int, sched: str, chunk: int, cfg: StepConfig
+    ) -> Iterator[tuple[str, ...]]:
+        """The distinct activation policies of the scan's grid (n layers saved, the rest recomputed) that fit."""
         seen = set()
         for n in [0] if self.r.activations else self.grid:
             pol = self.assign(mb, n, depth, bufs, sched, chunk, cfg)
-            if pol is None or pol in seen:
-                continue
-            seen.add(pol)
-            best = self._try(self.plan(mb, pol, depth, bufs, sched, chunk), cfg, best)
-        return best
+            if pol is not None and pol not in seen:
+                seen.add(pol)
+                yield pol
 
     # ------------------------------------------------------------------ errors
     def _check_static(self, sched: str) -> None:
@@ -443,14 +450,10 @@ class _Search:
         slower step). The fastest found if ≥ 1 % faster than ``best``, else ``best``."""
         _, plan, cfg, pred = best
         out = self._ram_tiers(plan, cfg, pred)
-        seen = {plan.activation_policy}
-        for n in [0] if self.r.activations else self.grid:
-            pol = self.assign(
-                cfg.micro_batch_size, n, plan.prefetch_depth, plan.state_buffers, plan.schedule, plan.state_chunk, cfg
-            )
-            if pol is None or pol in seen:
+        knobs = (plan.prefetch_depth, plan.state_buffers, plan.schedule, plan.state_chunk)
+        for pol in self._policies(cfg.micro_batch_size, *knobs, cfg):
+            if pol == plan.activation_policy:
                 continue
-            seen.add(pol)
             cand = self._ram_tiers(dataclasses.replace(plan, activation_policy=pol), cfg, pred)
             if cand is not None and (out is None or cand[0] < out[0] * (1 - MARGIN)):
                 out = cand
