@@ -6,10 +6,11 @@ state layout the engine streams (flat master/m/v per block, in chunks) is
 ``fuyou.models.store_layout.ModelLayout``.
 """
 
-from fuyou.optim.adam_numba import adamw_split_step, adamw_step
+from fuyou.optim.adam_numba import adamw_int8_step, adamw_split_step, adamw_step
 from fuyou.optim.args import AdamWHyper, StepCoefficients, step_coefficients
-from fuyou.optim.buffers import OptimBufferError
+from fuyou.optim.buffers import OptimBufferError, check_int8_buffers
 from fuyou.optim.numba_kernel import DEFAULT_CHUNK
+from fuyou.optim.quant8 import adamw_int8_step_reference, int8_from_fp32
 from fuyou.optim.reference import adamw_step_reference
 from fuyou.optim.split import adamw_split_step_reference, split_decode, split_encode
 from fuyou.optim.worker import AdamJob, AdamWorker, AdamWorkerError
@@ -22,10 +23,14 @@ __all__ = [
     "AdamWorkerError",
     "OptimBufferError",
     "StepCoefficients",
+    "adamw_int8_step",
+    "adamw_int8_step_reference",
     "adamw_split_step",
     "adamw_split_step_reference",
     "adamw_step",
     "adamw_step_reference",
+    "check_int8_buffers",
+    "int8_from_fp32",
     "split_decode",
     "split_encode",
     "step_coefficients",

@@ -11,20 +11,30 @@ number of numba threads is per calling thread (``numba.set_num_threads``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
 from fuyou.errors import ConfigError
 from fuyou.optim.args import AdamWHyper, step_coefficients
-from fuyou.optim.buffers import as_numpy, check_buffers, check_split_buffers
-from fuyou.optim.numba_kernel import DEFAULT_CHUNK, adamw_kernel, adamw_split_kernel
+from fuyou.optim.buffers import as_numpy, check_buffers, check_int8_buffers, check_runs, check_split_buffers
+from fuyou.optim.numba_kernel import (
+    DEFAULT_CHUNK,
+    INT8_BLOCK,
+    INT8_CHUNK,
+    adamw_int8_kernel,
+    adamw_kernel,
+    adamw_split_kernel,
+    code_buckets,
+)
 from fuyou.optim.parallel import KERNEL_LOCK, parallel_launch
+from fuyou.optim.quant8 import SIGNED_MAP, SIGNED_MID, UNSIGNED_MAP, UNSIGNED_MID
 
-__all__ = ["KERNEL_LOCK", "adamw_split_step", "adamw_step"]
+__all__ = ["KERNEL_LOCK", "adamw_int8_step", "adamw_split_step", "adamw_step"]
 
 _NO_OUT = np.empty(0, dtype=np.uint16)
+_TABLES = [SIGNED_MAP, UNSIGNED_MAP, *code_buckets(SIGNED_MID), *code_buckets(UNSIGNED_MID)]  # adamw_int8_kernel's
 
 
 def adamw_step(
@@ -113,3 +123,47 @@ def adamw_split_step(
     check_split_buffers(rem, m, v, grad, out)
     arrays = [as_numpy(t) for t in (rem, m, v, grad, out)]
     return _launch(adamw_split_kernel, arrays, hyper, lr, step, grad_scale, chunk)
+
+
+def adamw_int8_step(
+    rem_or_master: torch.Tensor,
+    m_q: torch.Tensor,
+    v_q: torch.Tensor,
+    m_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    lr: float,
+    step: int,
+    hyper: AdamWHyper = AdamWHyper(),
+    grad_scale: float = 1.0,
+    out: torch.Tensor | None,
+    runs: Sequence[tuple[int, int, bool]],
+    chunk: int = INT8_CHUNK,
+) -> bool:
+    """One AdamW step with 8-bit block-wise moments (``fuyou.optim.quant8``) with the numba kernel, in place;
+    returns whether every new master value is finite. Bit-identical to ``quant8.adamw_int8_step_reference``.
+
+    Args:
+        rem_or_master: the split master's int16 remainders [n] (then ``out`` holds its bf16 weights), or the
+            fp32 master [n] (then ``out=None``); updated in place.
+        m_q, v_q: int8 / uint8 moment codes [n]; m_scale, v_scale: float32 scales [ceil(n/256)]; in place.
+        grad: gradient [n], fp32 or bf16; read only.
+        out: bf16 [n]: the old compute weights on entry, the new ones on return; None beside an fp32 master.
+        runs: ``(a, z, decay)`` triples covering [0, n) in order; weight decay applies on the runs with
+            ``decay`` true (the factor is exactly 1 elsewhere). Quantization blocks count from element 0.
+        lr, step, hyper, grad_scale: as ``adamw_step``.
+        chunk: elements per parallel task, a positive multiple of 256; the result does not depend on it.
+
+    Raises:
+        OptimBufferError: if a buffer has the wrong dtype, length, device or layout, two overlap, or the runs
+            do not cover [0, n).
+        ConfigError: if lr, step, grad_scale or chunk is invalid.
+    """
+    check_int8_buffers(rem_or_master, m_q, v_q, m_scale, v_scale, grad, out)
+    starts, decayed = check_runs(runs, m_q.numel())
+    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk >= 1 and chunk % INT8_BLOCK:
+        raise ConfigError(f"chunk={chunk!r} must be a multiple of {INT8_BLOCK} (whole quantization blocks per task)")
+    arrays = [as_numpy(t) for t in (rem_or_master, m_q, v_q, m_scale, v_scale, grad)]
+    arrays += [_NO_OUT if out is None else as_numpy(out), starts, decayed, *_TABLES]
+    return _launch(adamw_int8_kernel, arrays, hyper, lr, step, grad_scale, chunk)

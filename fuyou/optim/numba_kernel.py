@@ -420,6 +420,233 @@ def adamw_split_kernel(rem, m, v, g, w, decay, gscale, m_w, b2, v_w, bc2_sqrt, e
     return not bad.any()
 
 
+# ---- 8-bit block-wise moments beside the split or fp32 master (``fuyou.optim.quant8``) ----
+
+
+INT8_BLOCK: int = 256
+"""Elements per quantization block: ``quant8.BLOCK`` (a test holds the two equal)."""
+INT8_CHUNK: int = 1 << 15
+"""Elements per parallel task of ``adamw_int8_kernel`` (128 blocks); a multiple of ``INT8_BLOCK``."""
+
+# Quantizing needs the number of a map's 255 sorted midpoints strictly below xn (``searchsorted(mid, xn)``).
+# A binary search is 8 dependent loads; instead a bucket table, keyed by xn's float32 bits, holds the count
+# of midpoints below the bucket's smallest value, and one comparison with the next midpoint finishes: exact
+# whenever no bucket holds two midpoints (``code_buckets`` checks it). Key: the sign; the exponent, clamped
+# to [2^-23, 2) (every |xn| < 2^-23 lies between the midpoints nearest 0 of both maps, so the sub-2^-23 range
+# is one bucket per sign; |xn| >= 1 only at 1.0, or NaN); the top ``INT8_SUB_BITS`` mantissa bits.
+INT8_E0: int = 104
+"""Biased exponent of 2^-23: |xn| below it shares bucket key 0."""
+INT8_KEYS: int = 25
+"""Exponent keys: 0 (|xn| < 2^-23), then the binades of 2^-23 … 2^0 (1..24; larger exponents clamp to 24)."""
+INT8_SUB_BITS: int = 7
+"""Mantissa bits per key: 128 buckets per binade, finer than the densest midpoints of either map."""
+
+
+def code_buckets(mid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(buckets, mid_padded)`` for ``_code_lookup`` from a map's 255 sorted float32 midpoints: uint8
+    [2·INT8_KEYS·2^INT8_SUB_BITS] counts of midpoints below each bucket (sign-major), and the midpoints with +inf
+    appended. Plain numpy (not jitted). Raises AssertionError if a bucket holds two midpoints."""
+    sub = 1 << INT8_SUB_BITS
+    k = np.arange(INT8_KEYS, dtype=np.int64)[:, None]
+    t = np.arange(sub, dtype=np.int64)[None, :]
+    low = np.where(k == 0, 0, ((INT8_E0 + k - 1) << 23) | (t << (23 - INT8_SUB_BITS)))
+    high = np.where(k == 0, (INT8_E0 << 23) - 1, low | ((1 << (23 - INT8_SUB_BITS)) - 1))
+    low_f, high_f = (x.astype(np.uint32).view(np.float32).ravel() for x in (low, high))
+    first = np.concatenate([low_f, -high_f])  # each bucket's smallest value: positive buckets, then negative
+    last = np.concatenate([high_f, -low_f])
+    below = np.searchsorted(mid, first, side="left")
+    inside = np.searchsorted(mid, last, side="left") - below  # midpoints in [first, last)
+    assert mid.size == 255 and inside.max() <= 1, "a bucket holds two midpoints"
+    return below.astype(np.uint8), np.append(mid, np.float32(np.inf)).astype(np.float32)
+
+
+@njit(inline="always", cache=True)
+def _code_lookup(buckets, mid, x):
+    """The number of midpoints strictly below float32 ``x`` (0..255; NaN gives 0 or 255) from ``code_buckets``'
+    tables: equal to ``searchsorted(mid[:255], x, side='left')``."""
+    u = bits_from_f32(x)
+    e = np.int64((u >> np.uint32(23)) & np.uint32(0xFF)) - np.int64(INT8_E0 - 1)
+    k = min(max(e, np.int64(0)), np.int64(INT8_KEYS - 1))
+    t = np.int64((u >> np.uint32(23 - INT8_SUB_BITS)) & np.uint32((1 << INT8_SUB_BITS) - 1)) * np.int64(k > 0)
+    below = np.int64(buckets[((np.int64(u >> np.uint32(31)) * INT8_KEYS + k) << INT8_SUB_BITS) + t])
+    return below + np.int64(mid[below] < x)
+
+
+@njit(nogil=True, cache=True)
+def code_indices(buckets, mid, x):
+    """``_code_lookup`` over a float32 array (for the tests): int64 counts of midpoints below each value."""
+    out = np.empty(x.size, dtype=np.int64)
+    for i in range(x.size):
+        out[i] = _code_lookup(buckets, mid, x[i])
+    return out
+
+
+def int8_master_load(first, w, i, vcode):
+    """Element ``i``'s float32 master: the split master of remainder ``first[i]`` (uint16), weight ``w[i]`` and
+    the tie flag in the parity of v's code ``vcode``, or ``first[i]`` itself (float32) (numba only)."""
+    raise NotImplementedError("int8_master_load is only callable inside numba-compiled code")
+
+
+def int8_master_store(first, w, i, p):
+    """Store the float32 master ``p`` of element ``i`` (split into ``w``/``first`` or in ``first``); returns the
+    uint8 tie bits: 2 | flag where the new remainder is the tie code, else 0 (numba only)."""
+    raise NotImplementedError("int8_master_store is only callable inside numba-compiled code")
+
+
+@overload(int8_master_load, inline="always")
+def _int8_master_load_impl(first, w, i, vcode):
+    if first.dtype == types.uint16:
+
+        def load_split(first, w, i, vcode):
+            c = first[i]
+            flag = np.uint32(c == np.uint16(0x8000)) & (np.uint32(vcode) & np.uint32(1))
+            return split_join(w[i], c, flag)
+
+        return load_split
+    if first.dtype == types.float32:
+        return lambda first, w, i, vcode: first[i]
+    return None
+
+
+@overload(int8_master_store, inline="always")
+def _int8_master_store_impl(first, w, i, p):
+    if first.dtype == types.uint16:
+
+        def store_split(first, w, i, p):
+            u = bits_from_f32(p)
+            wn = f32_to_bf16_bits(p)
+            r = u - (np.uint32(wn) << np.uint32(16))  # in [-2^15, 2^15] mod 2^32 for a finite p
+            low = r & np.uint32(0xFFFF)
+            w[i] = wn
+            first[i] = np.uint16(low)
+            return np.uint8((np.uint32(low == np.uint32(0x8000)) << np.uint32(1)) | np.uint32(r == np.uint32(0x8000)))
+
+        return store_split
+    if first.dtype == types.float32:
+
+        def store_fp32(first, w, i, p):
+            first[i] = p
+            return np.uint8(0)
+
+        return store_fp32
+    return None
+
+
+@njit(nogil=True, inline="always", cache=True)
+def _int8_dequantize(m_q, v_q, ms, vs, smap, umap, m, v):
+    """Old moments of one block into the scratch rows: ``m = smap[m_q + 128] * ms``, ``v = umap[v_q] * vs``
+    (table lookups: kept apart so that the update loop has none and vectorises)."""
+    for j in range(m_q.size):
+        m[j] = smap[np.int64(m_q[j]) + 128] * ms
+        v[j] = umap[np.int64(v_q[j])] * vs
+
+
+@njit(nogil=True, error_model="numpy", inline="always", cache=True)
+def _int8_update(first, w, v_q, g, fac, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step, m, v, tie):
+    """Pass 1 over one run's part of a block (0-based views): decode the master (the tie flag from v's code
+    parity), update as ``_split_span`` with decay factor ``fac`` from the old moments in ``m``, ``v`` (replaced
+    by the new ones), encode; ``tie`` receives the tie bits. Returns bit 31 set iff a new master value is
+    non-finite."""
+    acc = np.uint32(0)
+    for j in range(m.size):
+        p = int8_master_load(first, w, j, v_q[j])
+        gi = load_f32(g, j) * gscale
+        mo = m[j]
+        mi = fma_f32(m_w, gi - mo, mo)
+        vi = fma_f32(v_w * gi, gi, v[j] * b2)
+        denom = np.sqrt(vi) / bc2_sqrt + eps
+        p = p * fac + (neg_step * mi) / denom
+        tie[j] = int8_master_store(first, w, j, p)
+        m[j] = mi
+        v[j] = vi
+        acc |= (bits_from_f32(p) & np.uint32(0x7F800000)) + np.uint32(0x00800000)
+    return acc & np.uint32(0x80000000)
+
+
+@njit(nogil=True, inline="always", cache=True)
+def _abs_max(x):
+    """max |x| of a float32 span (+0.0 if empty or all zero) as the maximum of the magnitudes' bit patterns:
+    the same value as the float maximum (a NaN wins: its bits exceed infinity's), and it vectorises."""
+    acc = np.uint32(0)
+    for j in range(x.size):
+        acc = max(acc, bits_from_f32(x[j]) & np.uint32(0x7FFFFFFF))
+    return f32_from_bits(acc)
+
+
+@njit(nogil=True, error_model="numpy", inline="always", cache=True)
+def _int8_quantize(m_q, v_q, m, v, tie, ms, vs, sbuck, smid, ubuck, umid, umap):
+    """Pass 2 over one block (0-based views): codes of the new moments ``m``, ``v`` (overwritten by xn) under the
+    block's new scales ``ms``, ``vs``; a tie's v code takes the parity of its flag (the neighbour on xn's side)."""
+    m_den = ms if ms != np.float32(0.0) else np.float32(1.0)  # a zero scale: every value is ±0, so xn = ±0
+    v_den = vs if vs != np.float32(0.0) else np.float32(1.0)
+    for j in range(m.size):
+        m[j] = m[j] / m_den
+        v[j] = v[j] / v_den
+    for j in range(m.size):
+        m_q[j] = np.int8(_code_lookup(sbuck, smid, m[j]) - 128)
+        xv = v[j]
+        c = _code_lookup(ubuck, umid, xv)
+        t = np.int64(tie[j])
+        if (t & 2) != 0 and (c & 1) != (t & 1):
+            c = c + 1 if xv > umap[c] else c - 1
+            if c < 0:
+                c = 1
+        v_q[j] = np.uint8(c)
+
+
+@njit(parallel=True, nogil=True, error_model="numpy", cache=True)
+def adamw_int8_kernel(
+    first, m_q, v_q, m_scale, v_scale, g, w, starts, decayed, smap, umap, sbuck, smid, ubuck, umid,
+    decay, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step, chunk,
+):  # fmt: skip
+    """Fused dequantize → AdamW → quantize with 8-bit block-wise moments (``fuyou.optim.quant8``), in place.
+    Returns True if every new master value is finite.
+
+    first: uint16[n] (int16 bits: the split master's remainders; ``w`` uint16[n] its bf16 weights, old in, new
+    out) or float32[n] (the fp32 master; ``w`` uint16[0]); m_q: int8[n]; v_q: uint8[n]; m_scale, v_scale:
+    float32[ceil(n/256)]; g: float32[n] or uint16[n] (bf16 bits); starts: int64[R+1] run starts then n;
+    decayed: uint8[R]: the factor ``decay`` on run r if ``decayed[r]``, else exactly 1; smap, umap: the maps
+    (float32[256]); sbuck, smid, ubuck, umid: ``code_buckets`` of their midpoints (tables are arguments, not
+    globals, so that a stale cache cannot keep old ones); scalars as ``adamw_kernel``; chunk: elements per
+    parallel task, a positive multiple of ``INT8_BLOCK`` (no block straddles two tasks).
+
+    Per block: the old moments are dequantized into two 256-element float32 scratch rows, pass 1 updates every
+    element (run by run) and leaves the new m and v there, the block's new absmaxes become its scales, and
+    pass 2 writes the codes.
+    """
+    n = m_q.size
+    tasks = (n + chunk - 1) // chunk
+    bad = np.zeros(tasks, dtype=np.uint8)
+    for c in prange(tasks):
+        lo, hi = c * chunk, min(c * chunk + chunk, n)
+        m = np.empty(INT8_BLOCK, dtype=np.float32)
+        v = np.empty(INT8_BLOCK, dtype=np.float32)
+        tie = np.empty(INT8_BLOCK, dtype=np.uint8)
+        r = np.searchsorted(starts, lo, side="right") - 1  # the run holding lo (or an empty one before it)
+        acc = np.uint32(0)
+        for b in range(lo, hi, INT8_BLOCK):
+            e = min(b + INT8_BLOCK, hi)
+            k = b // INT8_BLOCK
+            _int8_dequantize(m_q[b:e], v_q[b:e], m_scale[k], v_scale[k], smap, umap, m, v)
+            i = b
+            while i < e:
+                while starts[r + 1] <= i:
+                    r += 1
+                z = min(e, starts[r + 1])
+                fac = decay if decayed[r] != 0 else np.float32(1.0)
+                acc |= _int8_update(
+                    first[i:z], w[i:z], v_q[i:z], g[i:z], fac, gscale, m_w, b2, v_w, bc2_sqrt, eps, neg_step,
+                    m[i - b : z - b], v[i - b : z - b], tie[i - b : z - b],
+                )  # fmt: skip
+                i = z
+            ms, vs = _abs_max(m[: e - b]), _abs_max(v[: e - b])
+            m_scale[k] = ms
+            v_scale[k] = vs
+            _int8_quantize(m_q[b:e], v_q[b:e], m[: e - b], v[: e - b], tie, ms, vs, sbuck, smid, ubuck, umid, umap)
+        bad[c] = acc != 0
+    return not bad.any()
+
+
 # ---- sum of squares (a gradient's contribution to the global norm) ----
 
 
