@@ -3,13 +3,17 @@
 ``fuyou finetune`` with its defaults (clipping on, the planner, ``--precision auto``) fine-tunes a real model
 (default: the demo's SmolLM2-135M-Instruct) on real text (the demo corpus: Python's own documentation,
 ``fuyou.data.demo_corpus``; its held-out topics as ``--eval-data``) once per format — ``fp32``, ``split``,
-``bf16`` — with the same data order and seed, plus one ``fp32`` run with another seed (its distance from the
+``bf16``, ``int8`` — with the same data order and seed, plus one ``fp32`` run with another seed (its distance from the
 first is the run-to-run noise a lossy format is judged against). Every run evaluates the held-out loss every
 ``--eval-every`` steps. Reported: the held-out loss along each run, its final value, the largest gap to the fp32
 run along the way, the noise's, and whether ``split``'s exported fp32 masters equal ``fp32``'s bit for bit.
 
     python bench/bench_state_accuracy.py --dir /tmp/acc                      # 300 steps, 135M
     python bench/bench_state_accuracy.py --dir /tmp/acc --steps 20 --eval-every 10   # a smoke run
+    python bench/bench_state_accuracy.py --dir /tmp/acc --only int8,fp32-seed1   # the others read from /tmp/acc
+
+With ``--only`` the other runs are not run again: their results are read from the finished runs in ``--dir``
+(the same arguments are the caller's to keep), and runs with none there are left out of the table.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import emit, hardware_info  # noqa: E402
 
-RUNS = (("fp32", "fp32", 0), ("split", "split", 0), ("bf16", "bf16", 0), ("fp32-seed1", "fp32", 1))
+RUNS = (("fp32", "fp32", 0), ("split", "split", 0), ("bf16", "bf16", 0), ("int8", "int8", 0), ("fp32-seed1", "fp32", 1))
 """(name, --optimizer-state, --seed)."""
 
 
@@ -34,6 +38,7 @@ def finetune(a: argparse.Namespace, model: str, train: str, held: str, name: str
     """One ``fuyou finetune`` run; its held-out losses by step and its wall time."""
     out = os.path.join(a.dir, name)
     shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
     args = [
         sys.executable, "-m", "fuyou.cli.main", "finetune", model, "--data", train, "--eval-data", held,
         "--eval-every", str(a.eval_every), "--output", out, "--steps", str(a.steps), "--seq-len", str(a.seq_len),
@@ -41,15 +46,19 @@ def finetune(a: argparse.Namespace, model: str, train: str, held: str, name: str
         "--cpu-memory", a.cpu_memory, "--optimizer-state", fmt, "--seed", str(seed), "--no-progress",
         "--save-every", "0",
     ]  # fmt: skip
-    t0 = time.perf_counter()
     subprocess.run(args, check=True, stdout=subprocess.DEVNULL)
-    wall = time.perf_counter() - t0
+    return results(a, name) | {"wall_s": time.perf_counter() - t0}
+
+
+def results(a: argparse.Namespace, name: str) -> dict:
+    """A finished run's held-out losses by step and last training loss (``wall_s`` None: not timed here)."""
+    out = os.path.join(a.dir, name)
     lines = [json.loads(x) for x in open(os.path.join(out, "metrics.jsonl"))]
     evals = {x["step"]: x["eval_loss"] for x in lines if x.get("eval_loss") is not None}
     run = json.load(open(os.path.join(out, "run.json")))
     evals.setdefault(0, run.get("eval_loss_before"))
     evals.setdefault(a.steps, run.get("eval_loss_after"))
-    return {"eval_loss": dict(sorted(evals.items())), "train_loss_last": lines[-1]["loss"], "wall_s": wall}
+    return {"eval_loss": dict(sorted(evals.items())), "train_loss_last": lines[-1]["loss"], "wall_s": None}
 
 
 def masters(a: argparse.Namespace, name: str):  # noqa: ANN201 - a dict of tensors
@@ -82,6 +91,7 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=2)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--cpu-memory", default="2GiB")
+    ap.add_argument("--only", help="comma list of runs to run (default: all); the others are read from --dir")
     a = ap.parse_args()
     import torch
 
@@ -91,7 +101,13 @@ def main() -> None:
     os.makedirs(a.dir, exist_ok=True)
     model = a.model or demo_model_dir()[0]
     train, held = write_demo_dataset(os.path.join(a.dir, "data"))
-    runs = {name: finetune(a, model, train, held, name, fmt, seed) for name, fmt, seed in RUNS}
+    only = a.only.split(",") if a.only else [n for n, _, _ in RUNS]
+    runs = {}
+    for name, fmt, seed in RUNS:
+        if name in only:
+            runs[name] = finetune(a, model, train, held, name, fmt, seed)
+        elif os.path.exists(os.path.join(a.dir, name, "run.json")):
+            runs[name] = results(a, name)
     fp32, split = masters(a, "fp32"), masters(a, "split")
     identical = fp32.keys() == split.keys() and all(
         fp32[k].view(torch.int32).equal(split[k].view(torch.int32)) for k in fp32
@@ -107,7 +123,8 @@ def main() -> None:
     )
     for n, r in runs.items():
         losses = ", ".join(f"{v:.4f}" for v in r["eval_loss"].values())
-        print(f"| {n} | {losses} | {summary[n]['max_gap_to_fp32']:.4f} | {r['wall_s']:.0f} |", file=sys.stderr)
+        wall = "read" if r["wall_s"] is None else f"{r['wall_s']:.0f}"
+        print(f"| {n} | {losses} | {summary[n]['max_gap_to_fp32']:.4f} | {wall} |", file=sys.stderr)
     print(f"split's exported fp32 masters equal fp32's bit for bit: {identical}", file=sys.stderr)
 
 

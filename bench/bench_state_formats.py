@@ -1,5 +1,5 @@
 """Issue 34 items 2 and 4 — the optimizer-state formats where SSD bytes bind: step time and SSD bytes per
-parameter per step for ``--optimizer-state fp32 | split | bf16``, side by side in one run.
+parameter per step for ``--optimizer-state fp32 | split | bf16 | int8``, side by side in one run.
 
 Real SmolLM2-135M (the demo's model from ``~/.cache/fuyou``; ``fuyou/run/demo.py``), trained as ``fuyou
 finetune`` would (clipping on, bf16 compute where the CPU computes bf16 fast: ``--precision``), with every
@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from bench.common import emit, hardware_info  # noqa: E402
 from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
 
-FORMATS = ("fp32", "split", "bf16")
+FORMATS = ("fp32", "split", "bf16", "int8")
 
 
 def engine(model_dir: str, store: str, fmt: str, a: argparse.Namespace) -> Engine:
@@ -59,11 +59,10 @@ def predicted(eng: Engine, fmt: str, a: argparse.Namespace) -> dict:
     from fuyou.planner.cost import predict
     from fuyou.planner.graph import StepConfig
     from fuyou.planner.profile import HardwareProfile
-    from fuyou.schedule.state_format import state_format
 
     cb = 4 if a.precision == "fp32" else 2
     shape = describe_model(eng.adapter.config)
-    cfg = StepConfig(1, a.seq_len, state_format(fmt).state_bytes(cb), cb, Cluster(1), optimizer_state=fmt)
+    cfg = StepConfig(1, a.seq_len, cb, Cluster(1), optimizer_state=fmt)
     rates = dict(ssd_read_Bps=1e9, ssd_write_Bps=1e9, h2d_Bps=1e10, d2h_Bps=1e10, pageable_Bps=1e10)
     prof = HardwareProfile(
         **rates, host_mem_Bps=1e10, device_mem_Bps=1e10, adam_params_per_s=1e8, device="cpu", device_peak_flops=1e12

@@ -124,7 +124,8 @@ def _pairs(text: str | None) -> tuple[float, float] | None:
     type=click.Choice(list(CHOICES)),
     help="How AdamW's state is stored. auto (default): the resumed store's, else split. split: the master as the "
     "compute weights + a remainder (updates identical to fp32's, 12 B/param instead of 14 beside bf16 weights); "
-    "fp32: an fp32 master, m and v; bf16: split with bf16 m and v (lossy, 8 B/param). A store keeps its format.",
+    "fp32: an fp32 master, m and v; bf16: split with bf16 m and v (lossy, 8 B/param); int8: split with 8-bit m and v, "
+    "a scale per 256 elements (lossy, 6.03 B/param). A store keeps its format.",
 )
 @click.option("--seed", type=int)
 @click.option("--metrics", type=click.Path(), help="Per-step metrics JSONL (default OUTPUT/metrics.jsonl).")

@@ -84,7 +84,8 @@ def _load_shape(model: str) -> ModelShape:
     default=DEFAULT_FORMAT,
     show_default=True,
     help="How AdamW's state is stored (fuyou finetune's default for a new run: split): fp32; split (the master as the bf16 weights + a remainder: identical "
-    "updates, fewer bytes); bf16 (split with bf16 moments: lossy).",
+    "updates, fewer bytes); bf16 (split with bf16 moments: lossy); int8 (split with 8-bit block-wise moments: lossy, "
+    "fewest bytes).",
 )
 @click.option(
     "--precision",

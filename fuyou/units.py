@@ -8,6 +8,8 @@ from fuyou.errors import ConfigError
 
 HOST_ALIGN = 4096
 """Alignment of host buffers (a page; O_DIRECT's): the pool counts every buffer rounded up to it."""
+TENSOR_ALIGN = 64
+"""Byte alignment of each tensor inside a store extent (a cache line: SIMD-friendly views)."""
 
 _UNITS = {
     "": 1,

@@ -219,16 +219,12 @@ class AdamStage:
 
         def start_job() -> Future:
             ready.wait()  # the gradient's device→host copy must have landed
-            views = s_ext.views(data)
-            jobs = []
-            for a, z, decay in self._runs(b, lo, hi):  # one job per run of equal weight decay
-                job, on_done = self.rule.job(
-                    views, a - lo, z - lo, wbuf.view(dt, z)[a:z],
-                    key=f"{s_ext.name}[{a}:{z}]", grad=grad.view(dt, z)[a:z], lr=lr, step=step,
-                    grad_scale=scale, weight_decay=None if decay else 0.0,
-                )  # fmt: skip
-                jobs.append(self.worker.submit(job, on_done))
-            done = gather(jobs)
+            runs = [(a - lo, z - lo, d) for a, z, d in self._runs(b, lo, hi)]
+            jobs = self.rule.jobs(
+                s_ext.views(data), runs, wbuf.view(dt, hi)[lo:hi], grad.view(dt, hi)[lo:hi], s_ext.name,
+                lr=lr, step=step, grad_scale=scale,
+            )  # fmt: skip
+            done = gather([self.worker.submit(job, on_done) for job, on_done in jobs])
             done.add_done_callback(partial(self._check, b))
             return done
 

@@ -33,7 +33,8 @@ class EngineConfig:
     optimizer_state: str = "auto"
     """How AdamW's state is stored (``--optimizer-state``, ``fuyou.schedule.state_format``): ``fp32`` (an fp32
     master, m and v), ``split`` (the master as the compute weights plus a remainder: identical updates, fewer
-    bytes), ``bf16`` (split, m and v in bf16: lossy); ``auto``: the resumed store's, else ``split``. A store keeps
+    bytes), ``bf16`` (split, m and v in bf16: lossy), ``int8`` (split, m and v in 8 bits with a scale per 256
+    elements: lossy); ``auto``: the resumed store's, else ``split``. A store keeps
     the format it was created with."""
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)

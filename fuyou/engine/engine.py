@@ -40,7 +40,7 @@ from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config, w
 from fuyou.models.lora import is_lora
 from fuyou.models.store_layout import elem_size
 from fuyou.optim import AdamWHyper
-from fuyou.optim.split import put_flag, split_encode
+from fuyou.optim.split import split_encode, write_flags
 from fuyou.schedule import rules, sizing
 from fuyou.schedule.device_memory import DevicePeak
 from fuyou.storage.dirs import rank_dirs
@@ -326,7 +326,7 @@ class Engine:
             self.layout.flatten_into(b, src, master, a, z)
             _, code, flag = split_encode(master)
             views["rem"][a - lo : z - lo] = code
-            put_flag(views["v"][a - lo : z - lo], flag)
+            write_flags(views["rem"][a - lo : z - lo], views["v"][a - lo : z - lo], flag)
 
     def commit_meta(self) -> dict:
         """What each committed store version records (``StoreMeta``, as JSON)."""

@@ -19,7 +19,7 @@ from fuyou.models.blocks import parse_slice
 from fuyou.models.freeze import frozen_blocks, frozen_keys
 from fuyou.models.hf_io import load_config, save_streamed
 from fuyou.models.store_layout import ModelLayout
-from fuyou.optim.split import split_decode, take_flag
+from fuyou.optim.split import read_flags, split_decode
 from fuyou.schedule.state_format import state_format
 from fuyou.storage.run_meta import EXPORT_DTYPES, StoreMeta
 from fuyou.storage.store import TensorStore
@@ -63,7 +63,7 @@ def read_master(store: TensorStore | RamTier, layout: ModelLayout, b: int) -> to
         store.read(layout.s(b, c).name, s).result()
         views = layout.s(b, c).views(s)
         if layout.optimizer_state.split:
-            master[lo:hi] = split_decode(weights[lo:hi], views["rem"], take_flag(views["v"])[1])
+            master[lo:hi] = split_decode(weights[lo:hi], views["rem"], read_flags(views["rem"], views["v"]))
         else:
             master[lo:hi] = views["master"]
     return master

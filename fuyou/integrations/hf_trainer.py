@@ -114,8 +114,8 @@ class FuyouTrainingArguments(TrainingArguments):
         default="auto",
         metadata={
             "help": "How AdamW's state is stored: auto (a resumed checkpoint's format, else split), split (the "
-            "master as the compute weights + a remainder: fp32's updates exactly, fewer bytes), fp32, or bf16 "
-            "(split with bf16 moments: lossy)."
+            "master as the compute weights + a remainder: fp32's updates exactly, fewer bytes), fp32, bf16 "
+            "(split with bf16 moments: lossy) or int8 (split with 8-bit block-wise moments: lossy, fewest bytes)."
         },
     )
 

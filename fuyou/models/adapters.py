@@ -406,9 +406,14 @@ def _runs_every_expert(mod: nn.Module) -> bool:
     return len(inspect.signature(type(mod).forward).parameters) == 2
 
 
+def _feed_forward_name(layer: nn.Module) -> str:
+    """The attribute holding a decoder layer's MLP or mixture of experts: ``mlp`` (Llama 4: ``feed_forward``)."""
+    return "mlp" if getattr(layer, "mlp", None) is not None else "feed_forward"
+
+
 def _feed_forward(layer: nn.Module) -> nn.Module | None:
-    """A decoder layer's MLP or mixture of experts (``mlp``; Llama 4's ``feed_forward``)."""
-    return getattr(layer, "mlp", None) or getattr(layer, "feed_forward", None)
+    """A decoder layer's MLP or mixture of experts (``_feed_forward_name``), None if it has neither."""
+    return getattr(layer, _feed_forward_name(layer), None)
 
 
 def param_targets(model: nn.Module) -> set[tuple[int, str]]:
@@ -598,7 +603,7 @@ class LlamaLike(Adapter):
                 mlp.experts = RouteCapture()
             lo, hi = ranges[int(g)]
             self.slices[len(modules)] = (lo, hi)
-            ff = "mlp" if hasattr(layers[i], "mlp") else "feed_forward"  # Llama 4's name for it
+            ff = _feed_forward_name(layers[i])
             modules.append((spec.name, [(f"model.layers.{i}.{ff}.experts", self._experts_module(hi - lo))]))
             layer_of.append(i)
         self.modules, self.layer_of = modules, layer_of

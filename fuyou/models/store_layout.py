@@ -33,7 +33,7 @@ from fuyou.models.blocks import BlockSpec
 from fuyou.schedule import shards
 from fuyou.schedule.sizing import Footprint, staged_offset, state_chunks
 from fuyou.schedule.state_format import FORMATS, StateFormat
-from fuyou.storage.extents import ExtentSpec, TensorSpec
+from fuyou.storage.extents import ExtentSpec, TensorSpec, dtype_from_name
 
 
 def origin_wanted(compute: torch.dtype, source: torch.dtype | None, any_frozen: bool) -> bool:
@@ -158,22 +158,14 @@ class ModelLayout:
         """Element ranges [lo, hi) of block ``b``'s optimizer-state chunks."""
         return state_chunks(self.numel(b), self.state_chunk)
 
-    @property
-    def moment_dtype(self) -> torch.dtype:
-        """The dtype of m and v."""
-        return torch.float32 if self.optimizer_state.moment_bytes == 4 else torch.bfloat16
-
     def s(self, b: int, c: int) -> ExtentSpec:
-        """Chunk ``c`` of block ``b``'s optimizer state: the master (``master``) or the split master's
-        remainder (``rem``; none beside fp32 weights), m, v."""
+        """Chunk ``c`` of block ``b``'s optimizer state: the tensors its format keeps (``StateFormat.parts``:
+        the master or a split master's remainder, m, v, 8-bit moments' block scales)."""
         lo, hi = self.chunks(b)[c]
-        n = hi - lo
-        fmt, compute = self.optimizer_state, elem_size(self.compute_dtype)
-        master = () if fmt.remainder_bytes(compute) == 0 else (
-            (TensorSpec("rem", (n,), torch.int16),) if fmt.split else (TensorSpec("master", (n,), torch.float32),)
-        )  # fmt: skip
-        moments = (TensorSpec("m", (n,), self.moment_dtype), TensorSpec("v", (n,), self.moment_dtype))
-        return ExtentSpec(f"s/{self.blocks[b].name}/{c}", master + moments)
+        parts = self.optimizer_state.parts(hi - lo, elem_size(self.compute_dtype))
+        return ExtentSpec(
+            f"s/{self.blocks[b].name}/{c}", tuple(TensorSpec(k, (n,), dtype_from_name(dt)) for k, n, dt in parts)
+        )
 
     def origin_chunks(self, b: int) -> list[tuple[int, int]]:
         """Element ranges [lo, hi) of block ``b``'s ``o`` extents: its frozen vector (the whole block's ``w``
@@ -198,7 +190,7 @@ class ModelLayout:
             tuple(self.w(b).nbytes for b in nb),
             tuple(self.numel(b) for b in nb),
             elem_size(self.compute_dtype),
-            self.optimizer_state.state_bytes(elem_size(self.compute_dtype)),
+            self.optimizer_state,
             tuple(self.index(o) for o in head.borrows),
             self.world,
             self.adapter_bytes,

@@ -69,6 +69,26 @@ def put_flag(v: torch.Tensor, flag: torch.Tensor) -> None:
     ints.copy_(torch.where(flag, ints | top, ints & ~top))
 
 
+def read_flags(rem: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The tie flags (bool) of a split master's remainders ``rem`` beside its second moments ``v``: v's sign
+    bits (fp32 or bf16), or with 8-bit moments (``v`` uint8 codes, no sign bit) the parity of v's code where
+    the remainder is the tie code (``fuyou.optim.quant8``)."""
+    if v.dtype == torch.uint8:
+        return (rem == -_TIE) & ((v & 1) != 0)
+    return take_flag(v)[1]
+
+
+def write_flags(rem: torch.Tensor, v: torch.Tensor, flag: torch.Tensor) -> None:
+    """Store the tie flags ``flag`` of remainders ``rem`` in ``v`` in place, as ``read_flags`` reads them. With
+    8-bit codes a tie's v code moves by one to the parity of its flag: meant for a new state, whose codes
+    and scales are zero (every code then means 0)."""
+    if v.dtype == torch.uint8:
+        tie = rem == -_TIE
+        v.copy_(torch.where(tie, (v & 0xFE) | flag.to(torch.uint8), v))
+        return
+    put_flag(v, flag)
+
+
 def adamw_split_step_reference(
     rem: torch.Tensor,
     m: torch.Tensor,

@@ -23,8 +23,8 @@ import queue
 import threading
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import numba
 import torch
@@ -70,6 +70,9 @@ class AdamJob:
     finite: bool = True
     """Set by the worker: whether every new master value came out finite (the update function's
     verdict; one that returns None is trusted)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments of the update function (8-bit moments: their block scales and the
+    chunk's weight-decay runs, ``fuyou.optim.quant8``)."""
 
 
 OnDone = Callable[[AdamJob], None]
@@ -232,7 +235,7 @@ class AdamWorker:
                 hyper = replace(hyper, weight_decay=job.weight_decay)
             finite = self._step_fn(
                 job.master, job.m, job.v, job.grad, lr=job.lr, step=job.step, hyper=hyper,
-                grad_scale=job.grad_scale, out=job.out,
+                grad_scale=job.grad_scale, out=job.out, **job.extra,
             )  # fmt: skip
             job.finite = finite is not False
             if on_done is not None:

@@ -28,7 +28,7 @@ from fuyou.planner.profile import HardwareProfile
 from fuyou.schedule import device_memory, rules, sizing
 from fuyou.schedule.device_memory import DevicePeak
 from fuyou.schedule.plan import Plan
-from fuyou.schedule.shapes import ModelShape
+from fuyou.schedule.shapes import BlockShape, ModelShape
 
 DAY_S = 86400.0
 ADAPTER_STAGED_BYTES_PER_PARAM = 12
@@ -101,7 +101,7 @@ class Prediction:
 def footprint(shape: ModelShape, cfg: StepConfig) -> sizing.Footprint:
     """One rank's host-memory footprint at ``cfg``'s element sizes (its shards of every block), with
     LoRA the adapters' staging buffer (fp32 weight, m and v: ``ADAPTER_STAGED_BYTES_PER_PARAM``)."""
-    fp = shape.sharded(cfg.cluster.world).footprint(cfg.compute_bytes, cfg.state_bytes_per_param)
+    fp = shape.sharded(cfg.cluster.world).footprint(cfg.compute_bytes, cfg.state_format)
     return dataclasses.replace(fp, adapter_bytes=ADAPTER_STAGED_BYTES_PER_PARAM * cfg.adapter_params)
 
 
@@ -149,9 +149,14 @@ def memory(shape: ModelShape, plan: Plan, cfg: StepConfig, prof: HardwareProfile
     ssd_blocks = [b for b in range(H) if pol[b] == "swap_ssd"]
     staging = 2 * max((g.act_bytes(b) for b in ssd_blocks), default=0)
     swap_cpu += offloaded * T * shape.hidden * cb
-    state = 0 if plan.lora_base else cfg.state_bytes_per_param  # a frozen base (LoRA) stores no optimizer state
-    # nor a block frozen whole, nor the read-only part of one that trains
-    store = sum(cb * (b.numel + b.frozen_numel) + (0 if b.frozen else state) * b.numel for b in own)
+    fmt = cfg.state_format
+
+    def state(b: BlockShape) -> int:  # a frozen base (LoRA) stores no optimizer state, nor a block frozen whole
+        if plan.lora_base or b.frozen:
+            return 0
+        return fmt.block_bytes(b.numel, plan.state_chunk, cb)
+
+    store = sum(cb * (b.numel + b.frozen_numel) + state(b) for b in own)  # the read-only part: weights only
     parked = sum(cb * own[b].numel for b in rules.parked_on_ssd(len(own), g.p) if not own[b].frozen)
     return Memory(
         device=device,

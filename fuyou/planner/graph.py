@@ -53,7 +53,7 @@ from fuyou.schedule.plan import RECOMPUTES, Plan
 from fuyou.schedule.shapes import ModelShape
 from fuyou.schedule.shards import collective_bytes
 from fuyou.schedule.sizing import state_chunks
-from fuyou.schedule.state_format import FORMATS
+from fuyou.schedule.state_format import FORMATS, StateFormat
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,6 @@ class StepConfig:
 
     micro_batch_size: int
     seq_len: int
-    state_bytes_per_param: int = 12
-    """Bytes per parameter of a state chunk (``StateFormat.state_bytes``: fp32 master + m + v = 12)."""
     compute_bytes: int = 2
     """Bytes per element of the compute dtype (``--precision``): 2 for bf16, 4 for fp32. Weights,
     gradients, block inputs and activations on the device and in host buffers are this size."""
@@ -76,8 +74,18 @@ class StepConfig:
     """The device budget (bytes; 0: none given), which bounds the loss's logit chunk
     (``sizing.loss_chunk_tokens``)."""
     optimizer_state: str = "fp32"
-    """The state's format (``fuyou.schedule.state_format``): a split master's update first reads the
-    block's compute weights."""
+    """The state's format (``fuyou.schedule.state_format``): its bytes per chunk, and whether a split
+    master's update first reads the block's compute weights."""
+
+    @property
+    def state_format(self) -> StateFormat:
+        """The ``StateFormat`` of ``optimizer_state``."""
+        return FORMATS[self.optimizer_state]
+
+    @property
+    def state_bytes_per_param(self) -> float:
+        """Bytes per parameter of a state chunk (``StateFormat.state_bytes``: fp32 master + m + v = 12)."""
+        return self.state_format.state_bytes(self.compute_bytes)
 
 
 class StepGraph:
@@ -378,22 +386,23 @@ class StepGraph:
             grad = self._ssd(self._w_bytes(b), "ssd_read", (self.feeder,))
         self._feeder_acquire(self.ww_rel, 2)
         old = self.feeder
-        if FORMATS[self.c.optimizer_state].split:  # the master's top half: the old weights, read first
+        if self.c.state_format.split:  # the master's top half: the old weights, read first
             if b < self.p.ram_weight_blocks:
                 old = self.sim.op("thread", self._w_bytes(b) / hw.host_mem_Bps, (self.feeder,))
             else:
                 old = self._ssd(self._w_bytes(b), "ssd_read", (self.feeder,))
         in_ram = b < self.p.ram_state_blocks
+        adam_rate = hw.adam_rate(bool(self.c.state_format.quant_block))
         jobs, writes = [], []
         for lo, hi in state_chunks(n, self.p.state_chunk):
             k = hi - lo
-            nbytes = k * self.c.state_bytes_per_param
+            nbytes = self.c.state_format.chunk_bytes(k, self.c.compute_bytes)
             if in_ram:  # RAM tier: Adam updates the resident state in place (no copies)
-                jobs.append(self.sim.op("adam", k / hw.adam_params_per_s, (old, grad)))
+                jobs.append(self.sim.op("adam", k / adam_rate, (old, grad)))
                 continue
             self._feeder_acquire(self.state_rel, self.p.state_buffers)
             rd = self._ssd(nbytes, "ssd_read", (self.feeder,))
-            jobs.append(self.sim.op("adam", k / hw.adam_params_per_s, (rd, grad, old)))
+            jobs.append(self.sim.op("adam", k / adam_rate, (rd, grad, old)))
             writes.append(self._ssd(nbytes, "ssd_write", (jobs[-1],)))
             self.state_rel.append(writes[-1])
         done = self.sim.op(None, 0.0, jobs)

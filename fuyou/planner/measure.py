@@ -81,23 +81,32 @@ def ssd_measure(
     return total / r, total / w, cpu / (os.cpu_count() or 1) / moved
 
 
-def adam_throughput(params: int = 32 << 20, repeats: int = 3, threads: int | None = None) -> float:
+def adam_throughput(params: int = 32 << 20, repeats: int = 3, threads: int | None = None, int8: bool = False) -> float:
     """Parameters/s of ``fuyou.optim.adamw_step`` as the engine calls it (fp32 master/m/v in place,
-    bf16 gradient in, bf16 weights out) on ``params`` elements, with ``threads`` numba threads."""
+    bf16 gradient in, bf16 weights out) on ``params`` elements, with ``threads`` numba threads; with
+    ``int8``, of ``adamw_int8_step`` (8-bit moments on a split master, one call per state chunk)."""
     import numba
     import torch
 
-    from fuyou.optim import adamw_step
+    from fuyou.optim import adamw_int8_step, adamw_step
+    from fuyou.optim.quant8 import int8_from_fp32
 
     master, m, v = (torch.randn(params) for _ in range(3))
     v.abs_()
     grad = torch.randn(params, dtype=torch.bfloat16)
     out = torch.empty(params, dtype=torch.bfloat16)
     step = [0]
+    if int8:
+        rem = torch.zeros(params, dtype=torch.int16)
+        mq, vq, ms, vs = int8_from_fp32(m * 1e-3, v * 1e-6)
+        del master, m, v
 
     def run() -> None:
         step[0] += 1
-        adamw_step(master, m, v, grad, lr=1e-4, step=step[0], out=out)
+        if int8:
+            adamw_int8_step(rem, mq, vq, ms, vs, grad, lr=1e-4, step=step[0], out=out, runs=[(0, params, True)])
+        else:
+            adamw_step(master, m, v, grad, lr=1e-4, step=step[0], out=out)
 
     before = numba.get_num_threads()  # per calling thread: restored so later kernels here keep all cores
     if threads:
@@ -365,6 +374,7 @@ def machine_figures(
     )
     log("CPU Adam …")
     adam = adam_throughput(z["adam_params"], z["repeats"])
+    adam_int8 = adam_throughput(z["adam_params"], z["repeats"], int8=True)
     log("host memory …")
     mem = host_memcpy(z["copy_bytes"], z["repeats"])
     h2d, d2h = host_device_copy(backend, z["copy_bytes"], z["repeats"])
@@ -376,6 +386,7 @@ def machine_figures(
         "ssd_read_Bps": r,
         "ssd_write_Bps": w,
         "adam_params_per_s": adam,
+        "adam_int8_params_per_s": adam_int8,
         "device": "cpu" if cpu else "cuda",
         "h2d_Bps": h2d,
         "d2h_Bps": d2h,

@@ -21,6 +21,9 @@ from typing import Any
 from fuyou.errors import ConfigError
 
 GiB = 1 << 30
+INT8_ADAM_SHARE = 0.3
+"""The 8-bit-moment update's speed ÷ the fp32 update's where a profile has no measured figure: 286 vs 963 M
+params/s on 2 Zen 4 cores (session 21; compute-bound table lookups there, so more cores scale it)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class HardwareProfile:
     """Aggregate write bandwidth, bytes/s."""
     adam_params_per_s: float
     """Fused CPU AdamW throughput (fp32 master/m/v, bf16 grad in, bf16 weights out), parameters/s."""
+    adam_int8_params_per_s: float = 0.0
+    """The same with 8-bit moments (``--optimizer-state int8``: dequantize, AdamW, quantize on a split
+    master), parameters/s; 0: ``INT8_ADAM_SHARE × adam_params_per_s`` (hand-written profiles)."""
     name: str = "unnamed"
     device: str = "cuda"
     """``cuda`` or ``cpu``; on ``cpu`` device compute, copies and Adam share the cores (one resource)."""
@@ -130,12 +136,20 @@ class HardwareProfile:
             for k in ("grad_add_elems_per_s", "grad_norm_elems_per_s")
             if not getattr(self, k) >= 0
         ]
+        if not self.adam_int8_params_per_s >= 0:
+            problems.append(f"adam_int8_params_per_s must be >= 0 (0: derived), got {self.adam_int8_params_per_s}")
         if self.device not in ("cuda", "cpu"):
             problems.append(f"device must be cuda or cpu, got {self.device!r}")
         if not self.compute and not self.device_peak_flops > 0:
             problems.append("give measured 'compute' points or 'device_peak_flops'")
         if problems:
             raise ConfigError(f"hardware profile {self.name!r}: " + "; ".join(problems))
+
+    def adam_rate(self, quantized: bool) -> float:
+        """Parameters/s of the CPU AdamW update: with 8-bit moments (``quantized``) or without."""
+        if not quantized:
+            return self.adam_params_per_s
+        return self.adam_int8_params_per_s or INT8_ADAM_SHARE * self.adam_params_per_s
 
     # ------------------------------------------------------------------ per-element device work
     @property

@@ -59,7 +59,8 @@ class PlannerResult:
         plan = dict(d["plan"])
         if "micro_batches" in plan:  # results written before 0.2 named the accumulation count so
             plan["grad_accum"] = plan.pop("micro_batches")
-        gone = ("boundary_offload", "async_swap")  # before 0.2: a per-block policy and the device kind now
+        # before 0.2: a per-block policy and the device kind now; before 0.5: the state's bytes, now its format's
+        gone = ("boundary_offload", "async_swap", "state_bytes_per_param")
         step = {k: v for k, v in d["step"].items() if k not in gone}
         for moved in ("state_chunk", "ram_weight_blocks", "ram_state_blocks"):  # results written before 0.2
             if moved in step:

@@ -120,7 +120,8 @@ class _Search:
         self.own = shape.sharded(world)
         """What one rank stores (its shards)."""
         self.cb = 4 if req.precision == "fp32" else 2
-        self.spp = state_format(req.optimizer_state, resumable=True).state_bytes(self.cb)
+        self.fmt = state_format(req.optimizer_state, resumable=True)
+        self.spp = self.fmt.state_bytes(self.cb)
         self.park: int | None = None
         """``Plan.park_ram_blocks`` of every candidate with the clipping schedule (None: all in RAM)."""
         self.evals = 0
@@ -162,7 +163,6 @@ class _Search:
         return StepConfig(
             mb,
             self.r.seq_len,
-            self.spp,
             self.cb,
             self.r.cluster,
             self.m.lora_params(self.r.lora_rank),
@@ -327,7 +327,7 @@ class _Search:
     def _check_static(self, sched: str) -> None:
         m, cb = self.own, self.cb  # one rank's shards
         spp = 0 if self.r.lora_base else self.spp
-        store = 2 * sum((cb + (0 if b.frozen else spp)) * b.numel + cb * b.frozen_numel for b in m.blocks)
+        store = int(2 * sum((cb + (0 if b.frozen else spp)) * b.numel + cb * b.frozen_numel for b in m.blocks))
         if self.b.ssd_bytes and store > self.b.ssd_bytes:
             raise InfeasibleError(
                 f"SSD space: the store needs {fs(store)} (two versions of {cb + spp} B/param × "
@@ -482,9 +482,10 @@ class _Search:
             spare -= self.cb * (blk.numel + blk.frozen_numel)
             w += 1
         for blk in self.own.blocks if w == len(self.own.blocks) and not self.r.lora_base else ():
-            if self.spp * blk.numel > spare:
+            state = self.fmt.block_bytes(blk.numel, plan.state_chunk, self.cb)
+            if state > spare:
                 break
-            spare -= self.spp * blk.numel
+            spare -= state
             s += 1
         alt = dataclasses.replace(plan, ram_weight_blocks=w, ram_state_blocks=s)
         while (w or s) and not self.fits(alt, cfg):  # 4 KiB rounding and parked gradients: shrink

@@ -57,7 +57,8 @@ class FinetuneConfig:
     """``auto`` (bf16 where the device computes it fast, else fp32: ``fuyou.device.precision``), ``bf16`` or ``fp32``."""
     optimizer_state: str = "auto"
     """How AdamW's state is stored (``fuyou.schedule.state_format``): ``fp32``, ``split`` (identical updates,
-    fewer bytes) or ``bf16`` (split with bf16 moments: lossy); ``auto``: the resumed store's, else ``split``."""
+    fewer bytes), ``bf16`` (split with bf16 moments: lossy) or ``int8`` (split with 8-bit block-wise moments:
+    lossy, fewest bytes); ``auto``: the resumed store's, else ``split``."""
     seed: int = 0
     metrics: str | None = None
     """Per-step metrics JSONL; None: OUTPUT/metrics.jsonl."""

@@ -293,7 +293,7 @@ def _predicted_step_s(req: PlanRequest, prof: Any, plan: Plan) -> float:
     shape = _shape(req)
     cb = 4 if req.precision == "fp32" else 2
     cfg = StepConfig(
-        req.micro_batch_size, req.seq_len, FORMATS[req.stored_format].state_bytes(cb), cb, Cluster(req.ranks),
+        req.micro_batch_size, req.seq_len, cb, Cluster(req.ranks),
         shape.lora_params(req.lora_rank), optimizer_state=req.stored_format,
     )  # fmt: skip
     return predict(shape, plan, cfg, prof).step_s

@@ -18,6 +18,7 @@ from fuyou.errors import ConfigError
 from fuyou.schedule.device_memory import BWD_WORK, FWD_WORK, LAZY_SHARE, BlockMemory, DeviceBlock
 from fuyou.schedule.shards import shard_len
 from fuyou.schedule.sizing import Footprint
+from fuyou.schedule.state_format import StateFormat
 
 NAMED = {
     # LoHan's GPT-3 13B shape (GPT-2 architecture: LayerNorm, GELU MLP 4h, tied head, learned positions)
@@ -468,16 +469,16 @@ class ModelShape:
             )  # fmt: skip
         return out
 
-    def footprint(self, compute_bytes: int, state_bytes_per_param: int) -> Footprint:
+    def footprint(self, compute_bytes: int, state_format: StateFormat) -> Footprint:
         """What host-memory sizing (``fuyou.schedule.sizing``) needs: weights of ``compute_bytes`` per
         element (the store's 64-byte tensor gaps counted at bf16's 32 elements: exact for bf16, a few
-        bytes high for fp32), and state of ``state_bytes_per_param``."""
+        bytes high for fp32), and state stored as ``state_format``."""
         names = [b.name for b in self.blocks]
         return Footprint(
             tuple(compute_bytes * b.numel for b in self.blocks),
             tuple(b.numel for b in self.blocks),
             compute_bytes,
-            state_bytes_per_param,
+            state_format,
             tuple(names.index(o) for o in self.blocks[-1].borrows),
             frozen=tuple(i for i, b in enumerate(self.blocks) if b.frozen),
             frozen_numels=tuple(b.frozen_numel for b in self.blocks)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from fuyou.schedule.plan import MIN_CHUNK, Plan
 from fuyou.schedule.rules import parked_in_ram
+from fuyou.schedule.state_format import FORMATS, StateFormat
 from fuyou.units import HOST_ALIGN, align_up
 
 WEIGHTS, GRADS, STATE, NEW_WEIGHTS = "weights", "grads", "state", "new-weights"
@@ -31,8 +32,6 @@ HOST_ONLY = frozenset({STATE, NEW_WEIGHTS, RAM_WEIGHTS, RAM_STATE})
 CPU Adam), new compute weights (CPU Adam → SSD or the RAM tier) and the RAM tier (memcpy'd into and
 out of ``WEIGHTS``/``STATE`` buffers). Every other class — weights uploaded, gradients downloaded
 (``GRADS``, ``park/<b>``), any class not named here — crosses PCIe (``crosses_pcie``)."""
-TENSOR_ALIGN = 64
-"""Byte alignment of each tensor inside a store extent (``fuyou.storage`` packs them so)."""
 
 
 def park_class(b: int) -> str:
@@ -65,8 +64,8 @@ class Footprint:
     """Elements of each block's flat gradient and optimizer-state vectors."""
     compute_bytes: int
     """Bytes per weight/gradient element: 2 (bf16) or 4 (fp32)."""
-    state_bytes_per_param: int = 12
-    """fp32 master + m + v: 12; with bf16 m and v: 8."""
+    state_format: StateFormat = FORMATS["fp32"]
+    """How the optimizer state is stored (``fuyou.schedule.state_format``): its chunks' bytes."""
     borrowed: tuple[int, ...] = ()
     """Blocks whose weights the head also uses (a tied embedding)."""
     world: int = 1
@@ -107,9 +106,8 @@ class Footprint:
         return (self.world + 1) * (2 * self.grad_bytes(b) + self.frozen_bytes(b))
 
     def state_extent_bytes(self, n: int) -> int:
-        """Bytes of one state extent of ``n`` elements: master (fp32), m, v at 64-byte alignment."""
-        mv = (self.state_bytes_per_param - 4) // 2
-        return align_up(4 * n, TENSOR_ALIGN) + align_up(mv * n, TENSOR_ALIGN) + mv * n
+        """Bytes of one state extent of ``n`` elements as the store lays it out (``StateFormat.chunk_bytes``)."""
+        return self.state_format.chunk_bytes(n, self.compute_bytes)
 
 
 @dataclass(frozen=True)

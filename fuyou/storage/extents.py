@@ -14,10 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from fuyou.errors import ConfigError
-from fuyou.units import align_up
+from fuyou.units import TENSOR_ALIGN, align_up
 
-TENSOR_ALIGN = 64
-"""Byte alignment of each tensor inside an extent (a cache line: SIMD-friendly views)."""
 FILE_ALIGN = 4096
 """Byte alignment of pieces and I/O blocks on disk (O_DIRECT's logical block size)."""
 

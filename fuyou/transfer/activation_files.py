@@ -23,13 +23,12 @@ import torch
 
 from fuyou.device.base import Backend, Event, host_aligned_empty
 from fuyou.storage.dirs import preallocate
-from fuyou.storage.extents import TENSOR_ALIGN
 from fuyou.storage.io_base import FileHandle, IOBackend
 from fuyou.timeline import Timeline
 from fuyou.transfer.activation_copies import ActivationCopies, HostCopy
 from fuyou.transfer.futures import chain, done_future, event_future
 from fuyou.transfer.host_pool import HostBufferPool
-from fuyou.units import align_up
+from fuyou.units import TENSOR_ALIGN, align_up
 
 
 class ActivationSpace:

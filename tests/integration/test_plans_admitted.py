@@ -160,9 +160,8 @@ def test_planner_plans_are_admitted_and_refusals_name_the_binding_budget(m, prof
     shape = describe_model(cfg, freeze=freeze)
     if not isinstance(bud, Budgets):
         cb = 4 if req.precision == "fp32" else 2
-        spp = FORMATS[req.optimizer_state].state_bytes(cb)
         floor = sizing.host_need(
-            shape.footprint(cb, spp),
+            shape.footprint(cb, FORMATS[req.optimizer_state]),
             Plan(prefetch_depth=1, state_chunk=MIN_CHUNK, schedule="overlap_next_forward", park_ram_blocks=0),
         )
         bud = Budgets(cpu_memory=int(2 ** bud[0] * floor), gpu_memory=int(2 ** bud[1]))
@@ -204,7 +203,6 @@ def _smallest_fits(shape, prof, bud: Budgets, req: Request) -> bool:
     cfg = StepConfig(
         mb,
         req.seq_len,
-        FORMATS[req.optimizer_state].state_bytes(cb),
         cb,
         req.cluster,
         0,

@@ -48,12 +48,19 @@ def test_the_planner_sizes_host_memory_from_the_engines_footprint():
         blocks = tuple(make_adapter(cfg).blocks)
         shape = describe_model(cfg)
         fixed = frozen_keys(blocks, ())  # the family's buffers (DeepSeek-V3's routing bias): read-only
-        assert ModelLayout(blocks, frozen_params=fixed).footprint() == shape.footprint(2, 12)
+        assert ModelLayout(blocks, frozen_params=fixed).footprint() == shape.footprint(2, FORMATS["fp32"])
         legacy = FORMATS["fp32-bf16"]
-        assert ModelLayout(blocks, optimizer_state=legacy, frozen_params=fixed).footprint() == shape.footprint(2, 8)
+        assert ModelLayout(blocks, optimizer_state=legacy, frozen_params=fixed).footprint() == shape.footprint(
+            2, legacy
+        )
         split = ModelLayout(blocks, optimizer_state=FORMATS["split"], frozen_params=fixed)
-        assert split.footprint() == shape.footprint(2, 10)
-        fp32, planned = ModelLayout(blocks, torch.float32, frozen_params=fixed).footprint(), shape.footprint(4, 12)
+        assert split.footprint() == shape.footprint(2, FORMATS["split"])
+        int8 = ModelLayout(blocks, optimizer_state=FORMATS["int8"], frozen_params=fixed)
+        assert int8.footprint() == shape.footprint(2, FORMATS["int8"])
+        fp32, planned = (
+            ModelLayout(blocks, torch.float32, frozen_params=fixed).footprint(),
+            shape.footprint(4, FORMATS["fp32"]),
+        )
         assert fp32.numels == tuple(-(-w // 4) for w in fp32.weight_bytes) and fp32.borrowed == planned.borrowed
         assert all(e <= p for e, p in zip(fp32.weight_bytes, planned.weight_bytes))
 

@@ -165,7 +165,7 @@ def test_split_layers_keep_their_routes_where_the_policy_says():
     from fuyou.planner.cost import memory, predict
 
     shape = load_description("mixtral-8x7b").split(2)
-    n, cfg = len(shape.blocks), StepConfig(1, 256, 12, 2)
+    n, cfg = len(shape.blocks), StepConfig(1, 256, 2)
     tokens_bytes = 256 * shape.hidden * 2
     base = ["keep"] + ["recompute"] * (n - 2) + ["keep"]
     holder = shape.route_holders()[0]
@@ -225,7 +225,7 @@ def test_blocks_frozen_whole_are_planned_without_state_or_writes():
     )
     assert [b.name for b in frozen.blocks if b.frozen] == ["embed"] + [f"layer.{i}" for i in range(16)]
     assert frozen.params == shape.params
-    cfg, plan = StepConfig(1, 1024, 12, 2), Plan(activation_policy=("keep",) + ("recompute",) * 32 + ("keep",))
+    cfg, plan = StepConfig(1, 1024, 2), Plan(activation_policy=("keep",) + ("recompute",) * 32 + ("keep",))
     from fuyou.planner.cost import memory, predict
 
     whole, part = (predict(s, plan, cfg, HW) for s in (shape, frozen))
@@ -271,7 +271,7 @@ def test_frozen_parameters_in_training_blocks_are_planned_as_read_only():
     assert part.params == shape.params
     fz = sum(b.frozen_numel for b in part.blocks)
     assert fz == 32 * (4096 * 4096 + 2 * 1024 * 4096)  # q, k, v of each layer (GQA: 8 of 32 heads for k, v)
-    cfg, plan = StepConfig(1, 1024, 12, 2), Plan(activation_policy=("keep",) + ("recompute",) * 32 + ("keep",))
+    cfg, plan = StepConfig(1, 1024, 2), Plan(activation_policy=("keep",) + ("recompute",) * 32 + ("keep",))
     whole, less = (predict(s, plan, cfg, HW) for s in (shape, part))
     assert whole.ssd_write_bytes - less.ssd_write_bytes == pytest.approx(fz * (2 + 12), rel=0.02)  # weights, state
     assert less.ssd_read_bytes < whole.ssd_read_bytes  # the state of the frozen part is not read back

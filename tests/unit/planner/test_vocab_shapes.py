@@ -12,6 +12,7 @@ from fuyou.models.description import describe_model
 from fuyou.planner.search import Budgets, Request, search
 from fuyou.schedule import sizing
 from fuyou.schedule.plan import Plan
+from fuyou.schedule.state_format import FORMATS
 from tests.unit.planner.helpers import profile
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -35,9 +36,9 @@ def test_split_shapes_match_the_engines_layout():
             assert [b.matmul_flops_per_token for b in split.blocks] == [b.flops_per_token for b in ad.blocks]
             assert [b.keeps_input for b in split.blocks[:g]] == [True] + [False] * (g - 1)
             assert [ad.additive(b) for b in range(g)] == [False] + [True] * (g - 1)
-            assert ModelLayout(tuple(ad.blocks)).footprint() == split.footprint(2, 12)
+            assert ModelLayout(tuple(ad.blocks)).footprint() == split.footprint(2, FORMATS["fp32"])
             fp32 = ModelLayout(tuple(ad.blocks), torch.float32).footprint()
-            assert all(e <= p for e, p in zip(fp32.weight_bytes, split.footprint(4, 12).weight_bytes))
+            assert all(e <= p for e, p in zip(fp32.weight_bytes, split.footprint(4, FORMATS["fp32"]).weight_bytes))
         if fam == "mixtral":  # expert groups and vocabulary groups together, either order
             both = make_adapter(cfg, expert_groups=2, vocab_groups=3)
             assert [b.name for b in s.split(2).split_vocab(3).blocks] == [b.name for b in both.blocks]
@@ -73,11 +74,11 @@ def test_the_embedding_and_head_no_longer_set_the_host_floor():
     s = describe_model(LLAMA_550M)
     layer = max(b.numel for b in s.blocks if b.kind == "layer")
     plan = Plan(schedule="overlap_next_forward")
-    whole = sizing.fit_host(s.footprint(2, 12), plan, 768 * MiB)
-    assert sizing.host_need(s.footprint(2, 12), whole) > 768 * MiB
+    whole = sizing.fit_host(s.footprint(2, FORMATS["fp32"]), plan, 768 * MiB)
+    assert sizing.host_need(s.footprint(2, FORMATS["fp32"]), whole) > 768 * MiB
     split = s.split_vocab(3)
     assert max(b.numel for b in split.blocks if b.kind in ("embed", "head")) <= layer + s.hidden
-    fp = split.footprint(2, 12)
+    fp = split.footprint(2, FORMATS["fp32"])
     small = sizing.fit_host(fp, dataclasses.replace(plan, vocab_groups=3), 768 * MiB)
     assert sizing.host_need(fp, small) <= 768 * MiB
 
