@@ -108,10 +108,12 @@ def main() -> None:
             runs[name] = finetune(a, model, train, held, name, fmt, seed)
         elif os.path.exists(os.path.join(a.dir, name, "run.json")):
             runs[name] = results(a, name)
-    fp32, split = masters(a, "fp32"), masters(a, "split")
-    identical = fp32.keys() == split.keys() and all(
-        fp32[k].view(torch.int32).equal(split[k].view(torch.int32)) for k in fp32
-    )
+    identical = None  # not compared: no finished split (or fp32) run in --dir
+    if "fp32" in runs and "split" in runs:
+        fp32, split = masters(a, "fp32"), masters(a, "split")
+        identical = fp32.keys() == split.keys() and all(
+            fp32[k].view(torch.int32).equal(split[k].view(torch.int32)) for k in fp32
+        )
     base = runs["fp32"]["eval_loss"]
     summary = {n: {"final_eval_loss": list(r["eval_loss"].values())[-1], "max_gap_to_fp32": gap(r["eval_loss"], base)}
                for n, r in runs.items()}  # fmt: skip

@@ -111,6 +111,8 @@ class StepGraph:
         self.F = H + 1 - rules.head_count([b.name for b in shape.blocks])
         """The head's first block (H, or the first of its vocabulary groups: ``fuyou.schedule.vocab``)."""
         self.order = rules.load_order(H + 1, tied, H + 1 - self.F)
+        self.first_pos = {b: self.order.index(b) for b in range(H + 1)}
+        """Each block's first position in the load order: the read the new weights are handed to."""
         self.parked = set(rules.parked(H + 1, plan))
         self.K = plan.grad_accum
         self.mb_tokens = cfg.micro_batch_size * cfg.seq_len
@@ -211,7 +213,9 @@ class StepGraph:
             return
         b = self.order[pos]
         gate = self.prev_writes.get(b)  # overlap_next_forward: Adam(b) of the last step wrote w(b)
-        if gate is not None and pos < self.F and b >= self.p.ram_weight_blocks:  # forward: handed over
+        if (
+            gate is not None and pos == self.first_pos[b] and b >= self.p.ram_weight_blocks
+        ):  # its first read: handed over
             cp = self._w_bytes(b) / self.hw.host_mem_Bps
             self.reads[pos] = self.sim.op("adam", cp, deps + (self.prev_done[b],), "handoff")
             if self._f_bytes(b):  # the read-only part still comes from the SSD

@@ -1,9 +1,12 @@
 """Streaming compute weights SSD → host buffer → device, block by block, ``depth`` blocks ahead.
 
 Reads go through the ``RamTier`` facade: RAM-tier blocks' weights are a memcpy instead of an SSD read.
-A block whose update is in flight is *claimed* from the Adam stage's new-weights buffer
-(``fuyou.transfer.new_weights``: a memcpy once Adam's kernels are done, without waiting for its SSD
-write and reading it back); once that write has landed, the read goes to the store again.
+A block whose update is in flight is *claimed* at its first read of a step from the Adam stage's new-weights
+buffer (``fuyou.transfer.new_weights``: a memcpy once Adam's kernels are done, without waiting for its SSD
+write and reading it back; the clipping schedule holds that buffer until this claim). Its later reads of the
+step (the head's tied embedding, backward) go to the store once that write has landed, whether or not the
+buffer happens to be held still: what a step reads from the SSD does not depend on timing, and the planner
+counts the same bytes (``fuyou.planner.graph``: a handoff at a block's first position in the load order).
 
 The loader walks one step's load order — forward 0…H, then backward H−1…0, with a tied
 embedding loaded again for the head — issuing reads ahead into a fixed set of host buffers. A
@@ -90,12 +93,14 @@ class WeightLoader:
             if p not in self._reads:
                 b = self.order[p]
                 buf, free = self._buffer()
-                self._reads[p] = (buf, chain(free, partial(self._read, b, buf)))
+                first = self.order.index(b) == p
+                self._reads[p] = (buf, chain(free, partial(self._read, b, buf, first)))
 
-    def _read(self, b: int, buf: HostBuffer) -> Future:
+    def _read(self, b: int, buf: HostBuffer, first: bool) -> Future:
         """Fill ``buf`` with block ``b``'s latest weights (``Footprint.staged_bytes``): the trained
-        part (``_read_trained``), and its read-only part if it has one."""
-        trained = self._read_trained(b, buf)
+        part (``_read_trained``; ``first``: the block's first read of the load order), and its read-only
+        part if it has one."""
+        trained = self._read_trained(b, buf, first)
         f = self.layout.f(b)
         if f is None:
             return trained
@@ -105,13 +110,13 @@ class WeightLoader:
             frozen = self.timeline.track(frozen, "ssd_read", f.name, f.nbytes)
         return then(gather([trained, frozen]), lambda _: None)
 
-    def _read_trained(self, b: int, buf: HostBuffer) -> Future:
-        """Fill ``buf`` with block ``b``'s latest trained weights: claimed from an update in flight, else
-        read from the store (RAM tier or SSD) once the gate allows."""
+    def _read_trained(self, b: int, buf: HostBuffer, first: bool) -> Future:
+        """Fill ``buf`` with block ``b``'s latest trained weights: at its ``first`` read of the step claimed
+        from an update in flight, else read from the store (RAM tier or SSD) once the gate allows."""
         ext = self.layout.w(b)
         if self.store.holds(ext.name):  # RAM tier: a memcpy that times itself
             return chain(self.gate(b), partial(self.store.read, ext.name, buf.data))
-        claimed = self.new_weights.claim(b, buf.data) if self.new_weights is not None else None
+        claimed = self.new_weights.claim(b, buf.data) if first and self.new_weights is not None else None
         if claimed is not None:
             return claimed
 
