@@ -8,7 +8,8 @@ not compute, set the step. One engine per format, each with its own store under 
 turns step by step (warm-up steps first), so a busy moment of the machine hits every format alike. Reported
 per format: the median step time of ``--steps`` measured steps and its ratio to fp32's, and the SSD bytes read
 and written per parameter per step — the engine's own count (``Timeline``: every tracked store read and write)
-totalled over the measured steps after the last update landed, ÷ steps ÷ parameters — beside the planner's
+totalled over the measured steps after the last update landed, less the first measured forward's reads of
+what a steady step is handed over (``handed``), ÷ steps ÷ parameters — beside the planner's
 prediction for the same plan (``fuyou.planner.cost.predict``). Bytes counted include the forward's and
 backward's weight reads and the clipping schedule's parked gradients, where the plan parks them on the store.
 
@@ -33,6 +34,13 @@ from bench.common import emit, hardware_info  # noqa: E402
 from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
 
 FORMATS = ("fp32", "split", "bf16", "int8")
+
+
+def handed(eng: Engine) -> int:
+    """Bytes the first measured step's forward reads from the store that a steady step is handed from Adam
+    (``fuyou.transfer.new_weights``): the flush after the warm-up lands the updates, so that forward finds no
+    new weights to claim and reads every block's (the clipping schedule, no RAM tier)."""
+    return sum(eng.layout.w(b).nbytes for b in range(len(eng.layout.blocks)))
 
 
 def engine(model_dir: str, store: str, fmt: str, a: argparse.Namespace) -> Engine:
@@ -119,7 +127,7 @@ def report(engines: dict, times: dict, moved: dict, params: int, real: bool, a: 
         rows[f] = {
             "step_s": step,
             "step_ratio_vs_fp32": step / base,
-            "read_B_per_param": moved[f][0] / a.steps / params,
+            "read_B_per_param": (moved[f][0] - handed(eng)) / a.steps / params,
             "written_B_per_param": moved[f][1] / a.steps / params,
             "predicted_read_B_per_param": pred["ssd_read_bytes"] / params,
             "predicted_written_B_per_param": pred["ssd_write_bytes"] / params,

@@ -70,7 +70,8 @@ def clean_run(tmp_path_factory):
     return model, str(data), clean
 
 
-@pytest.mark.parametrize("io", engines_posix_first())  # ~55 s each: pyfile/kvikio in the slow tier
+@pytest.mark.slow  # ~55-75 s each (the default tier's store-level SIGKILL test: tests/unit/storage/test_crash.py)
+@pytest.mark.parametrize("io", engines_posix_first())
 def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path, monkeypatch, clean_run, io):
     use_engine(monkeypatch, io)  # the killed runs (children) and the checks here use this engine
     model, data, clean = clean_run
