@@ -77,6 +77,7 @@ class WeightLoader:
         self.sharded = comm.world > 1
         """Whether blocks arrive as this rank's shard, gathered from the ranks (else uploaded whole)."""
         self.order: list[int] = []
+        self._first: dict[int, int] = {}
         self.pos = 0
         self._reads: dict[int, tuple[HostBuffer, Future]] = {}
         self._copies: list[tuple[HostBuffer, Event]] = []
@@ -86,6 +87,8 @@ class WeightLoader:
         if self._reads:
             raise RuntimeError("previous load order not finished")
         self.order, self.pos = order, 0
+        self._first = {b: len(order) - 1 - i for i, b in enumerate(reversed(order))}
+        """Each block's first position in the order: the read that may claim its new weights."""
         self._issue()
 
     def _issue(self) -> None:
@@ -93,7 +96,7 @@ class WeightLoader:
             if p not in self._reads:
                 b = self.order[p]
                 buf, free = self._buffer()
-                first = self.order.index(b) == p
+                first = self._first[b] == p
                 self._reads[p] = (buf, chain(free, partial(self._read, b, buf, first)))
 
     def _read(self, b: int, buf: HostBuffer, first: bool) -> Future:
