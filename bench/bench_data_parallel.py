@@ -65,15 +65,16 @@ def child(args: argparse.Namespace) -> None:
     )
     g = torch.Generator().manual_seed(1)
     data = [torch.randint(0, args.vocab, (args.batch, args.seq), generator=g) for _ in range(args.warmup + args.steps)]
-    times, read, written, comm = [], [], [], []
+    times, steps = [], []
     with Engine.from_state_dict(cfg, sd, ec) as eng:
         for i, ids in enumerate(data):
             st = eng.train_step(ids[rank * per : (rank + 1) * per])
             if i >= args.warmup:
                 times.append(st.step_time_s)
-                read.append(st.ssd_read_bytes)
-                written.append(st.ssd_write_bytes)
-                comm.append(st.comm_bytes)
+                steps.append(st)
+        # each step's bytes, its update's included (read after the steps: the overlap kept)
+        read, written = [s.ssd_read_bytes for s in steps], [s.ssd_write_bytes for s in steps]
+        comm = [s.comm_bytes for s in steps]
     print(
         json.dumps(
             {

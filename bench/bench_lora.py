@@ -147,11 +147,13 @@ def main() -> None:
                 for name, eng in fuyou.items():
                     st = eng.train_step(ids)
                     if i >= args.warmup:
-                        runs[name].append(st.to_json())
+                        runs[name].append(st)
                 for name, ref_step in plain.items():
                     st2 = ref_step.step(ids)
                     if i >= args.warmup:
                         runs[name].append(st2)
+            for name in fuyou:  # each step's bytes, its update's included (read after the steps: the overlap kept)
+                runs[name] = [st.to_json() for st in runs[name]]
             hw = hardware_info([base])
             tiers = {n: (e.plan.ram_weight_blocks, e.plan.ram_state_blocks) for n, e in fuyou.items()}
         finally:

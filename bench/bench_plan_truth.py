@@ -74,8 +74,10 @@ def run_setting(name: str, flags: list[str], model: str, data: str, work: str, s
         return {"bench": "plan_truth", "setting": name, "error": r.stderr.strip().splitlines()[-1:]}
     run = json.loads(open(os.path.join(out, "run.json")).read())
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        times = [json.loads(line)["step_time_s"] for line in f][warmup:]
+        lines = [json.loads(line) for line in f][warmup:]
+    times = [x["step_time_s"] for x in lines]
     measured = statistics.median(times)
+    busy = {r: statistics.median(x["busy_frac"][r] * x["step_time_s"] for x in lines) for r in lines[0]["busy_frac"]}
     plan = run["plan"]
     prof = json.loads(open(plan["profile"]).read()) if plan.get("profile") and os.path.exists(plan["profile"]) else {}
     figures = {k: prof.get(k) for k in ("ssd_read_Bps", "ssd_write_Bps", "io_cpu_s_per_byte", "adam_params_per_s")}
@@ -91,6 +93,7 @@ def run_setting(name: str, flags: list[str], model: str, data: str, work: str, s
         "step_times_s": times,
         "predicted_over_measured": plan["predicted_step_s"] / measured if plan.get("predicted_step_s") else None,
         "bottleneck": plan.get("predicted_bottleneck"),
+        "busy_s": {"predicted": plan.get("predicted_busy_s"), "measured_median": busy},
         "profile": plan.get("profile"),
         "profile_check": run.get("profile_check"),
         "profile_figures": figures,
@@ -137,6 +140,12 @@ def main(argv: list[str] | None = None) -> None:
                     f"{rec['measured_step_s']:.2f} | {rec['predicted_over_measured']:.2f} | {rec['bottleneck']} |",
                     file=sys.stderr,
                 )
+        print("\nbusy seconds per resource, predicted / measured (median of the measured steps):", file=sys.stderr)
+        for rec in rows:
+            if "error" not in rec:
+                pred, meas = rec["busy_s"]["predicted"] or {}, rec["busy_s"]["measured_median"]
+                cells = [f"{r} {pred.get(r, 0):.2f}/{meas.get(r, 0):.2f}" for r in sorted(set(pred) | set(meas))]
+                print(f"| {rec['setting']} | " + " | ".join(cells) + " |", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -269,11 +269,13 @@ def run(a: argparse.Namespace, rss: RssSampler, baseline: int, cfg: Any, shapes:
                     "tokens_per_s": st.tokens_per_s,
                     "busy_s": st.busy_s,
                     "bottleneck": st.bottleneck,
-                    "ssd_read_bytes": st.ssd_read_bytes,
-                    "ssd_write_bytes": st.ssd_write_bytes,
+                    "io": st.io,
                     "vmrss_peak_bytes": None,
                 }
             )
+        for s in steps:  # each step's bytes, its update's included (read after the steps: the overlap kept)
+            io = s.pop("io").get()
+            s["ssd_read_bytes"], s["ssd_write_bytes"] = io["ssd_read"], io["ssd_write"]
         rss.set_phase("close")
         dev = eng.backend.memory()
         eng.close()

@@ -7,9 +7,9 @@ block's weights and optimizer state on the store (no RAM tier) and few tokens pe
 not compute, set the step. One engine per format, each with its own store under ``--dir``; the formats take
 turns step by step (warm-up steps first), so a busy moment of the machine hits every format alike. Reported
 per format: the median step time of ``--steps`` measured steps and its ratio to fp32's, and the SSD bytes read
-and written per parameter per step — the engine's own count (``Timeline``: every tracked store read and write)
-totalled over the measured steps after the last update landed, less the first measured forward's reads of
-what a steady step is handed over (``handed``), ÷ steps ÷ parameters — beside the planner's
+and written per parameter per step — the engine's own count (``Timeline``: every store read and write, by the
+step it serves, its update's included: ``StepResult.io``) totalled over the measured steps ÷ steps ÷
+parameters — beside the planner's
 prediction for the same plan (``fuyou.planner.cost.predict``). Bytes counted include the forward's and
 backward's weight reads and the clipping schedule's parked gradients, where the plan parks them on the store.
 
@@ -34,13 +34,6 @@ from bench.common import emit, hardware_info  # noqa: E402
 from fuyou.engine import Engine, EngineConfig, Plan  # noqa: E402
 
 FORMATS = ("fp32", "split", "bf16", "int8")
-
-
-def handed(eng: Engine) -> int:
-    """Bytes the first measured step's forward reads from the store that a steady step is handed from Adam
-    (``fuyou.transfer.new_weights``): the flush after the warm-up lands the updates, so that forward finds no
-    new weights to claim and reads every block's (the clipping schedule, no RAM tier)."""
-    return sum(eng.layout.w(b).nbytes for b in range(len(eng.layout.blocks)))
 
 
 def engine(model_dir: str, store: str, fmt: str, a: argparse.Namespace) -> Engine:
@@ -97,23 +90,18 @@ def main() -> None:
     vocab = next(iter(engines.values())).adapter.config.vocab_size
     times: dict[str, list[float]] = {f: [] for f in FORMATS}
     moved = {f: [0, 0] for f in FORMATS}
+    results: dict[str, list] = {f: [] for f in FORMATS}
     for i in range(a.warmup + a.steps):
         ids = torch.randint(0, vocab, (1, a.seq_len), generator=gen)
         for f, eng in engines.items():
             t0 = time.perf_counter()
-            st = eng.train_step(ids)  # its summary counts the bytes whose transfer completed since the last
+            st = eng.train_step(ids)
             t1 = time.perf_counter()
-            if i == a.warmup - 1:
-                eng.flush()
-                eng.timeline.summary(t0, time.perf_counter())  # counts from here on
             if i >= a.warmup:
                 times[f].append(t1 - t0)
-                moved[f] = [moved[f][0] + st["ssd_read_bytes"], moved[f][1] + st["ssd_write_bytes"]]
-    for f, eng in engines.items():
-        t0 = time.perf_counter()
-        eng.flush()  # the last step's updates land: their bytes count too
-        s = eng.timeline.summary(t0, time.perf_counter())
-        moved[f] = [moved[f][0] + s["ssd_read_bytes"], moved[f][1] + s["ssd_write_bytes"]]
+                results[f].append(st)
+    for f in engines:  # each step's bytes, its update's included (read now: the overlap kept)
+        moved[f] = [sum(st.ssd_read_bytes for st in results[f]), sum(st.ssd_write_bytes for st in results[f])]
     raise SystemExit(report(engines, times, moved, params, real, a))
 
 
@@ -127,7 +115,7 @@ def report(engines: dict, times: dict, moved: dict, params: int, real: bool, a: 
         rows[f] = {
             "step_s": step,
             "step_ratio_vs_fp32": step / base,
-            "read_B_per_param": (moved[f][0] - handed(eng)) / a.steps / params,
+            "read_B_per_param": moved[f][0] / a.steps / params,
             "written_B_per_param": moved[f][1] / a.steps / params,
             "predicted_read_B_per_param": pred["ssd_read_bytes"] / params,
             "predicted_written_B_per_param": pred["ssd_write_bytes"] / params,

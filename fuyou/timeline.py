@@ -7,6 +7,13 @@ Adam's buffer to a read; they never cross PCIe). A resource's busy time is the *
 (several reads in flight at once count once), and the bottleneck is the busiest resource. Spans are
 recorded from any thread.
 
+Bytes (``MOVED``) are counted by the step they serve, not by when they land: each transfer is counted when
+it is issued, in the ledger of the step the engine is running then (``begin_step``), or of the step a
+later stage works for (``serving_as``: the Adam stage's reads and writes of a step's update, issued after
+that step's end); a transfer issued outside any step (an evaluation, a flush before a checkpoint) counts
+in the ``None`` ledger. A step's figures are final once every transfer serving it has been issued, so two
+identical runs report the same bytes per step, whatever the timing (``take_bytes``).
+
 Work a device runs asynchronously (compute, host↔device copies) is timed by the device:
 ``device_span`` records a pair of clock events (``Backend.clock``: CUDA timing events on a GPU,
 the moment a stream's thread ran the work under the asynchronous CPU backend, the host clock on
@@ -33,7 +40,10 @@ from fuyou.device.base import Backend, Event
 
 RESOURCES = ("ssd_read", "ssd_write", "h2d", "d2h", "compute", "adam", "comm", "ram_copy")
 MOVED = ("ssd_read", "ssd_write", "comm")
-"""Resources whose bytes a step reports (``summary``)."""
+"""Resources whose bytes a step reports (``take_bytes``)."""
+_KEPT_LEDGERS = 1024
+"""Steps whose bytes nobody took that a timeline keeps (the most recent)."""
+_UNSET = object()
 
 
 @dataclass(frozen=True)
@@ -84,21 +94,80 @@ class Timeline:
         self._open: list[_Open] = []
         """The device spans whose bodies run now, from any thread (``gap``: on a GPU autograd runs the
         backward's hooks on its own device thread, not on the thread that opened the compute span)."""
-        self._moved: dict[str, int] = dict.fromkeys(MOVED, 0)
-        """Bytes of every span recorded so far, per resource of ``MOVED`` (``clear`` keeps them)."""
-        self._reported: dict[str, int] = dict.fromkeys(MOVED, 0)
-        """``_moved`` at the last ``summary``."""
+        self._ledger: dict[int | None, dict[str, int]] = {}
+        """Bytes issued per resource of ``MOVED``, by the step they serve (None: outside any step)."""
+        self._steps = 0
+        """Steps begun so far (``begin_step``): the ledgers' keys."""
+        self._serving: int | None = None
+        self._local = threading.local()
         self._lock = threading.Lock()
         self.origin = time.perf_counter()
 
+    # ------------------------------------------------------------------ bytes by the step they serve
+    def begin_step(self) -> int:
+        """The engine starts a step: transfers issued from now on serve it (unless ``serving_as``
+        says otherwise). Returns the step's ledger key (1, 2, … in this timeline)."""
+        with self._lock:
+            self._steps += 1
+            self._serving = self._steps
+            self._ledger.setdefault(self._steps, dict.fromkeys(MOVED, 0))
+            if len(self._ledger) > _KEPT_LEDGERS:  # figures nobody took: keep the recent ones
+                del self._ledger[min(k for k in self._ledger if k is not None)]
+        return self._steps
+
+    def end_step(self) -> None:
+        """The engine's step is over: transfers issued from now on serve no step (unless ``serving_as``)."""
+        self._serving = None
+
+    @property
+    def serving(self) -> int | None:
+        """The ledger key transfers issued now on this thread count in."""
+        return getattr(self._local, "key", self._serving)
+
+    @contextmanager
+    def serving_as(self, key: int | None) -> Iterator[None]:
+        """On this thread, transfers issued in the body serve step ``key`` (a stage working for a step
+        after its end)."""
+        before = getattr(self._local, "key", _UNSET)
+        self._local.key = key
+        try:
+            yield
+        finally:
+            if before is _UNSET:
+                del self._local.key
+            else:
+                self._local.key = before
+
+    def _count(self, key: int | None, resource: str, nbytes: int) -> None:
+        if resource in MOVED and nbytes:
+            with self._lock:
+                self._ledger.setdefault(key, dict.fromkeys(MOVED, 0))[resource] += nbytes
+
+    def take_bytes(self, key: int | None) -> dict[str, int]:
+        """Bytes per resource of ``MOVED`` counted for step ``key`` (None: outside any step) since the
+        last take, which now count as reported. Final once every transfer serving the step has been
+        issued (the caller waits for that: ``Engine.step_io``)."""
+        with self._lock:
+            got = self._ledger.pop(key, None) or dict.fromkeys(MOVED, 0)
+        return dict(got)
+
     def add(
-        self, resource: str, label: str, t0: float, t1: float, nbytes: int = 0, issued: float | None = None
+        self,
+        resource: str,
+        label: str,
+        t0: float,
+        t1: float,
+        nbytes: int = 0,
+        issued: float | None = None,
+        counted: bool = False,
     ) -> None:
-        """Record a finished span (``issued``: a device span's issue time, see ``Span``)."""
+        """Record a finished span (``issued``: a device span's issue time, see ``Span``). Its bytes count
+        in the ledger of the step served now, unless already ``counted`` at issue (``track``,
+        ``device_span``)."""
+        if not counted:
+            self._count(self.serving, resource, nbytes)
         with self._lock:
             self.spans.append(Span(resource, label, t0, t1, nbytes, issued))
-            if resource in self._moved:
-                self._moved[resource] += nbytes
 
     @contextmanager
     def device_span(
@@ -107,6 +176,7 @@ class Timeline:
         """Time the work the body issues on ``stream`` (None: the current stream) as the device runs it:
         from when the device reaches the work issued before the body to when it finishes the body's,
         less the waits the body brackets with ``gap``."""
+        self._count(self.serving, resource, nbytes)
         span = _Open(resource, label, backend, stream, nbytes, backend.clock(stream), time.perf_counter())
         with self._lock:
             self._open.append(span)
@@ -153,28 +223,26 @@ class Timeline:
                 with self._lock:
                     self._device.append(item)
             else:
-                self.add(resource, label, t0, t1, nbytes, issued)
+                self.add(resource, label, t0, t1, nbytes, issued, counted=True)
 
-    def track(self, fut: Future, resource: str, label: str, nbytes: int = 0) -> Future:
-        """Record ``fut`` as a span from now until it completes; returns ``fut``."""
+    def track(self, fut: Future, resource: str, label: str, nbytes: int = 0, step: Any = _UNSET) -> Future:
+        """Record ``fut`` as a span from now until it completes, its bytes counted now (issued) for
+        ``step`` (default: the step served on this thread, ``serving``); returns ``fut``."""
+        self._count(self.serving if step is _UNSET else step, resource, nbytes)
         t0 = time.perf_counter()
-        fut.add_done_callback(lambda _: self.add(resource, label, t0, time.perf_counter(), nbytes))
+        fut.add_done_callback(lambda _: self.add(resource, label, t0, time.perf_counter(), nbytes, counted=True))
         return fut
 
     def summary(self, t0: float, t1: float) -> dict:
-        """Busy seconds per resource of the step [t0, t1], the bottleneck, the wall time, and the bytes
-        each resource of ``MOVED`` moved in the spans recorded since the previous summary.
+        """Busy seconds per resource of the step [t0, t1], the bottleneck and the wall time (bytes: by
+        the step they serve, ``take_bytes``).
 
         Host spans count within [t0, t1]. Device spans count in the step that issued them (issued in
         [t0, t1)), whole: those issued before ``t1`` are waited for first, so a copy the step issued that
-        lands after ``t1`` counts in this step, not in the next. Bytes go by completion, so each byte
-        counts in exactly one summary: a write that outlives one step's window, or finishes between two
-        steps, counts in the next."""
+        lands after ``t1`` counts in this step, not in the next."""
         self.resolve(before=t1)
         with self._lock:
             spans = [_window(s, t0, t1) for s in self.spans]
-            moved = {r: self._moved[r] - self._reported[r] for r in MOVED}
-            self._reported = dict(self._moved)
         busy = {r: union_length([iv for res, iv in spans if res == r and iv is not None]) for r in RESOURCES}
         wall = t1 - t0
         bottleneck = max(busy, key=busy.__getitem__)
@@ -183,9 +251,6 @@ class Timeline:
             "busy_s": busy,
             "busy_frac": {r: b / wall for r, b in busy.items()},
             "bottleneck": bottleneck,
-            "ssd_read_bytes": moved["ssd_read"],
-            "ssd_write_bytes": moved["ssd_write"],
-            "comm_bytes": moved["comm"],
         }
 
     def to_chrome_trace(self, path: str) -> None:
@@ -211,17 +276,9 @@ class Timeline:
         with open(path, "w") as f:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
 
-    def take_moved(self) -> dict[str, int]:
-        """Bytes each resource of ``MOVED`` moved since the previous ``summary`` or ``take_moved``, which
-        now count as reported (a run's tail: what landed after its last step's summary)."""
-        with self._lock:
-            moved = {r: self._moved[r] - self._reported[r] for r in MOVED}
-            self._reported = dict(self._moved)
-        return moved
-
     def clear(self) -> None:
         """Forget recorded spans (long runs keep only the recent ones); device-timed spans still in
-        flight stay, and so do the byte counts of the next ``summary``."""
+        flight stay, and so do the bytes not yet taken (``take_bytes``)."""
         with self._lock:
             self.spans.clear()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from fuyou.errors import ConfigError
@@ -47,11 +48,14 @@ def parse_size(text: str | int, what: str = "size") -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
-def format_size(nbytes: float) -> str:
-    """Format a byte count with a binary unit and one decimal, e.g. ``1.5 GiB``."""
+def format_size(nbytes: float, up: bool = False) -> str:
+    """Format a byte count with a binary unit and one decimal, e.g. ``1.5 GiB``; ``up``: rounded up, not
+    to nearest (a size something needs, which the figure shown must not undercut)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(nbytes) < 1024 or unit == "TiB":
-            return f"{nbytes:.0f} B" if unit == "B" else f"{nbytes:.1f} {unit}"
+            if unit == "B":
+                return f"{math.ceil(nbytes) if up else round(nbytes)} B"
+            return f"{math.ceil(nbytes * 10 - 1e-9) / 10 if up else nbytes:.1f} {unit}"
         nbytes /= 1024
     raise AssertionError("unreachable")
 

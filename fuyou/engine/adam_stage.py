@@ -35,6 +35,9 @@ from fuyou.transfer.host_pool import HostBuffer, HostBufferPool
 from fuyou.transfer.new_weights import NewWeights
 from fuyou.transfer.ram_tier import RamTier
 
+_KEPT_STEPS = 64
+"""Steps whose update futures ``AdamStage`` keeps for ``served`` beyond those still running."""
+
 
 class AdamStage:
     """Offload (through ``gradients``), update and write back one block at a time; see the module
@@ -62,6 +65,8 @@ class AdamStage:
         self.new_weights = NewWeights(timeline, store.store.io)
         """Each block's new weights, handed to a read of the block while their buffer is held."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._served: dict[int | None, list[Future]] = {}
+        """Each step's updates (by the timeline's ledger key of the step they serve), until ``served``."""
         self._lock = threading.Lock()
         self._nonfinite: set[int] = set()
         self._feeder = threading.Thread(target=self._feed, name="fuyou-adam-feeder", daemon=True)
@@ -72,10 +77,24 @@ class AdamStage:
         out = [(max(a, lo), min(z, hi), d) for a, z, d in self.layout.decay_runs(b, self.no_decay)]
         return [(a, z, d) for a, z, d in out if z > a]
 
-    def _io(self, fut: Future, resource: str, name: str, nbytes: int) -> Future:
-        """Record an SSD read/write of extent ``name`` on the timeline; RAM-tier extents are not SSD
-        traffic (the tier records their memcpys itself)."""
-        return fut if self.store.holds(name) else self.timeline.track(fut, resource, name, nbytes)
+    def _io(self, fut: Future, resource: str, name: str, nbytes: int, key: int | None) -> Future:
+        """Record an SSD read/write of extent ``name`` on the timeline, for the step ``key`` the update
+        serves; RAM-tier extents are not SSD traffic (the tier records their memcpys itself)."""
+        return fut if self.store.holds(name) else self.timeline.track(fut, resource, name, nbytes, key)
+
+    def served(self, key: int | None) -> list[Future]:
+        """The futures of the updates queued for step ``key`` (the timeline's ledger key), forgotten now:
+        once they are done, every transfer of those updates has been issued (and has landed)."""
+        with self._lock:
+            return self._served.pop(key, [])
+
+    def _remember(self, key: int | None, out: Future) -> None:
+        """Keep ``out`` for ``served``; steps nobody asks about are forgotten once their updates are done."""
+        with self._lock:
+            self._served.setdefault(key, []).append(out)
+            if len(self._served) > _KEPT_STEPS:
+                for k in [k for k, fs in self._served.items() if k != key and all(f.done() for f in fs)]:
+                    del self._served[k]
 
     def _timed_step(
         self, master: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor, **kw: object
@@ -125,19 +144,22 @@ class AdamStage:
         chains read → update → write; see ``_update_now``.
         """
         out: Future = Future()
+        key = self.timeline.serving
+        self._remember(key, out)
         self.new_weights.expect(b, hold and not self.store.holds(self.layout.w(b).name))
-        self._queue.put((b, grad, ready, lr, step, scale, out))
+        self._queue.put((b, grad, ready, lr, step, scale, out, key))
         return out
 
     def _feed(self) -> None:
         """Feeder thread: start queued block updates in order, relaying their completion."""
         serial_worker()
         while (item := self._queue.get()) is not None:
-            b, grad, ready, lr, step, scale, out = item
+            b, grad, ready, lr, step, scale, out, key = item
             try:
-                if callable(grad):
-                    grad, ready = grad()
-                fut = self._update_now(b, grad, ready, lr, step, scale)
+                with self.timeline.serving_as(key):  # a parked gradient's read serves the update's step
+                    if callable(grad):
+                        grad, ready = grad()
+                fut = self._update_now(b, grad, ready, lr, step, scale, key)
             except BaseException as e:  # noqa: BLE001 - surfaced through the block's future
                 if isinstance(grad, HostBuffer):
                     self.pool.release(grad)
@@ -153,8 +175,11 @@ class AdamStage:
 
             fut.add_done_callback(relay)
 
-    def _update_now(self, b: int, grad: HostBuffer, ready: Event, lr: float, step: int, scale: float) -> Future:
-        """Run AdamW for block ``b`` (1-based ``step``, gradient × ``scale``) and write it back.
+    def _update_now(
+        self, b: int, grad: HostBuffer, ready: Event, lr: float, step: int, scale: float, key: int | None
+    ) -> Future:
+        """Run AdamW for block ``b`` (1-based ``step``, gradient × ``scale``) and write it back; its
+        transfers count for the timeline's step ``key``.
 
         State goes chunk by chunk (read, update, write), each chunk's new compute weights landing in
         one weight buffer that is written once all chunks are done (a split master first reads the old
@@ -166,9 +191,9 @@ class AdamStage:
         wbuf = self.pool.acquire(NEW_WEIGHTS)
         old = done_future()
         if self.rule.reads_weights:
-            old = self._io(self.store.read(w_ext.name, wbuf.data), "ssd_read", w_ext.name, w_ext.nbytes)
+            old = self._io(self.store.read(w_ext.name, wbuf.data), "ssd_read", w_ext.name, w_ext.nbytes, key)
         chunk_writes = [
-            self._chunk(b, c, grad, ready, wbuf, old, lr, step, scale) for c in range(len(self.layout.chunks(b)))
+            self._chunk(b, c, grad, ready, wbuf, old, lr, step, scale, key) for c in range(len(self.layout.chunks(b)))
         ]
         jobs = gather([j for j, _ in chunk_writes])
         jobs.add_done_callback(lambda _: self.pool.release(grad))
@@ -181,7 +206,7 @@ class AdamStage:
         jobs.add_done_callback(publish)
 
         def write_weights() -> Future:
-            return self._io(self.store.write(w_ext.name, wbuf.data), "ssd_write", w_ext.name, w_ext.nbytes)
+            return self._io(self.store.write(w_ext.name, wbuf.data), "ssd_write", w_ext.name, w_ext.nbytes, key)
 
         def retire(f: Future) -> None:  # hazard: no copy may read wbuf once it is back in the pool
             new.retire(b, f.exception(), partial(self.pool.release, wbuf))
@@ -201,6 +226,7 @@ class AdamStage:
         lr: float,
         step: int,
         scale: float,
+        key: int | None,
     ) -> tuple[Future, Future]:
         """Read, update and write state chunk ``c`` of block ``b`` once ``old`` (the read of the old
         weights into ``wbuf``, where the rule needs them) is done: (job future, write future)."""
@@ -215,7 +241,7 @@ class AdamStage:
         else:
             sbuf = self.pool.acquire(STATE)
             data = sbuf.data
-            read = self._io(self.store.read(s_ext.name, data), "ssd_read", s_ext.name, s_ext.nbytes)
+            read = self._io(self.store.read(s_ext.name, data), "ssd_read", s_ext.name, s_ext.nbytes, key)
 
         def start_job() -> Future:
             ready.wait()  # the gradient's device→host copy must have landed
@@ -234,7 +260,7 @@ class AdamStage:
             return job, job
 
         def write_state() -> Future:
-            return self._io(self.store.write(s_ext.name, sbuf.data), "ssd_write", s_ext.name, s_ext.nbytes)
+            return self._io(self.store.write(s_ext.name, sbuf.data), "ssd_write", s_ext.name, s_ext.nbytes, key)
 
         written = chain(job, write_state)
         written.add_done_callback(lambda _: self.pool.release(sbuf))

@@ -70,6 +70,6 @@ def admit_batch(peak: DevicePeak | None, capacity: int, micro_batch: int, seq_le
     raise DeviceMemoryError(
         f"device memory: a step of {accum} micro-batch{'es' if accum > 1 else ''} of {micro_batch} × {seq_len} tokens "
         f"needs about {format_size(peak.nbytes)} at its peak ({peak.phase}), the device budget is "
-        f"{format_size(capacity)}; raise --gpu-memory to ≥ {format_size(peak.nbytes)}, lower --micro-batch-size "
+        f"{format_size(capacity)}; raise --gpu-memory to ≥ {format_size(peak.nbytes, up=True)}, lower --micro-batch-size "
         "or --seq-len, or keep fewer activations on the device (--activations recompute or swap_cpu)"
     )

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from fuyou.engine.config import EngineConfig
 from fuyou.engine.device_admission import admit_batch, batch_peak
 from fuyou.engine.export import HF_FILES, export_dtype, export_layout, iter_master
 from fuyou.engine.lora import LoraState
-from fuyou.engine.step import StepContext, StepResult, StepRunner, StepState
+from fuyou.engine.step import StepContext, StepIO, StepResult, StepRunner, StepState
 from fuyou.engine.updates import Progress
 from fuyou.engine.vocab_loss import IGNORE, shifted
 from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
@@ -423,8 +424,12 @@ class Engine:
             balance=None if self.balance is None else StepBalance(self.balance, len(input_ids), dev, self.comm),
         )
         self._admit_batch(input_ids)
-        with _device_memory("a step", self.backend):
-            applied, t0, t1 = self.runner.run(st)
+        key = self.timeline.begin_step()
+        try:
+            with _device_memory("a step", self.backend):
+                applied, t0, t1 = self.runner.run(st)
+        finally:
+            self.timeline.end_step()
         tokens = sum(x.numel() for x in input_ids)
         return StepResult(
             step=self.step,
@@ -436,6 +441,7 @@ class Engine:
             step_time_s=t1 - t0,
             tokens_per_s=tokens / (t1 - t0),
             moe_balance_loss=None if st.balance is None else st.aux,
+            io=StepIO(key, self.step_io),
             **self.timeline.summary(t0, t1),
         )
 
@@ -521,12 +527,24 @@ class Engine:
         self.updates.settle()
         self.lora.commit(self.store, self.pool, self.tier, self.commit_meta())
 
-    def io_tail(self) -> tuple[int, int]:
-        """SSD bytes (read, written) that landed since the last step's figures, once every pending update
-        has landed (``flush``): what a run adds to its steps' figures for exact totals (each step counts
-        the transfers that completed within it, so the last step's updates would otherwise be left out)."""
+    def step_io(self, key: int) -> dict[str, int]:
+        """The bytes (per resource of ``fuyou.timeline.MOVED``) of the step with the timeline's ledger
+        ``key`` (``StepIO``): its own transfers and its update's, waited for until every one has been
+        issued (an update that failed has issued all it will: its error is the step's to raise). The
+        last step's update may still be pending (the clipping schedule's holds its new weights for the
+        next forward): it is settled and committed first, as ``flush`` does."""
+        served = self.updates.c.stage.served(key)
+        if not all(f.done() for f in served):
+            self.flush()
+        futures.wait(served)
+        return self.timeline.take_bytes(key)
+
+    def io_outside(self) -> tuple[int, int]:
+        """SSD bytes (read, written) issued outside any step since the last call — an import, an
+        evaluation, the RAM tier's writes at a flush — once every pending update is done (``flush``):
+        a run's total is its steps' figures plus these."""
         self.flush()
-        moved = self.timeline.take_moved()
+        moved = self.timeline.take_bytes(None)
         return moved["ssd_read"], moved["ssd_write"]
 
     # ------------------------------------------------------------------ results

@@ -21,8 +21,9 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -64,6 +65,24 @@ class StepContext:
     """What happens to completed gradients (``fuyou.engine.updates``), chosen at assembly."""
 
 
+class StepIO:
+    """A step's bytes — SSD read and written, this rank's collectives — counted by the step they serve
+    (``fuyou.timeline``): its own transfers and those of its update, which may run after the step
+    returns (the clipping schedule's overlaps the next step). Reading them waits until every transfer
+    serving the step has been issued: at once after the next step or a flush, so read them then to
+    keep the update overlapping (``Engine.step_io``)."""
+
+    def __init__(self, key: int, settle: Callable[[int], dict[str, int]]) -> None:
+        self.key, self._settle = key, settle
+        self._got: dict[str, int] | None = None
+
+    def get(self) -> dict[str, int]:
+        """Bytes per resource of ``fuyou.timeline.MOVED`` (waits for them to be final, once)."""
+        if self._got is None:
+            self._got = self._settle(self.key)
+        return self._got
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What one optimizer step did. Times in seconds, sizes in bytes. ``result["loss"]`` works too."""
@@ -86,21 +105,37 @@ class StepResult:
     busy_frac: dict[str, float]
     bottleneck: str
     """The busiest resource."""
-    ssd_read_bytes: int
-    ssd_write_bytes: int
-    comm_bytes: int = 0
-    """Bytes this rank's collectives moved (weights gathered in, gradients scattered out; 0 on one rank)."""
+    io: StepIO = field(repr=False)
+    """The step's bytes (``ssd_read_bytes``, ``ssd_write_bytes``, ``comm_bytes``), final once its update
+    has issued them."""
     moe_balance_loss: float | None = None
     """A mixture of experts' balance loss (unweighted, as ``transformers`` reports ``aux_loss``);
     ``loss`` includes it times ``router_aux_loss_coef``. None: no balance loss."""
+
+    @property
+    def ssd_read_bytes(self) -> int:
+        """SSD bytes the step and its update read (waits for the update to have issued them: ``StepIO``)."""
+        return self.io.get()["ssd_read"]
+
+    @property
+    def ssd_write_bytes(self) -> int:
+        """SSD bytes the step and its update wrote (waits as ``ssd_read_bytes``)."""
+        return self.io.get()["ssd_write"]
+
+    @property
+    def comm_bytes(self) -> int:
+        """Bytes this rank's collectives moved (weights gathered in, gradients scattered out; 0 on one rank)."""
+        return self.io.get()["comm"]
 
     def __getitem__(self, key: str) -> Any:
         """Dict-style access (``result["loss"]``), as earlier versions returned a dict."""
         return getattr(self, key)
 
-    def to_json(self) -> dict:
-        """Plain data."""
-        return asdict(self)
+    def to_json(self, io: bool = True) -> dict:
+        """Plain data; with ``io`` the bytes too (waiting as ``ssd_read_bytes``: right after the step, that
+        ends the overlap of its update with the next step)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "io"}
+        return out | ({k: getattr(self, k) for k in ("ssd_read_bytes", "ssd_write_bytes", "comm_bytes")} if io else {})
 
 
 @dataclass

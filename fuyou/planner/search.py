@@ -333,7 +333,7 @@ class _Search:
                 f"SSD space: the store needs {fs(store)} (two versions of {cb + spp} B/param × "
                 f"{m.params / 1e9:.2f} B params{' in this rank' + chr(39) + 's shards' if self.r.cluster.world > 1 else ''}), "
                 f"{fs(self.b.ssd_bytes)} is free; add --ssd "
-                f"directories or use --state-precision bf16"
+                f"directories or use --optimizer-state int8 (fewest bytes; lossy: see the README)"
             )
         need = host_buffers(
             m,
@@ -346,9 +346,9 @@ class _Search:
             big = max(b.numel for b in m.blocks)
             park = "; clipping's parked gradients already on SSD" if sched == "overlap_next_forward" else ""
             raise BlockTooLargeError(
-                f"host memory: the smallest buffer set needs {fs(need)} (2 weight + 2 gradient + 2 new-weight buffers "
+                f"host memory: the smallest buffer set needs {fs(need, up=True)} (2 weight + 2 gradient + 2 new-weight buffers "
                 f"of the largest block, {fs(cb * big)} each, + 2 state chunks of 1 Mi params{park}); --cpu-memory is "
-                f"{fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(need)}"
+                f"{fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(need, up=True)}"
             )
 
     def _fewer_tokens(self, seqs: int, room: int, per_tok: int) -> str:
@@ -400,7 +400,7 @@ class _Search:
             f"device memory: block inputs kept for backward need {fs(boundary)} ({kept} blocks × "
             f"{self.seqs * self.r.seq_len} tokens{rank} × {self.m.hidden} × {self.cb} B) plus a working set of "
             f"{fs(mem.device - boundary)} at micro-batch {mb}; --gpu-memory is {fs(self.b.gpu_memory)}. {fewer}"
-            f", or raise --gpu-memory to ≥ {fs(mem.device)}"
+            f", or raise --gpu-memory to ≥ {fs(mem.device, up=True)}"
         )
         big = max(self.m.blocks, key=lambda b: 2 * b.numel + b.frozen_numel)
         alone = (2 * big.numel + big.frozen_numel) * self.cb  # its weights and its trained part's gradient
@@ -418,7 +418,7 @@ class _Search:
             raise BlockTooLargeError(
                 f"device memory: block {big.name}{split} ({(big.numel + big.frozen_numel) / 1e9:.2f} B params) needs "
                 f"{fs(alone)} on the device for its weights and gradients alone, whatever the "
-                f"sequence length; --gpu-memory is {fs(self.b.gpu_memory)}. Raise --gpu-memory to ≥ {fs(work)}"
+                f"sequence length; --gpu-memory is {fs(self.b.gpu_memory)}. Raise --gpu-memory to ≥ {fs(work, up=True)}"
             )
         if work > self.b.gpu_memory:
             shape = f"{mb} × {self.r.seq_len}" if mb > 1 else f"{self.r.seq_len}"
@@ -431,7 +431,7 @@ class _Search:
         if not boundary:  # the device holds the working set: host RAM cannot hold the inputs
             raise InfeasibleError(
                 f"host memory: with block inputs in host RAM (recompute_cpu, {fs(inputs)}) the host needs "
-                f"{fs(mem.host)}; --cpu-memory is {fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(mem.host)}, "
+                f"{fs(mem.host)}; --cpu-memory is {fs(self.b.cpu_memory)}. Raise --cpu-memory to ≥ {fs(mem.host, up=True)}, "
                 f"or {self._fewer_tokens(self._seqs_fitting(plan, cfg, host=True), self.b.cpu_memory - (mem.host - inputs), per_tok).lower()}"
             )
         raise InfeasibleError(msg)

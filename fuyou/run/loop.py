@@ -490,6 +490,8 @@ def _train(
         if state is None:
             tb.eval_loss(0, c["eval_before"])
         progress.advance_to(start)
+        params = sum(engine.layout.numel(b) for b in range(len(engine.layout.blocks)))
+        lines = _Lines(mf, tb, progress, c, params)
         for step in range(start, total):
             t0 = time.perf_counter()
             ids, labels, pos = next(batches)  # the global batch: this rank trains its slice
@@ -499,9 +501,8 @@ def _train(
             engine.timeline.clear()
             st = engine.train_step(ids[per], labels[per], None if pos is None else pos[per])
             rec = _record(step, st, fpt, ranks.world)
+            lines.write()  # the previous step's line: its bytes are final now (its update has issued them)
             c["tokens"] += st.tokens * ranks.world
-            c["written"] += st.ssd_write_bytes
-            c["read"] += st.ssd_read_bytes
             c["first_loss"] = st.loss if c["first_loss"] is None else c["first_loss"]
             c["loss"] = st.loss
             c["wall"] += time.perf_counter() - t0
@@ -511,27 +512,27 @@ def _train(
             if evaluated:
                 rec["eval_loss"] = _evaluate(engine, data.eval_batches)
                 tb.eval_loss(done, rec["eval_loss"])
-            mf.write(json.dumps(rec) + "\n")
-            mf.flush()
-            tb.step(rec)
+            lines.hold(rec, st)
             due = bool(seconds) and time.monotonic() - last_save >= seconds
             better = bool(cfg.keep_best and evaluated and _improves(c, rec["eval_loss"]))
             stopping, due, best = _agree(ranks, stop.signum or 0, due, better)
             if best:
                 c["best"] = {"eval_loss": rec["eval_loss"], "checkpoint": checkpoint_name(done), "step": done}
             saved = False
+            progress.update(rec)
             if (stopping and (every or seconds)) or best or ((every and done % every == 0 or due) and done < total):
+                lines.write()  # the checkpoint's counters and metrics.jsonl include this step
                 c["stall"] += _checkpoint(cfg, engine, data, done, c, ranks)
                 saved, last_save = True, time.monotonic()
-            progress.update(rec)
             if stopping:
+                lines.write()
                 _interrupted(stopping, done, saved, engine, ranks)
+        lines.write()
         if cfg.trace:
             engine.timeline.to_chrome_trace(cfg.trace)
-        read, written = engine.io_tail()  # the last updates' bytes: totals are exact, run to run
-        c["read"], c["written"] = c["read"] + read, c["written"] + written
         eval_after = _evaluate(engine, data.eval_batches)
         tb.eval_loss(total, eval_after)
+        outside = engine.io_outside()  # the import, evaluations, flushes: not the steps'
     return {
         "steps": total,
         "tokens": c["tokens"],
@@ -545,8 +546,10 @@ def _train(
         **_device_figures(engine),
         "ssd_write_bytes": c["written"],
         "ssd_read_bytes": c["read"],
+        "ssd_outside_read_bytes": outside[0],
+        "ssd_outside_write_bytes": outside[1],
         "optimizer_state": engine.layout.optimizer_state.name,
-        "stored_params": sum(engine.layout.numel(b) for b in range(len(engine.layout.blocks))),
+        "stored_params": params,
         "checkpoint_stall_s": c["stall"],
         "resumed_from_step": start,
         "cpu_memory_bytes": parse_size(cfg.cpu_memory),
@@ -668,12 +671,43 @@ def _record(step: int, st: StepResult, fpt: int, world: int = 1) -> dict:
             "flops_per_token": fpt,
             "busy_frac": st.busy_frac,
             "bottleneck": st.bottleneck,
-            "ssd_read_gb": st.ssd_read_bytes / 1e9,
-            "ssd_write_gb": st.ssd_write_bytes / 1e9,
         }
-        | ({"ranks": world, "comm_gb": st.comm_bytes / 1e9} if world > 1 else {})
+        | ({"ranks": world} if world > 1 else {})
         | ({"moe_balance_loss": st.moe_balance_loss} if st.moe_balance_loss is not None else {})
     )
+
+
+class _Lines:
+    """metrics.jsonl and the reporters, one step behind: a step's line is written once its bytes are final
+    (``StepIO``: its update may run into the next step), at the next step's end, before a checkpoint, a
+    stop or the run's end. ``write`` adds the held step's SSD bytes to the run's counters ``c``, and per
+    parameter stored (``params``, this rank's) to the line."""
+
+    def __init__(self, f: Any, reporters: Any, progress: Progress, c: dict[str, Any], params: int) -> None:
+        self.f, self.reporters, self.progress, self.c, self.params = f, reporters, progress, c, max(params, 1)
+        self.held: tuple[dict, StepResult] | None = None
+
+    def hold(self, rec: dict, st: StepResult) -> None:
+        """Keep step ``st``'s line ``rec`` until ``write``."""
+        self.held = (rec, st)
+
+    def write(self) -> None:
+        """Complete the held line with its step's bytes and write it (nothing held: nothing)."""
+        if self.held is None:
+            return
+        rec, st = self.held
+        self.held = None
+        read, written = st.ssd_read_bytes, st.ssd_write_bytes
+        rec |= {"ssd_read_gb": read / 1e9, "ssd_write_gb": written / 1e9}
+        rec |= {"ssd_read_B_per_param": read / self.params, "ssd_write_B_per_param": written / self.params}
+        if "ranks" in rec:
+            rec["comm_gb"] = st.comm_bytes / 1e9
+        self.c["read"] += st.ssd_read_bytes
+        self.c["written"] += st.ssd_write_bytes
+        self.f.write(json.dumps(rec) + "\n")
+        self.f.flush()
+        self.reporters.step(rec)
+        self.progress.ssd_rate(rec)
 
 
 def _truncate_lines(path: str, n: int) -> None:

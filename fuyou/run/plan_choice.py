@@ -363,7 +363,10 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         "profile": where,
         "predicted_step_s": p.step_s,
         "predicted_bottleneck": p.bottleneck,
+        "predicted_busy_s": p.busy_s,
         "predicted_device_bytes": p.memory.device,
+        "predicted_ssd_read_bytes": p.ssd_read_bytes,
+        "predicted_ssd_write_bytes": p.ssd_write_bytes,
         "plan": plan.to_json(),
         "state_chunk": plan.state_chunk,
     } | ({"profile_cache": quick} if quick is not None else {})

@@ -29,6 +29,7 @@ class Progress:
     def __init__(self, total: int, enabled: bool = True) -> None:
         self.total, self.enabled = total, enabled
         self._bar: Any = None
+        self._ssd = ""
 
     def __enter__(self) -> Progress:
         if self.enabled:
@@ -54,12 +55,16 @@ class Progress:
         """Advance one step with its metrics record."""
         if not self._bar:
             return
-        ssd = (rec["ssd_read_gb"] + rec["ssd_write_gb"]) / max(rec["step_time_s"], 1e-9)
         info = (
             f"loss {rec['loss']:.3f} | {rec['tokens_per_s']:.0f} tok/s | {rec['tflops']:.2f} TFLOPS | "
-            f"SSD {ssd:.2f} GB/s | bound: {rec['bottleneck']}"
+            f"{self._ssd}bound: {rec['bottleneck']}"
         )
         self._bar.update(self._task, advance=1, info=info)
+
+    def ssd_rate(self, rec: dict) -> None:
+        """Show the SSD rate of ``rec``, a metrics line with its bytes (a step behind the bar: a step's
+        bytes are final once its update has issued them)."""
+        self._ssd = f"SSD {(rec['ssd_read_gb'] + rec['ssd_write_gb']) / max(rec['step_time_s'], 1e-9):.2f} GB/s | "
 
     def __exit__(self, *exc: object) -> None:
         if self._bar:
@@ -107,14 +112,29 @@ def _budget(nbytes: int) -> str:
 
 
 def _per_param(s: dict) -> str:
-    """`` (R + W B per parameter per step, optimizer state F)`` of a run summary, or "" without the counts
-    (a summary from before they were recorded, a run that took no step)."""
+    """`` (R + W B per parameter per step; planner R' + W', optimizer state F)`` of a run summary (the
+    planner's figure where it planned the run: a steady step's, which the first step's reads exceed by
+    the weights a steady step is handed from the last update), or "" without the counts (a summary from
+    before they were recorded, a run that took no step)."""
     steps = s.get("steps", 0) - (s.get("resumed_from_step") or 0)
     n = s.get("stored_params")
     if not n or steps <= 0:
         return ""
     read, written = s["ssd_read_bytes"] / steps / n, s["ssd_write_bytes"] / steps / n
-    return f" ({read:.1f} + {written:.1f} B per parameter per step, optimizer state {s.get('optimizer_state', 'fp32')})"
+    plan = s.get("plan") or {}
+    pr, pw = plan.get("predicted_ssd_read_bytes"), plan.get("predicted_ssd_write_bytes")
+    said = f"; planner {pr / n:.1f} + {pw / n:.1f}" if pr is not None and pw is not None else ""
+    fmt = s.get("optimizer_state", "fp32")
+    return f" ({read:.1f} + {written:.1f} B per parameter per step{said}, optimizer state {fmt})"
+
+
+def _outside_rows(s: dict) -> list[tuple[str, str]]:
+    """The row of SSD bytes moved outside the steps (import, evaluations, checkpoints' flushes), if any
+    were recorded."""
+    read, written = s.get("ssd_outside_read_bytes"), s.get("ssd_outside_write_bytes")
+    if not read and not written:
+        return []
+    return [("SSD read / written outside the steps", f"{format_size(read or 0)} / {format_size(written or 0)}")]
 
 
 def summary_table(s: dict, run_dir: str | None = None) -> None:
@@ -144,6 +164,7 @@ def summary_table(s: dict, run_dir: str | None = None) -> None:
             f"{format_size(s['ssd_read_bytes'])} / {format_size(s['ssd_write_bytes'])}" + _per_param(s),
         ),
         ("SSD writes at this rate", ssd_endurance(s["ssd_write_bytes"], s["wall_s"], s.get("store_dirs") or [])),
+        *_outside_rows(s),
         ("model written to", s.get("output", "?")),
     ]
     if run_dir:

@@ -129,19 +129,20 @@ class GradientParking:
         buf, ready = self.gradients.offload(b, grad, GRADS, after)
         prev = self._last.get(b)
         assert self._writer is not None
-        fut = self._writer.submit(self._write, b, buf, ready, prev)
+        fut = self._writer.submit(self._write, b, buf, ready, prev, self.timeline.serving)
         self._last[b] = fut
         return OnSSD(b, fut)
 
-    def _write(self, b: int, buf: HostBuffer, ready: Event, prev: Future | None) -> None:
-        """Writer thread: once the device→host copy has landed (and the block's previous write), write."""
+    def _write(self, b: int, buf: HostBuffer, ready: Event, prev: Future | None, key: int | None) -> None:
+        """Writer thread: once the device→host copy has landed (and the block's previous write), write
+        (its bytes count for the timeline's step ``key``, the one that parked it)."""
         try:
             ready.wait()
             if prev is not None:
                 prev.exception()
             n = self._nbytes(b)
             fut = self.io.write(self._files[b], buf.data[:n].numpy(), self.checksums)
-            crcs = self.timeline.track(fut, "ssd_write", f"grad {self.layout.blocks[b].name}", n).result()
+            crcs = self.timeline.track(fut, "ssd_write", f"grad {self.layout.blocks[b].name}", n, key).result()
             with self._lock:
                 self._crcs[b] = crcs
         finally:

@@ -97,23 +97,24 @@ class WeightLoader:
                 b = self.order[p]
                 buf, free = self._buffer()
                 first = self._first[b] == p
-                self._reads[p] = (buf, chain(free, partial(self._read, b, buf, first)))
+                key = self.timeline.serving  # the read may start on another thread, once ``free``
+                self._reads[p] = (buf, chain(free, partial(self._read, b, buf, first, key)))
 
-    def _read(self, b: int, buf: HostBuffer, first: bool) -> Future:
+    def _read(self, b: int, buf: HostBuffer, first: bool, key: int | None) -> Future:
         """Fill ``buf`` with block ``b``'s latest weights (``Footprint.staged_bytes``): the trained
         part (``_read_trained``; ``first``: the block's first read of the load order), and its read-only
-        part if it has one."""
-        trained = self._read_trained(b, buf, first)
+        part if it has one; the bytes count for the timeline's step ``key``."""
+        trained = self._read_trained(b, buf, first, key)
         f = self.layout.f(b)
         if f is None:
             return trained
         at = self.layout.frozen_offset(b)
         frozen = self.store.read(f.name, buf.data[at : at + f.nbytes])
         if not self.store.holds(f.name):
-            frozen = self.timeline.track(frozen, "ssd_read", f.name, f.nbytes)
+            frozen = self.timeline.track(frozen, "ssd_read", f.name, f.nbytes, key)
         return then(gather([trained, frozen]), lambda _: None)
 
-    def _read_trained(self, b: int, buf: HostBuffer, first: bool) -> Future:
+    def _read_trained(self, b: int, buf: HostBuffer, first: bool, key: int | None) -> Future:
         """Fill ``buf`` with block ``b``'s latest trained weights: at its ``first`` read of the step claimed
         from an update in flight, else read from the store (RAM tier or SSD) once the gate allows."""
         ext = self.layout.w(b)
@@ -124,7 +125,7 @@ class WeightLoader:
             return claimed
 
         def read() -> Future:
-            return self.timeline.track(self.store.read(ext.name, buf.data), "ssd_read", ext.name, ext.nbytes)
+            return self.timeline.track(self.store.read(ext.name, buf.data), "ssd_read", ext.name, ext.nbytes, key)
 
         return chain(self.gate(b), read)
 

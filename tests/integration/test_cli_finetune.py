@@ -319,3 +319,29 @@ def test_finetune_rules_plan_and_bad_profile(tmp_path, model_dir):
         ]
     )
     assert "no hardware profile" in msg and len(msg.splitlines()) == 1
+
+
+def test_two_identical_runs_report_the_same_bytes_per_step_and_the_planners(tmp_path, model_dir):
+    """The CLI's defaults (planner, clipping, precision auto) with the state on the store: two identical runs
+    write the same SSD bytes per step in metrics.jsonl and in total, and every step after the first reads and
+    writes exactly the planner's bytes per step (the first also reads what later steps are handed from the
+    last update); what moves outside the steps (evaluations) is reported apart."""
+    data = write_jsonl(tmp_path / "d.jsonl", TEXT)
+    got = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        args = ["finetune", model_dir, "--data", data, "--output", str(out), "--steps", "4", "--seq-len", "32"]
+        r = run([*args, "--micro-batch-size", "2", "--cpu-memory", "32MiB", "--no-progress"])
+        assert r.exit_code == 0, r.output
+        lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        summary = json.loads((out / "run.json").read_text())
+        per_step = [(round(x["ssd_read_gb"] * 1e9), round(x["ssd_write_gb"] * 1e9)) for x in lines]
+        got.append((per_step, summary["ssd_read_bytes"], summary["ssd_write_bytes"]))
+        plan = summary["plan"]
+        assert per_step[1:] == [(plan["predicted_ssd_read_bytes"], plan["predicted_ssd_write_bytes"])] * 3
+        assert per_step[0][0] > per_step[1][0] and per_step[0][1] == per_step[1][1]
+        assert summary["ssd_outside_read_bytes"] > 0  # the evaluations before and after
+        assert sum(r for r, _ in per_step) == summary["ssd_read_bytes"]
+        n = summary["stored_params"]
+        assert lines[-1]["ssd_write_B_per_param"] == plan["predicted_ssd_write_bytes"] / n
+    assert got[0] == got[1]

@@ -24,11 +24,11 @@ def train(tmp_path, name, plan, cpu="256MiB", steps=4, family="llama_tied"):
         ssd_dirs=(str(d),), precision="fp32", lr=LR, cpu_memory=cpu, max_grad_norm=CLIP, plan=plan,
         optimizer_state="fp32",  # the budgets below are sized on an fp32-state layout
     )  # fmt: skip
-    out = []
     with Engine.from_state_dict(cfg, sd, ec) as eng:
-        for ids, labels in batches(steps):
-            st = eng.train_step(ids, labels)
-            out.append((st["loss"], st["grad_norm"], st["applied"], st["ssd_write_bytes"], st["ssd_read_bytes"]))
+        results = [eng.train_step(ids, labels) for ids, labels in batches(steps)]
+        out = [
+            (st["loss"], st["grad_norm"], st["applied"], st["ssd_write_bytes"], st["ssd_read_bytes"]) for st in results
+        ]
         executed = eng.plan
         weights = {k: v.clone() for k, v in eng.master_weights()}
         peak = eng.pool.peak

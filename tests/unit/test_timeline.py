@@ -52,20 +52,35 @@ def test_on_the_plain_cpu_backend_device_spans_are_host_spans():
     assert 0.05 <= s["busy_s"]["compute"] < 0.5 and s["bottleneck"] == "compute"
 
 
-def test_bytes_count_once_in_the_summary_after_they_complete():
-    """A write that finishes between two steps (or after a ``clear``) counts in the next step's summary;
-    none counts twice, whatever the windows."""
+def test_bytes_count_in_the_step_they_serve_when_issued_whatever_the_timing():
+    """A write issued in step 1 counts there, even if it lands after the step; a write issued later
+    for step 1 (``serving_as`` on another thread: an update after its step's end, or an explicit key)
+    does too; a read issued between steps counts outside them (None); each counts once."""
+    from concurrent.futures import Future
+
     tl = Timeline()
-    t = time.perf_counter()
-    tl.add("ssd_write", "w/a", t, t + 0.1, 100)
-    first = tl.summary(t, t + 0.05)  # the write outlived this window: counted here, where it completed first
-    tl.add("ssd_write", "w/b", t + 0.2, t + 0.3, 10)  # between the windows
-    tl.clear()
-    tl.add("ssd_read", "w/c", t + 0.4, t + 0.5, 7)
-    second = tl.summary(t + 0.4, t + 0.6)
-    third = tl.summary(t + 0.6, t + 0.7)
-    assert (first["ssd_write_bytes"], second["ssd_write_bytes"], third["ssd_write_bytes"]) == (100, 10, 0)
-    assert (first["ssd_read_bytes"], second["ssd_read_bytes"], third["ssd_read_bytes"]) == (0, 7, 0)
+    key = tl.begin_step()
+    late: Future = Future()
+    tl.track(late, "ssd_write", "s/a", 100)  # lands after the step
+    tl.end_step()
+    tl.track(Future(), "ssd_read", "w/eval", 7)  # an evaluation between steps
+
+    def update() -> None:
+        with tl.serving_as(key):
+            tl.track(Future(), "ssd_read", "s/b", 10)
+
+    t = threading.Thread(target=update)
+    t.start()
+    t.join()
+    tl.track(Future(), "ssd_write", "w/b", 5, key)  # a callback thread naming the step
+    two = tl.begin_step()
+    late.set_result(None)  # landing in step 2 changes nothing
+    tl.end_step()
+    assert tl.take_bytes(key) == {"ssd_read": 10, "ssd_write": 105, "comm": 0}
+    assert tl.take_bytes(key) == {"ssd_read": 0, "ssd_write": 0, "comm": 0}, "taken once"
+    assert tl.take_bytes(two)["ssd_write"] == 0
+    assert tl.take_bytes(None)["ssd_read"] == 7
+    assert "ssd_write_bytes" not in tl.summary(0.0, time.perf_counter())
 
 
 def test_a_wait_inside_a_compute_span_is_not_compute():

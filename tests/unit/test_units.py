@@ -29,4 +29,5 @@ def test_parse_size_rejects_with_flag_name(bad):
 def test_format_and_align():
     assert format_size(1536 * 2**20) == "1.5 GiB"
     assert format_size(100) == "100 B"
+    assert format_size(24 * 2**20 + 5, up=True) == "24.1 MiB" and format_size(24 * 2**20, up=True) == "24.0 MiB"
     assert align_up(4097, 4096) == 8192 and align_up(0, 4096) == 0 and align_up(4096, 4096) == 4096

@@ -30,3 +30,12 @@ def test_a_resumed_run_divides_by_its_own_steps_and_an_old_summary_says_nothing(
     del old["stored_params"]
     summary_table(old)
     assert "per parameter per step" not in capsys.readouterr().out
+
+
+def test_the_planners_bytes_beside_the_measured_and_bytes_outside_the_steps(capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("COLUMNS", "300")
+    plan = {"predicted_ssd_read_bytes": 13 * 1000, "predicted_ssd_write_bytes": 12 * 1000}
+    summary_table(summary(plan=plan, ssd_outside_read_bytes=5 << 20, ssd_outside_write_bytes=0))
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(14.0 + 12.0 B per parameter per step; planner 13.0 + 12.0, optimizer state split)" in out
+    assert "SSD read / written outside the steps │ 5.0 MiB / 0 B" in out
