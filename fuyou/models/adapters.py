@@ -29,7 +29,7 @@ from torch import nn
 from fuyou.errors import ConfigError
 from fuyou.models.activation_rules import EXPERTS, experts_of, top_k_of
 from fuyou.models.blocks import EXPERTS_PART, BlockSpec, ParamSpec, slice_key, split_experts, split_vocab
-from fuyou.models.families import GPT2, architecture_of, causal_lm_class, layer_types
+from fuyou.models.families import ATTENTION_MASKS, GPT2, architecture_of, causal_lm_class, layer_types
 from fuyou.models.llama4 import route_experts
 from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
 from fuyou.schedule.experts import group_ranges
@@ -526,19 +526,11 @@ def attention_kernel(config: Any) -> str:
 
 def _masks(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None, types: set[str]) -> dict[str, Any]:
     """The attention mask of each kind in ``types``, made by ``transformers``' own mask functions
-    (``documents``: packed documents, ``MicroBatchContext.documents``)."""
-    from transformers.masking_utils import (
-        create_causal_mask,
-        create_chunked_causal_mask,
-        create_sliding_window_causal_mask,
-    )
+    (``documents``: packed documents, ``MicroBatchContext.documents``; ``families.ATTENTION_MASKS``)."""
+    from transformers import masking_utils
 
-    make = {
-        "full_attention": create_causal_mask,
-        "sliding_attention": create_sliding_window_causal_mask,
-        "chunked_attention": create_chunked_causal_mask,
-    }
-    masks = {t: _make_mask(make[t], config, embeds, documents) for t in types if t in make}
+    made = {t: ATTENTION_MASKS[t] for t in types}
+    masks = {t: _make_mask(getattr(masking_utils, f), config, embeds, documents) for t, f in made.items() if f}
     if "linear_attention" in types:  # a recurrence over the whole row: no mask without padding
         if documents is not None:
             raise ConfigError(

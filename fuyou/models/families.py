@@ -96,8 +96,15 @@ VERIFIED = (
 """Families (``model_type``) whose ``forward`` methods define the standard decoder shape: dense, and
 mixtures of experts with a balance loss (Mixtral, Qwen2/3-MoE) or a routing bias instead (GLM-4.5,
 DeepSeek-V3)."""
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "linear_attention")
-"""The per-layer attention kinds (``config.layer_types``) Fuyou runs."""
+ATTENTION_MASKS: dict[str, str | None] = {
+    "full_attention": "create_causal_mask",
+    "sliding_attention": "create_sliding_window_causal_mask",
+    "chunked_attention": "create_chunked_causal_mask",
+    "linear_attention": None,  # a recurrence over the whole row: no mask
+}
+"""The per-layer attention kinds (``config.layer_types``) Fuyou runs, each with the ``transformers.masking_utils``
+function that makes its mask (None: the kind takes none)."""
+ATTENTION_KINDS = tuple(ATTENTION_MASKS)
 
 
 @functools.cache
