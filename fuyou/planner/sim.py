@@ -7,14 +7,18 @@ the order the engine submits them, as its FIFO thread pools do). Operations on r
 take no time and occupy nothing (synchronisation points: a thread waiting for a future).
 
 The simulation is list scheduling in global start-time order with one heap per resource:
-O(n log n) for n operations.
+O(n log n) for n operations. ``run`` is the compiled fast path (``fuyou.planner.sim_kernel``);
+``run_reference`` the plain loop it equals, bit for bit.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -37,7 +41,8 @@ class Sim:
         if duration < 0:
             raise ValueError(f"negative duration {duration}")
         i = len(self.res)
-        d = tuple(x for x in deps if x is not None)
+        given = tuple(deps)
+        d: tuple[int, ...] = tuple(x for x in given if x is not None) if None in given else given  # type: ignore[assignment]
         if d and max(d) >= i:
             raise ValueError(f"operation {i} depends on a later operation {max(d)}")
         self.res.append(None if resource is None else self.merge.get(resource, resource))
@@ -47,7 +52,21 @@ class Sim:
         return i
 
     def run(self) -> list[float]:
-        """Simulate; returns the end time of every operation (seconds from 0)."""
+        """Simulate; returns the end time of every operation (seconds from 0). Raises RuntimeError on a
+        dependency cycle. Compiled (``sim_kernel.simulate_ends``); equal to ``run_reference``."""
+        from fuyou.planner.sim_kernel import simulate_ends
+
+        codes: dict[str, int] = {}
+        res = np.fromiter(
+            (-1 if r is None else codes.setdefault(r, len(codes)) for r in self.res), np.int64, len(self.res)
+        )
+        dep_ptr = np.zeros(len(self.deps) + 1, np.int64)
+        np.cumsum(np.fromiter(map(len, self.deps), np.int64, len(self.deps)), out=dep_ptr[1:])
+        dep_idx = np.fromiter(itertools.chain.from_iterable(self.deps), np.int64, int(dep_ptr[-1]))
+        return simulate_ends(res, np.asarray(self.dur, np.float64), dep_ptr, dep_idx, len(codes)).tolist()
+
+    def run_reference(self) -> list[float]:
+        """``run``'s plain reference: simulate; returns the end time of every operation (seconds from 0)."""
         n = len(self.res)
         end = [0.0] * n
         ready = [0.0] * n

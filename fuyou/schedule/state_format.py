@@ -26,6 +26,7 @@ update moves per element (state, plus the compute weights a split master reads a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from fuyou.errors import ConfigError
@@ -72,6 +73,7 @@ class StateFormat:
             out += (("m_scale", nb, "float32"), ("v_scale", nb, "float32"))
         return out
 
+    @functools.lru_cache(maxsize=4096)  # noqa: B019 - formats are a handful of frozen values; the planner asks millions of times
     def chunk_bytes(self, n: int, compute: int) -> int:
         """Bytes of an ``n``-element state chunk as the store lays it out: ``parts``, each at ``TENSOR_ALIGN``."""
         size = {"float32": 4, "bfloat16": 2, "int16": 2, "int8": 1, "uint8": 1}
