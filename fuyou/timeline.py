@@ -115,6 +115,11 @@ class Timeline:
                 del self._ledger[min(k for k in self._ledger if k is not None)]
         return self._steps
 
+    @property
+    def steps(self) -> int:
+        """Steps begun so far: the latest step's ledger key (0: none)."""
+        return self._steps
+
     def end_step(self) -> None:
         """The engine's step is over: transfers issued from now on serve no step (unless ``serving_as``)."""
         self._serving = None

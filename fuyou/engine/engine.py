@@ -531,10 +531,11 @@ class Engine:
         """The bytes (per resource of ``fuyou.timeline.MOVED``) of the step with the timeline's ledger
         ``key`` (``StepIO``): its own transfers and its update's, waited for until every one has been
         issued (an update that failed has issued all it will: its error is the step's to raise). The
-        last step's update may still be pending (the clipping schedule's holds its new weights for the
-        next forward): it is settled and committed first, as ``flush`` does."""
+        latest step's update may still be pending (the clipping schedule's holds its new weights for the
+        next forward): asked for that step, the engine flushes first — always, not only when something is
+        pending, so that data-parallel ranks, whose flush commits together, all do at the same point."""
         served = self.updates.c.stage.served(key)
-        if not all(f.done() for f in served):
+        if key == self.timeline.steps:
             self.flush()
         futures.wait(served)
         return self.timeline.take_bytes(key)

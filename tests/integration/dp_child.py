@@ -71,6 +71,7 @@ def main(spec_path: str, out: str) -> None:
         warnings.simplefilter("always")
         eng = Engine.resume(ec) if spec.get("resume_live") else Engine.from_state_dict(cfg, sd, ec)
     start = eng.progress.step
+    steps = []
     for ids, labels in data[start:]:
         per = ids.shape[0] // world
         try:
@@ -80,6 +81,8 @@ def main(spec_path: str, out: str) -> None:
             os._exit(0)
         losses.append(st.loss)
         norms.append(st.grad_norm)
+        steps.append(st)
+    for st in steps:  # each step's bytes, its update's included (read after the steps: the overlap kept)
         read, written, comm = read + st.ssd_read_bytes, written + st.ssd_write_bytes, comm + st.comm_bytes
     weights = dict(eng.master_weights())
     if isinstance(eng.lora, LoraState):  # the adapters (the same on every rank), beside the frozen base
