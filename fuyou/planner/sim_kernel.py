@@ -67,6 +67,31 @@ def _pop(keys: np.ndarray, ids: np.ndarray, base: int, size: np.ndarray, r: int)
 
 
 @njit(cache=True)
+def _release(i: int, end: np.ndarray, waiting: np.ndarray, user_ptr: np.ndarray, users: np.ndarray, q: tuple) -> None:
+    """Operation ``i`` has ended: each user it was the last dependency of becomes ready (``_enqueue``)."""
+    ready = q[1]
+    for p in range(user_ptr[i], user_ptr[i + 1]):
+        u = users[p]
+        ready[u] = max(ready[u], end[i])
+        waiting[u] -= 1
+        if waiting[u] == 0:
+            _enqueue(u, q)
+
+
+@njit(cache=True)
+def _enqueue(u: int, q: tuple) -> None:
+    """Ready operation ``u`` onto the stack of instants (no resource) or its resource's heap. ``q``: the
+    queues — (resource codes, ready times, instants stack, [its height], heap keys, heap ids, each
+    resource's heap base, heap sizes)."""
+    res, ready, instant, height, keys, ids, cap, size = q
+    if res[u] < 0:
+        instant[height[0]] = u
+        height[0] += 1
+    else:
+        _push(keys, ids, cap[res[u]], size, res[u], ready[u], u)
+
+
+@njit(cache=True)
 def simulate_ends(res: np.ndarray, dur: np.ndarray, dep_ptr: np.ndarray, dep_idx: np.ndarray, n_res: int) -> np.ndarray:
     """End time (s) of every operation; raises RuntimeError on a dependency cycle."""
     n = res.shape[0]
@@ -107,31 +132,19 @@ def simulate_ends(res: np.ndarray, dur: np.ndarray, dep_ptr: np.ndarray, dep_idx
     size = np.zeros(n_res, np.int64)
     free = np.zeros(n_res)
     instant = np.empty(n, np.int64)
-    n_instant = 0
+    height = np.zeros(1, np.int64)
+    q = (res, ready, instant, height, keys, ids, cap, size)
     for i in range(n):
         if waiting[i] == 0:
-            if res[i] < 0:
-                instant[n_instant] = i
-                n_instant += 1
-            else:
-                _push(keys, ids, cap[res[i]], size, res[i], ready[i], i)
+            _enqueue(i, q)
     done = 0
     while done < n:
-        while n_instant > 0:
-            n_instant -= 1
-            i = instant[n_instant]
+        while height[0] > 0:
+            height[0] -= 1
+            i = instant[height[0]]
             end[i] = ready[i]
             done += 1
-            for p in range(user_ptr[i], user_ptr[i + 1]):
-                u = users[p]
-                ready[u] = max(ready[u], end[i])
-                waiting[u] -= 1
-                if waiting[u] == 0:
-                    if res[u] < 0:
-                        instant[n_instant] = u
-                        n_instant += 1
-                    else:
-                        _push(keys, ids, cap[res[u]], size, res[u], ready[u], u)
+            _release(i, end, waiting, user_ptr, users, q)
         best_r, best_s, best_i = -1, 0.0, 0
         for r in range(n_res):
             if size[r] > 0:
@@ -139,21 +152,12 @@ def simulate_ends(res: np.ndarray, dur: np.ndarray, dep_ptr: np.ndarray, dep_idx
                 if best_r < 0 or _less(s, ids[cap[r]], best_s, best_i):
                     best_r, best_s, best_i = r, s, ids[cap[r]]
         if best_r < 0:
-            if done < n and n_instant == 0:
+            if done < n and height[0] == 0:
                 raise RuntimeError("simulation stalled: a dependency cycle")
             continue
         i = _pop(keys, ids, cap[best_r], size, best_r)
         end[i] = best_s + dur[i]
         free[best_r] = end[i]
         done += 1
-        for p in range(user_ptr[i], user_ptr[i + 1]):
-            u = users[p]
-            ready[u] = max(ready[u], end[i])
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                if res[u] < 0:
-                    instant[n_instant] = u
-                    n_instant += 1
-                else:
-                    _push(keys, ids, cap[res[u]], size, res[u], ready[u], u)
+        _release(i, end, waiting, user_ptr, users, q)
     return end
