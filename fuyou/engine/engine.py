@@ -37,8 +37,9 @@ from fuyou.engine.vocab_loss import IGNORE, shifted
 from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
 from fuyou.models.adapters import seed_context
 from fuyou.models.blocks import parse_slice
-from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, load_config, widest_float
+from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, keep_untrained, load_config, widest_float
 from fuyou.models.lora import is_lora
+from fuyou.models.multimodal import is_multimodal_store, runtime_part
 from fuyou.models.store_layout import elem_size
 from fuyou.optim import AdamWHyper
 from fuyou.optim.split import split_encode, write_flags
@@ -358,6 +359,7 @@ class Engine:
         os.makedirs(d, exist_ok=True)
         self.adapter.config.save_pretrained(d)
         if self.source_dir:
+            keep_untrained(CheckpointReader(self.source_dir), d)  # a multimodal checkpoint's other parts
             for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(self.source_dir, name)):
                     shutil.copy2(os.path.join(self.source_dir, name), d)
@@ -572,7 +574,7 @@ class Engine:
             self.adapter.config,
             out_dir,
             out_dtype,
-            self.source_dir,
+            os.path.join(self.store.dirs[0], HF_FILES),  # tokenizer files and a multimodal model's other parts
             self._gather_to_root(),
             self.lora.merged,
         )
@@ -581,7 +583,9 @@ class Engine:
         """Write the LoRA adapters as a PEFT adapter directory (``peft.PeftModel.from_pretrained``
         loads it onto the base, which ``adapter_config.json`` names: ``base``, default the model
         directory imported). Raises ConfigError when this run trains no LoRA."""
-        self.lora.save(out_dir, base or self.source_dir, write=self.comm.rank == 0)  # every rank holds the same
+        files = os.path.join(self.store.dirs[0], HF_FILES)
+        rename = runtime_part(load_config(files, whole=True)).disk_key if is_multimodal_store(files) else None
+        self.lora.save(out_dir, base or self.source_dir, self.comm.rank == 0, rename)  # every rank holds the same
 
     def _gather_to_root(self) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
         return self.comm.gather_to_root if self.comm.world > 1 else None

@@ -25,6 +25,7 @@ base weight plus its LoRA update, for a merged full model.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -208,10 +209,15 @@ class LoraState:
         """The LoRA weights by parameter name (host copies)."""
         return {n: p.detach().cpu().clone() for n, p in self.params.items()}
 
-    def save(self, out_dir: str, base: str | None, write: bool = True) -> None:
+    def save(
+        self, out_dir: str, base: str | None, write: bool = True, rename: Callable[[str], str] | None = None
+    ) -> None:
         """Write a PEFT adapter directory: ``adapter_config.json`` (``base`` as the base model's path)
         and ``adapter_model.safetensors`` with ``peft``'s key names. Written to ``out_dir.partial``
-        and renamed, so ``out_dir`` is never half-written. ``write=False``: nothing (another rank writes)."""
+        and renamed, so ``out_dir`` is never half-written. ``write=False``: nothing (another rank writes).
+        ``rename``: the causal LM's module names as the base model names them (a multimodal model's
+        language model: ``multimodal.TextPart.disk_key``); its adapter then targets those modules by full
+        name, never the vision tower's of the same short name."""
         if not write:
             return
         import shutil
@@ -221,8 +227,10 @@ class LoraState:
         tmp = out_dir.rstrip("/") + ".partial"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        self.settings.peft_config(base).save_pretrained(tmp)
-        tensors = {"base_model.model." + n.replace(f".{ADAPTER}.", "."): t for n, t in self.state_dict().items()}
+        name = rename or (lambda n: n)
+        modules = sorted({name(n[: n.index(".lora_")]) for n in self.params}) if rename else None
+        self.settings.peft_config(base, modules).save_pretrained(tmp)
+        tensors = {"base_model.model." + name(n.replace(f".{ADAPTER}.", ".")): t for n, t in self.state_dict().items()}
         save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
@@ -251,6 +259,8 @@ class NoAdapters:
         """``Engine.flush``'s commit: the RAM tier's changed extents written and a version committed."""
         tier.persist(meta)
 
-    def save(self, out_dir: str, base: str | None, write: bool = True) -> None:
+    def save(
+        self, out_dir: str, base: str | None, write: bool = True, rename: Callable[[str], str] | None = None
+    ) -> None:
         """Refused: ConfigError (one line, on every rank)."""
         raise ConfigError("this run trains no LoRA adapters (give --lora-rank); export the full model instead")

@@ -32,6 +32,7 @@ from fuyou.models.activation_probe import probe_block
 from fuyou.models.adapters import Adapter, make_adapter
 from fuyou.models.families import layer_types
 from fuyou.models.freeze import frozen_blocks, frozen_keys
+from fuyou.models.multimodal import text_config
 from fuyou.models.store_layout import ModelLayout
 from fuyou.schedule.device_memory import BlockMemory
 from fuyou.schedule.experts import EXPERTS_PART
@@ -227,9 +228,10 @@ def _linear_dims(adapter: Adapter, b: int) -> int:
 
 
 def _config(config: Any, name: str) -> Any:
-    """A ``PretrainedConfig`` of ``config`` (one already, or a dict with ``model_type``)."""
+    """A ``PretrainedConfig`` of ``config`` (one already, or a dict with ``model_type``); a multimodal one's
+    text model's (``multimodal.text_config``)."""
     if not isinstance(config, dict):
-        return config
+        return text_config(config)
     from transformers import AutoConfig
 
     d = dict(config)
@@ -240,7 +242,7 @@ def _config(config: Any, name: str) -> Any:
     if not mt:
         raise ConfigError(f"model config {name!r} names no model_type; pass a complete Hugging Face config.json")
     try:
-        return AutoConfig.for_model(mt, **d)
+        return text_config(AutoConfig.for_model(mt, **d))
     except ValueError as e:
         raise ConfigError(f"model config {name!r}: {e}") from None
 

@@ -200,8 +200,8 @@ def architecture_of(config: Any) -> str:
         )
     if getattr(config, "vision_config", None) is not None:
         raise ConfigError(
-            f"{model_type or 'this model'} is a vision-language model; Fuyou trains decoder-only causal LMs "
-            "(its text model alone, where the family publishes one, e.g. gemma3_text)"
+            f"{model_type or 'this model'} is a vision-language model object; Fuyou trains its text model from "
+            "the checkpoint directory (fuyou finetune MODEL_DIR keeps the vision tower unchanged)"
         )
     archs = getattr(config, "architectures", None) or []
     name = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")

@@ -18,6 +18,7 @@ import torch
 
 from fuyou.errors import FuyouError, os_limit_error
 from fuyou.models.blocks import parse_slice
+from fuyou.models.multimodal import UNTRAINED, TextPart, find_text_part, is_multimodal_store, text_config
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -28,7 +29,11 @@ TOKENIZER_FILES = (
     "tokenizer.model",
     "added_tokens.json",
     "chat_template.jinja",
+    "chat_template.json",
     "generation_config.json",
+    "preprocessor_config.json",  # a multimodal model's image (and video) processing, kept for export
+    "processor_config.json",
+    "video_preprocessor_config.json",
 )
 
 
@@ -36,10 +41,13 @@ class ModelFileError(FuyouError):
     """A model directory or one of its files is missing, unreadable or inconsistent."""
 
 
-def load_config(model_dir: str) -> Any:
-    """Read ``model_dir/config.json`` with transformers (local files only).
+def load_config(model_dir: str, whole: bool = False) -> Any:
+    """Read ``model_dir/config.json`` with transformers (local files only): the config Fuyou trains with
+    (a multimodal checkpoint's ``text_config``: ``multimodal.text_config``), or with ``whole`` the file's
+    own.
 
-    Raises ModelFileError if the directory or config is missing or unreadable.
+    Raises ModelFileError if the directory or config is missing or unreadable, ConfigError for a
+    multimodal checkpoint whose text model is no causal LM.
     """
     from transformers import AutoConfig
 
@@ -49,9 +57,10 @@ def load_config(model_dir: str) -> Any:
             f"{model_dir} is not a model directory (no config.json); pass a Hugging Face model directory"
         )
     try:
-        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
     except (ValueError, OSError, KeyError) as e:
         raise (os_limit_error(e, f"reading {path}", probe=path) or ModelFileError(f"cannot read {path}: {e}")) from e
+    return config if whole else text_config(config)
 
 
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -76,7 +85,9 @@ class CheckpointReader:
     and fused experts (``experts.gate_up_proj`` [E, 2I, h] from every expert's gate and up
     projections, ``experts.down_proj`` [E, h, I] from their down projections). Quantized weights are
     dequantized as they are read, one tensor at a time: MXFP4 experts (GPT-OSS, ``mxfp4_dequantize``)
-    and block-scaled FP8 (DeepSeek-V3, ``fp8_dequantize``)."""
+    and block-scaled FP8 (DeepSeek-V3, ``fp8_dequantize``). In a multimodal checkpoint the keys are the
+    language model's (``multimodal.TextPart``): ``model.…`` and ``lm_head.…`` are read where it keeps
+    them."""
 
     def __init__(self, model_dir: str, model_type: str | None = None) -> None:
         self.model_dir = model_dir
@@ -91,6 +102,8 @@ class CheckpointReader:
             self.where = {k: "model.safetensors" for k in self._keys("model.safetensors")}
         else:
             raise ModelFileError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+        self.part: TextPart | None = find_text_part(model_dir, self.where)
+        """Where a multimodal checkpoint keeps the language model (None: a text-only checkpoint)."""
         self.fp8_block = _fp8_block(model_dir) if any(k.endswith(FP8_SCALE) for k in self.where) else None
         """The FP8 weights' block (rows, columns), from ``quantization_config`` (None: no FP8 weights)."""
 
@@ -122,12 +135,24 @@ class CheckpointReader:
     def dtype(self) -> torch.dtype | None:
         """The checkpoint's dtype (``widest_float`` of its floating-point tensors, read from the files'
         headers; None if it has none); raises ModelFileError / SystemLimitError as ``get``."""
-        found = {self._handle(fname).get_slice(k).get_dtype() for k, fname in self.where.items()}
+        found = {self._handle(f).get_slice(k).get_dtype() for k, f in self.where.items() if self._trained(k)}
         self.close()
         return widest_float(SAFETENSORS_DTYPES[d] for d in found if d in SAFETENSORS_DTYPES)
 
+    def _trained(self, disk_key: str) -> bool:
+        return self.part is None or self.part.owns(disk_key)
+
+    def untrained(self) -> list[str]:
+        """A multimodal checkpoint's tensors outside its language model (vision tower, projector), as
+        stored; none for a text-only checkpoint."""
+        return [k for k in self.where if not self._trained(k)]
+
+    def read_stored(self, disk_key: str) -> torch.Tensor:
+        """The tensor stored as ``disk_key``, as it is (no renaming, conversion or dequantization)."""
+        return self._read_stored(disk_key)
+
     def __contains__(self, key: str) -> bool:
-        return key in self.where
+        return (self.part.disk_key(key) if self.part else key) in self.where
 
     def get(self, key: str) -> torch.Tensor:
         """The tensor ``key`` (rebuilt from the family's on-disk layout where it is stored so: see the
@@ -135,6 +160,9 @@ class CheckpointReader:
         expert's; raises ModelFileError if absent or unreadable, SystemLimitError if an OS limit
         (open files, memory) stops the read."""
         rows = parse_slice(key)
+        if self.part is not None:
+            key = self.part.disk_key(key if rows is None else rows[0])
+            rows = None if rows is None else (key, rows[1], rows[2])
         if rows is not None:
             return self._rows(*rows)
         if key not in self.where:
@@ -273,31 +301,21 @@ def _conversions(model_type: str | None) -> tuple[list[tuple[str, str]], list[tu
     return renames, merges
 
 
-def save_streamed(
-    out_dir: str,
-    tensors: Iterator[tuple[str, torch.Tensor]],
-    config: Any,
-    dtype: torch.dtype,
-    max_shard_bytes: int = 2 << 30,
-    copy_from: str | None = None,
+def write_shards(
+    directory: str, tensors: Iterator[tuple[str, torch.Tensor]], stem: str = "model", max_shard_bytes: int = 2 << 30
 ) -> None:
-    """Write ``(key, tensor)`` pairs as sharded safetensors + index, the config, and tokenizer files.
-
-    ``dtype`` is recorded in the saved config. Holds at most one shard in memory. Writes into ``out_dir + '.partial'`` and renames at the end,
-    so an interrupted export never looks finished.
-    """
+    """Write ``(key, tensor)`` pairs into ``directory`` as safetensors shards of at most ``max_shard_bytes``
+    (``{stem}-00001-of-0000N.safetensors``) and their index (``{stem}.safetensors.index.json``), holding
+    at most one shard in memory."""
     from safetensors.torch import save_file
 
-    tmp = out_dir.rstrip("/") + ".partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     names: list[str] = []
 
     def flush() -> None:
-        name = f"model-{len(names) + 1:05d}.safetensors"
-        save_file(shards[-1], os.path.join(tmp, name), metadata={"format": "pt"})
+        name = f"{stem}-{len(names) + 1:05d}.safetensors"
+        save_file(shards[-1], os.path.join(directory, name), metadata={"format": "pt"})
         names.append(name)
 
     weight_map: dict[str, int] = {}
@@ -310,14 +328,74 @@ def save_streamed(
         weight_map[key] = len(names)
         size += t.numel() * t.element_size()
     flush()
-    final = [f"model-{i + 1:05d}-of-{len(names):05d}.safetensors" for i in range(len(names))]
+    final = [f"{stem}-{i + 1:05d}-of-{len(names):05d}.safetensors" for i in range(len(names))]
     for a, b in zip(names, final):
-        os.rename(os.path.join(tmp, a), os.path.join(tmp, b))
-    total = sum(os.path.getsize(os.path.join(tmp, b)) for b in final)
-    with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+        os.rename(os.path.join(directory, a), os.path.join(directory, b))
+    total = sum(os.path.getsize(os.path.join(directory, b)) for b in final)
+    with open(os.path.join(directory, f"{stem}.safetensors.index.json"), "w") as f:
         json.dump(
             {"metadata": {"total_size": total}, "weight_map": {k: final[i] for k, i in weight_map.items()}}, f, indent=1
         )
+
+
+def keep_untrained(reader: CheckpointReader, out_dir: str) -> None:
+    """For a multimodal checkpoint (``reader.part``): keep in ``out_dir`` (a store's model files) what
+    Fuyou does not train, for export — the checkpoint's own config, the language model's place in it
+    (``multimodal.PART_FILE``) and every other tensor as stored (``UNTRAINED`` shards, one tensor read at a
+    time). Nothing for a text-only checkpoint."""
+    if reader.part is None:
+        return
+    load_config(reader.model_dir, whole=True).save_pretrained(out_dir)
+    reader.part.save(out_dir)
+    write_shards(out_dir, ((k, reader.read_stored(k)) for k in reader.untrained()), UNTRAINED, 1 << 30)
+    reader.close()
+
+
+def with_untrained(
+    files: str | None, tensors: Iterator[tuple[str, torch.Tensor]], config: Any
+) -> tuple[Iterator[tuple[str, torch.Tensor]], Any]:
+    """The pairs and config to export: as given, or where the model files ``files`` keep a multimodal
+    checkpoint's other parts (``keep_untrained``), the text model's tensors under the checkpoint's names
+    followed by those parts as they were, and the checkpoint's own config."""
+    if files is None or not is_multimodal_store(files):
+        return tensors, config
+    part = find_text_part(files, ())
+    assert part is not None
+    from safetensors import safe_open
+
+    with open(os.path.join(files, f"{UNTRAINED}.safetensors.index.json")) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+
+    def pairs() -> Iterator[tuple[str, torch.Tensor]]:
+        yield from ((part.disk_key(k), t) for k, t in tensors)
+        for name in shards:
+            with safe_open(os.path.join(files, name), framework="pt") as f:
+                for k in f.keys():
+                    yield k, f.get_tensor(k)
+
+    return pairs(), load_config(files, whole=True)
+
+
+def save_streamed(
+    out_dir: str,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    config: Any,
+    dtype: torch.dtype,
+    max_shard_bytes: int = 2 << 30,
+    copy_from: str | None = None,
+) -> None:
+    """Write ``(key, tensor)`` pairs as sharded safetensors + index, the config, and tokenizer files
+    (``copy_from``'s); where ``copy_from`` keeps a multimodal checkpoint's other parts, with them
+    (``with_untrained``).
+
+    ``dtype`` is recorded in the saved config. Holds at most one shard in memory. Writes into ``out_dir + '.partial'`` and renames at the end,
+    so an interrupted export never looks finished.
+    """
+    tensors, config = with_untrained(copy_from, tensors, config)
+    tmp = out_dir.rstrip("/") + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    write_shards(tmp, tensors, "model", max_shard_bytes)
     config = copy.deepcopy(config)
     config.dtype = dtype  # from_pretrained then loads the weights in the dtype they were saved in
     if hasattr(config, "quantization_config"):  # imported dequantized (MXFP4, FP8): written unquantized

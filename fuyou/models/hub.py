@@ -29,6 +29,7 @@ MODEL_FILES = (
     "merges.txt",
     "*.tiktoken",
     "chat_template.*",
+    "*processor_config.json",  # a multimodal model's processors: Fuyou trains its text model, export keeps the rest
 )
 """What a fine-tuning run needs of a model repository (``allow_patterns``)."""
 

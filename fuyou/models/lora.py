@@ -46,15 +46,17 @@ class LoraSettings:
         if problems:
             raise ConfigError("; ".join(problems))
 
-    def peft_config(self, base: str | None = None) -> Any:
-        """The ``peft.LoraConfig`` of these settings."""
+    def peft_config(self, base: str | None = None, modules: list[str] | None = None) -> Any:
+        """The ``peft.LoraConfig`` of these settings (``modules``: the adapted modules' full names instead
+        of ``--lora-targets``, for a base in which those names also match modules Fuyou does not train)."""
         from peft import LoraConfig
 
+        targets = "all-linear" if self.targets == ("all-linear",) else list(self.targets)
         return LoraConfig(
             r=self.rank,
             lora_alpha=self.alpha,
             lora_dropout=self.dropout,
-            target_modules="all-linear" if self.targets == ("all-linear",) else list(self.targets),
+            target_modules=modules if modules is not None else targets,
             base_model_name_or_path=base,
             task_type="CAUSAL_LM",
         )
