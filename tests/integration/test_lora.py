@@ -258,11 +258,17 @@ def test_a_killed_lora_run_resumes_from_its_checkpoint_bit_identically(tmp_path)
 
 @pytest.mark.parametrize(
     "family",
-    ["mixtral", pytest.param("deepseek_v3", marks=pytest.mark.slow), pytest.param("qwen2_moe", marks=pytest.mark.slow)],
+    [
+        "mixtral",
+        pytest.param("deepseek_v3", marks=pytest.mark.slow),
+        pytest.param("qwen2_moe", marks=pytest.mark.slow),
+        "qwen3_5_moe",
+    ],
 )
 def test_lora_on_a_mixture_of_experts_trains_as_peft(tmp_path, family):
     """``all-linear`` on a mixture of experts: what peft targets (Mixtral, DeepSeek-V3: every expert's
-    fused tensors, each expert its own rank-r pair, and the router; Qwen2-MoE: its shared expert) trains
+    fused tensors, each expert its own rank-r pair, and the router; Qwen2-MoE: its shared expert;
+    Qwen3.5-MoE: its shared expert and gate, linear- and full-attention projections) trains
     as peft + AdamW with the default global balance loss (DeepSeek-V3: none, its routing bias kept),
     clipping and accumulation on; the merged export and the adapter load back with peft's logits."""
     from peft import PeftModel, get_peft_model
@@ -283,7 +289,7 @@ def test_lora_on_a_mixture_of_experts_trains_as_peft(tmp_path, family):
             if "lora_B" in n:
                 p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
     init = {k.removeprefix("base_model.model."): v.detach().clone() for k, v in pm.state_dict().items() if is_lora(k)}
-    if family != "qwen2_moe":
+    if family not in ("qwen2_moe", "qwen3_5_moe"):  # peft's all-linear there: shared expert and attention only
         assert any(".experts" in k for k in init) and any(".mlp.gate." in k for k in init)
     balance = hf_balance(cfg)
     ref_losses = reference_steps(pm.base_model.model, data, 2, LR, WD, clip=0.5, balance=balance)

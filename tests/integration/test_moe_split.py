@@ -49,11 +49,11 @@ def expect_reference(model, data, losses, weights, tol: float = 1e-5) -> None:
     assert_same(model, ref, losses, weights, tol=tol, ill=ill)
 
 
-SPLIT_TOL = {"gpt_oss": 1e-4}
+SPLIT_TOL = {"gpt_oss": 1e-4, "qwen3_5_moe": 1e-4}
 """A split layer sums its groups' outputs in another order than the whole layer: fp32 rounding that Adam
 turns into relative weight differences of up to 7e-5 after 1–5 steps (measured: Mixtral 7.0e-5, GPT-OSS
 5.2e-5, against 8e-7 unsplit), on elements the ``ill`` test exempts for Mixtral but not all of GPT-OSS's
-(its experts' biases move their outputs off zero)."""
+(its experts' biases move their outputs off zero); Qwen3.5-MoE 1.8e-5 on a full-attention layer's q_norm."""
 
 
 @pytest.mark.parametrize(
@@ -69,6 +69,7 @@ turns into relative weight differences of up to 7e-5 after 1–5 steps (measured
         pytest.param("mixtral", 3, "swap_ssd", marks=pytest.mark.slow),
         pytest.param("qwen2_moe", 2, "recompute_cpu", marks=pytest.mark.slow),
         pytest.param("qwen3_moe", 2, "keep", marks=pytest.mark.slow),
+        ("qwen3_5_moe", 2, "keep"),  # Gated DeltaNet layers beside gated attention, a gated shared expert
     ],
 )
 def test_split_layers_train_as_plain_pytorch(tmp_path, family, groups, policy):
