@@ -56,7 +56,20 @@ def text_config(config: Any) -> Any:
             "checkpoints whose text model is one"
         )
     text.architectures = None
+    text.tie_word_embeddings = _tied(config)
     return text
+
+
+def _tied(config: Any) -> bool:
+    """Whether the multimodal model of ``config`` ties its LM head to the embedding: its own
+    ``tie_word_embeddings`` where the head is its own module (``lm_head.weight`` among the class's tied
+    keys: Gemma 3, Qwen3.5, Mistral 3), else the text model's (Llama 4's head is its causal LM's)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES as NAMES
+
+    cls = getattr(transformers, NAMES.get(config.model_type, ""), None)
+    own = "lm_head.weight" in (getattr(cls, "_tied_weights_keys", None) or {})
+    return bool(getattr(config if own else config.text_config, "tie_word_embeddings", False))
 
 
 def is_multimodal_store(files: str) -> bool:

@@ -327,10 +327,16 @@ class StepGraph:
             self.hand_off(b, self._compute(dur, cp, act_reads.get(b)))
 
     # ------------------------------------------------------------------ optimizer
+    @staticmethod
+    def _free(released: list[int], count: int) -> int | None:
+        """The release a thread taking one of ``count`` buffers (released in the order ``released``)
+        waits for: the ``count``-th last; None while fewer than ``count`` are out."""
+        return released[len(released) - count] if len(released) >= count else None
+
     def _acquire(self, released: list[int], count: int) -> None:
-        """The training thread takes one of ``count`` buffers (released in the order ``released``)."""
-        if len(released) >= count:
-            self._t(released[len(released) - count])
+        """The training thread takes one of ``count`` buffers (``_free``)."""
+        if (op := self._free(released, count)) is not None:
+            self._t(op)
 
     def _feed(self, *deps: int | None) -> int:
         """Advance the feeder thread past ``deps``."""
@@ -338,9 +344,9 @@ class StepGraph:
         return self.feeder
 
     def _feeder_acquire(self, released: list[int], count: int) -> None:
-        """The feeder takes one of ``count`` buffers (released in the order ``released``)."""
-        if len(released) >= count:
-            self._feed(released[len(released) - count])
+        """The feeder takes one of ``count`` buffers (``_free``)."""
+        if (op := self._free(released, count)) is not None:
+            self._feed(op)
 
     def _ssd(self, nbytes: float, kind: str, deps: tuple) -> int:
         """An SSD read or write of ``nbytes``; on the cpu device also the CPU time the I/O path takes

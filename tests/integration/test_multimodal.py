@@ -231,3 +231,26 @@ def test_lora_on_a_multimodal_checkpoint_loads_onto_it_in_peft(tmp_path, family)
     assert want.keys() == got.keys()
     for k, v in got.items():
         torch.testing.assert_close(v, want[k], rtol=1e-6, atol=1e-7, msg=k)
+
+
+@pytest.mark.parametrize(
+    "config_cls, top, text",
+    [
+        ("Qwen3_5Config", True, False),
+        ("Qwen3_5Config", False, True),
+        ("Llama4Config", True, False),
+        ("Llama4Config", False, True),
+    ],
+)
+def test_the_head_is_tied_as_the_multimodal_model_ties_it(config_cls, top, text):
+    """Where the two configs disagree, the one of the module that owns the LM head decides (Qwen3.5: the
+    multimodal model's; Llama 4: its causal LM's), as transformers itself ties them."""
+    from fuyou.models.multimodal import text_config
+
+    cfg = getattr(transformers, config_cls)(
+        tie_word_embeddings=top, text_config={"tie_word_embeddings": text, "num_hidden_layers": 1}
+    )
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(cfg)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert text_config(cfg).tie_word_embeddings is tied
