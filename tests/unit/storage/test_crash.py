@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from fuyou.storage import TensorStore
@@ -15,13 +16,14 @@ from tests.unit.storage.crash_child import EXTENTS, data
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def test_sigkill_at_random_moments_never_loses_the_committed_version(tmp_path):
+@pytest.mark.parametrize("kills", [4, pytest.param(20, marks=pytest.mark.slow)])  # each kill: a process importing torch
+def test_sigkill_at_random_moments_never_loses_the_committed_version(tmp_path, kills):
     dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
     for d in dirs:
         os.makedirs(d)
-    rng = random.Random(1234)
+    rng = random.Random(1234 + kills)
     last_seen = 0
-    for _ in range(10):
+    for _ in range(kills):
         child = subprocess.Popen(
             [sys.executable, "-m", "tests.unit.storage.crash_child", *dirs], cwd=ROOT, stdout=subprocess.PIPE, text=True
         )
