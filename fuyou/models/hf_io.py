@@ -341,13 +341,14 @@ def write_shards(
 def keep_untrained(reader: CheckpointReader, out_dir: str) -> None:
     """For a multimodal checkpoint (``reader.part``): keep in ``out_dir`` (a store's model files) what
     Fuyou does not train, for export — the checkpoint's own config, the language model's place in it
-    (``multimodal.PART_FILE``) and every other tensor as stored (``UNTRAINED`` shards, one tensor read at a
-    time). Nothing for a text-only checkpoint."""
+    (``multimodal.PART_FILE``) and every other tensor as stored (``UNTRAINED`` shards of ≤ 64 MiB, one tensor
+    read at a time: the host holds at most a shard beside the import's own buffers). Nothing for a text-only
+    checkpoint."""
     if reader.part is None:
         return
     load_config(reader.model_dir, whole=True).save_pretrained(out_dir)
     reader.part.save(out_dir)
-    write_shards(out_dir, ((k, reader.read_stored(k)) for k in reader.untrained()), UNTRAINED, 1 << 30)
+    write_shards(out_dir, ((k, reader.read_stored(k)) for k in reader.untrained()), UNTRAINED, 64 << 20)
     reader.close()
 
 
