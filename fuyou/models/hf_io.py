@@ -348,8 +348,14 @@ def keep_untrained(reader: CheckpointReader, out_dir: str) -> None:
         return
     load_config(reader.model_dir, whole=True).save_pretrained(out_dir)
     reader.part.save(out_dir)
-    write_shards(out_dir, ((k, reader.read_stored(k)) for k in reader.untrained()), UNTRAINED, 64 << 20)
-    reader.close()
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for k in reader.untrained():
+            t = reader.read_stored(k)
+            reader.close()  # the shard's touched pages count as resident while it stays mapped
+            yield k, t
+
+    write_shards(out_dir, tensors(), UNTRAINED, 64 << 20)
 
 
 def with_untrained(
