@@ -27,7 +27,8 @@
 #   store    45  bench_store.py: the store's POSIX and (where usable) kvikio engines side by side, O_DIRECT
 # Stages of `second`: env 15, install 40 (skipped work if the same wheels are installed already),
 #   ssd 90 (an SSD-bound point: bench_gpu.py --plan auto, predicted ÷ measured step time), formats 150 (the
-#   same point under --optimizer-state split, then bf16: FORMATS_RUN), profile 70 (one
+#   same point under --optimizer-state int8, then split: FORMATS_RUN; the ssd stage runs bench_gpu.py's
+#   default, fp32; session 20 measured fp32/split/bf16 there), profile 70 (one
 #   step under torch.profiler: kernel busy time beside the timeline's compute busy time).
 # A stage starts only if the time left is at least its cap (+5 s to kill it); else its summary line says
 # skipped. Exit status: 0 all stages passed, 1 some failed or were skipped, 3 stopped at env.
@@ -69,7 +70,7 @@ SSD_SHAPE=${SSD_SHAPE:---layers 8 --hidden 2048 --ffn 5632 --vocab 32000 --seq 2
 SSD_CPU=${SSD_CPU:-4GiB}
 SSD_GPU=${SSD_GPU:-16GiB}
 SSD_STEPS=${SSD_STEPS:-2}
-FORMATS_RUN=${FORMATS_RUN:-split bf16}
+FORMATS_RUN=${FORMATS_RUN:-int8 split}
 PROF_SHAPE=${PROF_SHAPE:---layers 4 --hidden 2048 --ffn 5632 --vocab 32000 --seq 2048 --micro-batch 4 --grad-accum 2}
 PROF_CPU=${PROF_CPU:-32GiB}
 TEST_TIMEOUT=${TEST_TIMEOUT:-60}
