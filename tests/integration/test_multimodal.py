@@ -94,7 +94,9 @@ def train(eng: Engine, data) -> dict:
     return dict(eng.master_weights())
 
 
-@pytest.mark.parametrize("family", ["llama4", "gemma3", "qwen3_5_moe"])
+@pytest.mark.parametrize(
+    "family", ["llama4", "gemma3", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)]
+)  # Qwen3.5's linear attention runs transformers' slow reference kernels here
 def test_the_text_model_trains_as_alone_and_the_rest_comes_back_unchanged(tmp_path, family):
     mm, text, stored = multimodal(family, tmp_path)
     data = [(ids % VOCAB, labels) for ids, labels in batches(2)]
@@ -203,7 +205,7 @@ def test_fuyou_finetune_then_export_a_multimodal_checkpoint_with_the_defaults(tm
     assert torch.isfinite(loaded(input_ids=torch.tensor([[1, 2, 3]])).logits).all()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llama4"])
+@pytest.mark.parametrize("family", ["gemma3", pytest.param("llama4", marks=pytest.mark.slow)])
 def test_lora_on_a_multimodal_checkpoint_loads_onto_it_in_peft(tmp_path, family):
     """The adapter names the language model's modules as the multimodal model does (Gemma 3 keeps them
     under model.language_model., stored as language_model.model.), and only those: the vision tower has
