@@ -5,7 +5,9 @@ CUDA) on the device-to-host stream (``activation_copies``); when the block is do
 after the last of those copies, packing them into one page-aligned buffer (host-only, pageable) and
 writing it (one large, checksummed I/O through the store's I/O backend) to a scratch file reused
 across steps: the training thread waits for neither. Backward: ``prefetch`` reads the file back,
-issued a block early, into page-aligned staging (``Backend.host_staging_aligned``: pinned on CUDA);
+issued a block early, into page-aligned staging (``Backend.host_staging_aligned``: pinned on CUDA; or,
+where the write had not landed yet, into the host copy it writes from, once it has: every record is read
+back once, whatever the timing);
 ``upload``, a micro-batch ahead, reserves the tensors' device memory and starts the copies back on
 the host-to-device stream if that read has landed (else the unpack hook does, after it), and the
 unpack hook hands compute the device tensors, which wait only for their copies' events. Host bytes are charged to the host budget
@@ -161,22 +163,31 @@ class SSDRecord:
                     self.charged = 0
 
     def prefetch(self) -> None:
-        """Make the record available for backward: keep the host copy if the write has not freed it
-        yet (no read needed), else start reading it back. Idempotent."""
+        """Start reading the record back for backward: into new staging if its write has freed the host
+        copy, else (the write still in flight when backward asks) into the host copy itself once the
+        write has landed. Either way the same bytes are read, whatever the write's timing, as the
+        planner counts them (the second case re-reads what memory holds: the price of a byte count that
+        does not depend on timing; it also checks the written record's checksums). Idempotent."""
         with self.lock:
             if not self.metas or self.wanted:
                 return
-            self.wanted = True
-            if self.staging is not None:  # still in memory (its write may be in flight)
-                return
+            self.wanted = True  # a write landing from now on keeps the host copy
+            kept = self.staging
         assert self.wfut is not None  # flush() started the write before backward asks
-        self.wfut.result()  # raises the write's error, if any
         n = self.nbytes
-        self._charge(n)
-        self.staging = self.space.backend.host_staging_aligned(n)
-        h = self.space.handle(self.block, self.micro, n)
-        fut = self.space.io.read(h, self.staging.numpy(), self.crcs, f"activations of block {self.block}")
+        if kept is not None:
+            fut = chain(self.wfut, lambda: self._read(kept))
+        else:
+            self.wfut.result()  # raises the write's error, if any
+            self._charge(n)
+            self.staging = self.space.backend.host_staging_aligned(n)
+            fut = self._read(self.staging)
         self.io = self.space.timeline.track(fut, "ssd_read", f"act b{self.block} k{self.micro}", n)
+
+    def _read(self, staging: torch.Tensor) -> Future:
+        """Read the record's file into ``staging`` (after its write: ``crcs`` set)."""
+        h = self.space.handle(self.block, self.micro, self.nbytes)
+        return self.space.io.read(h, staging.numpy(), self.crcs, f"activations of block {self.block}")
 
     def upload(self, wait: bool = False) -> None:
         """Reserve the tensors' device memory and start their copies back if staging holds the data
