@@ -9,8 +9,8 @@ recorded from any thread.
 
 Bytes (``MOVED``) are counted by the step they serve, not by when they land: each transfer is counted when
 it is issued, in the ledger of the step the engine is running then (``begin_step``), or of the step a
-later stage works for (``serving_as``: the Adam stage's reads and writes of a step's update, issued after
-that step's end); a transfer issued outside any step (an evaluation, a flush before a checkpoint) counts
+later stage names (``track``'s ``step``: the Adam stage's reads and writes of a step's update, issued after
+that step's end, a parked gradient's read back included); a transfer issued outside any step (an evaluation, a flush before a checkpoint) counts
 in the ``None`` ledger. A step's figures are final once every transfer serving it has been issued, so two
 identical runs report the same bytes per step, whatever the timing (``take_bytes``).
 
@@ -99,14 +99,13 @@ class Timeline:
         self._steps = 0
         """Steps begun so far (``begin_step``): the ledgers' keys."""
         self._serving: int | None = None
-        self._local = threading.local()
         self._lock = threading.Lock()
         self.origin = time.perf_counter()
 
     # ------------------------------------------------------------------ bytes by the step they serve
     def begin_step(self) -> int:
-        """The engine starts a step: transfers issued from now on serve it (unless ``serving_as``
-        says otherwise). Returns the step's ledger key (1, 2, … in this timeline)."""
+        """The engine starts a step: transfers issued from now on serve it (unless ``track`` names
+        another). Returns the step's ledger key (1, 2, … in this timeline)."""
         with self._lock:
             self._steps += 1
             self._serving = self._steps
@@ -121,27 +120,13 @@ class Timeline:
         return self._steps
 
     def end_step(self) -> None:
-        """The engine's step is over: transfers issued from now on serve no step (unless ``serving_as``)."""
+        """The engine's step is over: transfers issued from now on serve no step (unless ``track`` names one)."""
         self._serving = None
 
     @property
     def serving(self) -> int | None:
-        """The ledger key transfers issued now on this thread count in."""
-        return getattr(self._local, "key", self._serving)
-
-    @contextmanager
-    def serving_as(self, key: int | None) -> Iterator[None]:
-        """On this thread, transfers issued in the body serve step ``key`` (a stage working for a step
-        after its end)."""
-        before = getattr(self._local, "key", _UNSET)
-        self._local.key = key
-        try:
-            yield
-        finally:
-            if before is _UNSET:
-                del self._local.key
-            else:
-                self._local.key = before
+        """The ledger key transfers issued now count in (None: between steps)."""
+        return self._serving
 
     def _count(self, key: int | None, resource: str, nbytes: int) -> None:
         if resource in MOVED and nbytes:

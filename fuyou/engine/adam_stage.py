@@ -127,7 +127,7 @@ class AdamStage:
     def update(
         self,
         b: int,
-        grad: HostBuffer | Callable[[], tuple[HostBuffer, Event]],
+        grad: HostBuffer | Callable[[int | None], tuple[HostBuffer, Event]],
         ready: Event | None,
         lr: float,
         step: int,
@@ -156,9 +156,8 @@ class AdamStage:
         while (item := self._queue.get()) is not None:
             b, grad, ready, lr, step, scale, out, key = item
             try:
-                with self.timeline.serving_as(key):  # a parked gradient's read serves the update's step
-                    if callable(grad):
-                        grad, ready = grad()
+                if callable(grad):  # a parked gradient's read serves the update's step
+                    grad, ready = grad(key)
                 fut = self._update_now(b, grad, ready, lr, step, scale, key)
             except BaseException as e:  # noqa: BLE001 - surfaced through the block's future
                 if isinstance(grad, HostBuffer):

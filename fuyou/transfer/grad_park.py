@@ -149,15 +149,19 @@ class GradientParking:
             self.pool.release(buf)
 
     # ------------------------------------------------------------------ hand to Adam
-    def source(self, parked: Parked) -> tuple[HostBuffer | Callable[[], tuple[HostBuffer, Event]], Event | None]:
+    def source(
+        self, parked: Parked
+    ) -> tuple[HostBuffer | Callable[[int | None], tuple[HostBuffer, Event]], Event | None]:
         """What ``AdamStage.update`` takes for ``parked``: the buffer and its event, or (SSD) a callable
-        the stage's feeder runs to read the gradient back, and no event."""
+        the stage's feeder runs, with the key of the step the update serves, to read the gradient back,
+        and no event."""
         if isinstance(parked, OnSSD):
-            return (lambda: self._read_back(parked)), None
+            return (lambda key: self._read_back(parked, key)), None
         return parked
 
-    def _read_back(self, parked: OnSSD) -> tuple[HostBuffer, Event]:
-        """Feeder thread: take a ``grads`` buffer and start reading block's gradient into it."""
+    def _read_back(self, parked: OnSSD, key: int | None) -> tuple[HostBuffer, Event]:
+        """Feeder thread: take a ``grads`` buffer and start reading block's gradient into it (its bytes
+        counted for step ``key``)."""
         parked.written.result()  # raises the write's error, if any
         b, n = parked.block, self._nbytes(parked.block)
         buf = self.pool.acquire(GRADS)
@@ -168,7 +172,7 @@ class GradientParking:
         except BaseException:
             self.pool.release(buf)
             raise
-        return buf, FutureEvent(self.timeline.track(fut, "ssd_read", f"grad {self.layout.blocks[b].name}", n))
+        return buf, FutureEvent(self.timeline.track(fut, "ssd_read", f"grad {self.layout.blocks[b].name}", n, key))
 
     def discard(self, parked: Parked) -> None:
         """A skipped (non-finite) step: give back a RAM-parked buffer once its copy landed; an SSD write

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -27,6 +29,7 @@ def test_bench_adam_smoke() -> None:
     assert summary["copy_GBps"] > 0 and summary["best_baseline"] == "torch_fused"
 
 
+@pytest.mark.slow  # 9 s; the fp32 smoke above stays in the default tier
 def test_bench_bf16_state_smoke() -> None:
     recs = run_bench("bench_adam_bf16_state.py")
     summary = next(r for r in recs if r.get("summary"))

@@ -46,6 +46,7 @@ def test_engine_bench_smoke(tmp_path):
     assert not os.listdir(tmp_path)  # stores cleaned up
 
 
+@pytest.mark.slow  # 8.5 s; the engine bench smoke above stays in the default tier
 def test_scale_bench_smoke(tmp_path):
     (r,) = run_bench("bench/bench_scale.py", tmp_path)
     assert r["bench"] == "scale_p5" and r["state_over_budget"] >= 10.0

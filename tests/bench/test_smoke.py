@@ -86,7 +86,7 @@ def test_checkpoint_bench_smoke(tmp_path):
     assert rec["link_s_median"] > 0 and len(rec["disk_bytes_after_each"]) == 2
 
 
-@pytest.mark.parametrize("plan", ["fixed", "auto"])
+@pytest.mark.parametrize("plan", ["fixed", pytest.param("auto", marks=pytest.mark.slow)])  # auto: 16 s, a planner run
 def test_gpu_bench_smoke_runs_on_any_device(tmp_path, plan):
     """P6 on a tiny model; with the planner's plan (``auto``) it also records predicted ÷ measured (P7)."""
     r = subprocess.run(
@@ -337,6 +337,7 @@ def test_plan_truth_bench_smoke(tmp_path):
     assert all(rec["predicted_over_measured"] > 0 and rec["profile_check"]["verdict"] for rec in recs), recs
 
 
+@pytest.mark.slow  # 7.5 s
 def test_device_peak_bench_smoke():
     """Predicted and measured device peaks of two random draws, and the allocation meter's cost per op."""
     r = subprocess.run(

@@ -54,8 +54,7 @@ def test_on_the_plain_cpu_backend_device_spans_are_host_spans():
 
 def test_bytes_count_in_the_step_they_serve_when_issued_whatever_the_timing():
     """A write issued in step 1 counts there, even if it lands after the step; a write issued later
-    for step 1 (``serving_as`` on another thread: an update after its step's end, or an explicit key)
-    does too; a read issued between steps counts outside them (None); each counts once."""
+    for step 1 (an update after its step's end, on another thread, naming the step) does too; a read issued between steps counts outside them (None); each counts once."""
     from concurrent.futures import Future
 
     tl = Timeline()
@@ -66,8 +65,7 @@ def test_bytes_count_in_the_step_they_serve_when_issued_whatever_the_timing():
     tl.track(Future(), "ssd_read", "w/eval", 7)  # an evaluation between steps
 
     def update() -> None:
-        with tl.serving_as(key):
-            tl.track(Future(), "ssd_read", "s/b", 10)
+        tl.track(Future(), "ssd_read", "s/b", 10, key)
 
     t = threading.Thread(target=update)
     t.start()
