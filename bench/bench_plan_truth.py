@@ -69,6 +69,7 @@ def run_setting(name: str, flags: list[str], model: str, data: str, work: str, s
     os.sync()  # the last run's store writes, still in the page cache, would be written back during this one
     cmd = [sys.executable, "-m", "fuyou.cli.main", "finetune", model, "--data", data, "--output", out]
     cmd += ["--steps", str(steps), "--seq-len", str(SEQ), "--micro-batch-size", "1", "--no-progress", *flags]
+    cmd += ["--trace", os.path.join(work, f"{name}.trace.json")]
     r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "FUYOU_CACHE": f"{work}/cache"})
     if r.returncode:
         return {"bench": "plan_truth", "setting": name, "error": r.stderr.strip().splitlines()[-1:]}
@@ -81,6 +82,7 @@ def run_setting(name: str, flags: list[str], model: str, data: str, work: str, s
     plan = run["plan"]
     prof = json.loads(open(plan["profile"]).read()) if plan.get("profile") and os.path.exists(plan["profile"]) else {}
     figures = {k: prof.get(k) for k in ("ssd_read_Bps", "ssd_write_Bps", "io_cpu_s_per_byte", "adam_params_per_s")}
+    spans = compute_spans(os.path.join(work, f"{name}.trace.json"), model, plan.get("profile"), flags)
     shutil.rmtree(out, ignore_errors=True)
     return {
         "bench": "plan_truth",
@@ -97,7 +99,43 @@ def run_setting(name: str, flags: list[str], model: str, data: str, work: str, s
         "profile": plan.get("profile"),
         "profile_check": run.get("profile_check"),
         "profile_figures": figures,
+        "compute_spans_ms": spans,
     }
+
+
+def compute_spans(trace: str, model: str, profile: str | None, flags: list[str]) -> dict:
+    """The last step's compute spans by kind (``fwd layer``, ``bwd layer``, ``head fwd+bwd``, …): median ms,
+    and beside a layer's the profile's figure for one layer at the run's tokens, as ``graph.StepGraph``
+    charges it without recompute (backward: with the gradient buffer's zeroing and add; a LoRA run's: input
+    gradients only; none where ``--freeze`` mixes frozen and trained layers) — where the step's compute
+    time goes, and which part the cost model misses."""
+    import re
+
+    if not os.path.exists(trace):
+        return {}
+    spans: dict[str, list[float]] = {}
+    for e in json.load(open(trace))["traceEvents"]:
+        if e.get("ph") == "X" and e.get("cat") == "compute":
+            spans.setdefault(re.sub(r"\.\d+", "", e["name"]), []).append(e["dur"] / 1e3)
+    out = {k: {"n": len(v), "median_ms": statistics.median(v)} for k, v in spans.items()}
+    if profile and os.path.exists(profile):
+        from fuyou.models.description import describe_model
+        from fuyou.models.hf_io import load_config
+        from fuyou.planner.profile import load_profile
+
+        hw, shape = load_profile(profile), describe_model(load_config(model))
+        layer = next(b for b in shape.blocks if b.kind == "layer")
+        f = layer.fwd_flops_per_token(shape.hidden, SEQ) * SEQ
+        zero = hw.compute_bytes * layer.numel / hw.device_mem_Bps
+        predicted = {"fwd layer": f / hw.flops_per_s(SEQ)}
+        if "--lora-rank" in flags:
+            predicted["bwd layer"] = f / hw.flops_per_s(SEQ, backward=True)
+        elif "--freeze" not in flags:
+            predicted["bwd layer"] = zero + layer.numel / hw.grad_add_rate + 2 * f / hw.flops_per_s(SEQ, backward=True)
+        for k, v in predicted.items():
+            if k in out:
+                out[k]["profile_ms"] = v * 1e3
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -145,6 +183,14 @@ def main(argv: list[str] | None = None) -> None:
             if "error" not in rec:
                 pred, meas = rec["busy_s"]["predicted"] or {}, rec["busy_s"]["measured_median"]
                 cells = [f"{r} {pred.get(r, 0):.2f}/{meas.get(r, 0):.2f}" for r in sorted(set(pred) | set(meas))]
+                print(f"| {rec['setting']} | " + " | ".join(cells) + " |", file=sys.stderr)
+        print("\nthe last step's compute spans, median ms (profile's figure for one such block):", file=sys.stderr)
+        for rec in rows:
+            if "error" not in rec:
+                cells = [
+                    f"{k} {v['median_ms']:.1f}" + (f" ({v['profile_ms']:.1f})" if "profile_ms" in v else "")
+                    for k, v in sorted(rec["compute_spans_ms"].items())
+                ]
                 print(f"| {rec['setting']} | " + " | ".join(cells) + " |", file=sys.stderr)
     finally:
         shutil.rmtree(work, ignore_errors=True)
