@@ -335,6 +335,9 @@ def test_plan_truth_bench_smoke(tmp_path):
     recs = [json.loads(line) for line in out.read_text().splitlines()]
     assert [rec["setting"] for rec in recs] == ["ssd_noclip_fp32", "lora8"]
     assert all(rec["predicted_over_measured"] > 0 and rec["profile_check"]["verdict"] for rec in recs), recs
+    spans = [rec["compute_spans_ms"] for rec in recs]  # where the last step's compute went, beside the profile
+    assert all(s["fwd layer"]["median_ms"] > 0 and s["fwd layer"]["profile_ms"] > 0 for s in spans), spans
+    assert spans[0]["bwd layer"]["n"] == spans[0]["fwd layer"]["n"] > 0 and spans[1]["bwd layer"]["profile_ms"] > 0
 
 
 @pytest.mark.slow  # 7.5 s
