@@ -46,9 +46,12 @@ class LoraSettings:
         if problems:
             raise ConfigError("; ".join(problems))
 
-    def peft_config(self, base: str | None = None, modules: list[str] | None = None) -> Any:
+    def peft_config(
+        self, base: str | None = None, modules: list[str] | None = None, exclude: list[str] | None = None
+    ) -> Any:
         """The ``peft.LoraConfig`` of these settings (``modules``: the adapted modules' full names instead
-        of ``--lora-targets``, for a base in which those names also match modules Fuyou does not train)."""
+        of ``--lora-targets``, for a base in which those names also match modules Fuyou does not train;
+        ``exclude``: module names left out, ``not_linear_maps``)."""
         from peft import LoraConfig
 
         targets = "all-linear" if self.targets == ("all-linear",) else list(self.targets)
@@ -56,6 +59,7 @@ class LoraSettings:
             r=self.rank,
             lora_alpha=self.alpha,
             lora_dropout=self.dropout,
+            exclude_modules=exclude or None,
             target_modules=modules if modules is not None else targets,
             base_model_name_or_path=base,
             task_type="CAUSAL_LM",
@@ -73,15 +77,36 @@ def base_key(name: str) -> str:
     return name.replace(".base_layer.", ".").replace("base_layer.", "")
 
 
-def inject(model: nn.Module, settings: LoraSettings) -> nn.Module:
-    """Wrap ``model``'s target linear layers with ``peft``'s LoRA layers, in place (meta device).
+def not_linear_maps(model: nn.Module) -> list[str]:
+    """The names (last component) of ``model``'s linear layers with a ``forward`` of their own — Llama 4's
+    router returns its scores and logits — which LoRA cannot adapt (its update is added to a linear map's
+    output: peft's wrapper fails on theirs, in ``transformers`` itself too). ``all-linear`` leaves them out."""
+    own = {
+        n.rsplit(".", 1)[-1]
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and type(m).forward is not nn.Linear.forward
+    }
+    return sorted(own)
 
-    Raises ConfigError when no module matches ``settings.targets``, naming the model's linear layers.
+
+def inject(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """Wrap ``model``'s target linear layers with ``peft``'s LoRA layers, in place (meta device), all but
+    ``not_linear_maps``.
+
+    Raises ConfigError when no module matches ``settings.targets``, naming the model's linear layers, or
+    when a target is one of ``not_linear_maps``.
     """
     from peft import inject_adapter_in_model
 
+    exclude = not_linear_maps(model)
+    named = sorted(set(settings.targets) & set(exclude))
+    if named:
+        raise ConfigError(
+            f"--lora-targets names {', '.join(named)}: a linear layer whose forward returns more than its output "
+            "(a router), which LoRA cannot adapt; leave it out"
+        )
     try:
-        return inject_adapter_in_model(settings.peft_config(), model, adapter_name=ADAPTER)
+        return inject_adapter_in_model(settings.peft_config(exclude=exclude), model, adapter_name=ADAPTER)
     except ValueError as e:
         names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ConfigError(

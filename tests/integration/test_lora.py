@@ -10,7 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fuyou.engine import Engine, EngineConfig, Plan
-from fuyou.models.lora import LoraSettings, is_lora
+from fuyou.errors import ConfigError
+from fuyou.models.lora import LoraSettings, is_lora, not_linear_maps
 from tests.integration.tiny_models import batches, hf_balance, tiny
 
 LR, WD, STEPS = 1e-3, 0.01, 5
@@ -263,12 +264,16 @@ def test_a_killed_lora_run_resumes_from_its_checkpoint_bit_identically(tmp_path)
         pytest.param("deepseek_v3", marks=pytest.mark.slow),
         pytest.param("qwen2_moe", marks=pytest.mark.slow),
         "qwen3_5_moe",
+        pytest.param("gpt_oss", marks=pytest.mark.slow),
+        pytest.param("glm4_moe", marks=pytest.mark.slow),
+        pytest.param("llama4", marks=pytest.mark.slow),  # its router (a linear layer returning a tuple) left out
     ],
 )
 def test_lora_on_a_mixture_of_experts_trains_as_peft(tmp_path, family):
     """``all-linear`` on a mixture of experts: what peft targets (Mixtral, DeepSeek-V3: every expert's
-    fused tensors, each expert its own rank-r pair, and the router; Qwen2-MoE: its shared expert;
-    Qwen3.5-MoE: its shared expert and gate, linear- and full-attention projections) trains
+    fused tensors, each expert its own rank-r pair, and the router — GLM-4.5 too; Qwen2-MoE: its shared
+    expert; Qwen3.5-MoE: its shared expert and gate, linear- and full-attention projections; GPT-OSS: the
+    attention projections; Llama 4: its shared expert, dense layers and attention, not its router) trains
     as peft + AdamW with the default global balance loss (DeepSeek-V3: none, its routing bias kept),
     clipping and accumulation on; the merged export and the adapter load back with peft's logits."""
     from peft import PeftModel, get_peft_model
@@ -283,13 +288,13 @@ def test_lora_on_a_mixture_of_experts_trains_as_peft(tmp_path, family):
     settings = LoraSettings(rank=4, alpha=8)
     data = batches(STEPS)
     torch.manual_seed(5)
-    pm = get_peft_model(model, settings.peft_config())
+    pm = get_peft_model(model, settings.peft_config(exclude=not_linear_maps(model)))  # as Fuyou: no router
     with torch.no_grad():  # B away from zero, so that A trains from the first step
         for n, p in pm.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
     init = {k.removeprefix("base_model.model."): v.detach().clone() for k, v in pm.state_dict().items() if is_lora(k)}
-    if family not in ("qwen2_moe", "qwen3_5_moe"):  # peft's all-linear there: shared expert and attention only
+    if family in ("mixtral", "deepseek_v3", "glm4_moe"):  # the others: peft's all-linear leaves routed experts out
         assert any(".experts" in k for k in init) and any(".mlp.gate." in k for k in init)
     balance = hf_balance(cfg)
     ref_losses = reference_steps(pm.base_model.model, data, 2, LR, WD, clip=0.5, balance=balance)
@@ -324,3 +329,12 @@ def test_lora_on_experts_split_into_groups_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="LoRA on the experts .* not 2 expert groups"):
         make_adapter(cfg, LoraSettings(rank=4, alpha=8), expert_groups=2)
     make_adapter(cfg, LoraSettings(rank=4, alpha=8, targets=("q_proj",)), expert_groups=2)  # experts not targeted
+
+
+def test_a_router_named_as_a_lora_target_is_refused_in_one_line(tmp_path):
+    """Llama 4's router is a linear layer whose forward returns scores and logits: LoRA cannot adapt it."""
+    from fuyou.models.adapters import make_adapter
+
+    cfg, _ = tiny("llama4")
+    with pytest.raises(ConfigError, match="--lora-targets names router: .* leave it out"):
+        make_adapter(cfg, LoraSettings(rank=4, alpha=8, targets=("router", "q_proj")))
