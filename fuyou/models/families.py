@@ -135,6 +135,12 @@ def causal_lm_class(model_type: str) -> Any:
         return None
 
 
+def base_model_class(model_type: str) -> Any:
+    """transformers' base model class of ``model_type`` (the decoder stack a causal LM wraps); raises
+    ConfigError as ``_classes``."""
+    return _classes(model_type)[1]
+
+
 def _body(fn: Any) -> str:
     """The syntax tree of ``fn``'s body, docstring left out, as text (equal text: equal statements)."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]

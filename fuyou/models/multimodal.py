@@ -141,14 +141,14 @@ def runtime_part(config: Any) -> TextPart:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from fuyou.models.families import _classes
+    from fuyou.models.families import base_model_class
 
     try:
         with torch.device("meta"):
             model = AutoModelForImageTextToText.from_config(config)
     except ValueError as e:
         raise ConfigError(f"transformers has no multimodal model of {config.model_type}: {e}") from None
-    base = _classes(config.text_config.model_type)[1]
+    base = base_model_class(config.text_config.model_type)
     head = model.get_output_embeddings()
     names = {type(m): n for n, m in model.named_modules() if isinstance(m, base)}
     heads = [n for n, m in model.named_modules() if m is head]
