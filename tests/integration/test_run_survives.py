@@ -168,6 +168,22 @@ def _ballast(path: str, nbytes: int) -> None:
         os.close(fd)
 
 
+def _fill(path: str) -> None:
+    """Take all but 4 KiB of the filesystem of ``path``'s directory, as another program would, while the
+    run keeps writing there (the free space measured can shrink before the allocation: measure again)."""
+    import errno
+
+    for _ in range(50):
+        st = os.statvfs(os.path.dirname(path))
+        try:
+            _ballast(path, st.f_bavail * st.f_frsize - 4096)
+            return
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+    raise AssertionError(f"could not fill the filesystem of {path}")
+
+
 @pytest.mark.root
 @pytest.mark.slow  # ~30 s
 def test_on_a_full_disk_keep_checkpoints_on_resume_prunes_before_it_needs_the_room(tmp_path, inputs):
@@ -264,8 +280,7 @@ def test_a_disk_that_fills_mid_run_names_what_the_checkpoints_pin_and_nothing_is
         common = ("--ssd", ssd, "--save-every", "1", "--profile", os.path.join(clean, "profile.json"))
         p = start(args(model, data, out, *common))
         wait_for_steps([p], out, 3)
-        st = os.statvfs(ssd)
-        _ballast(os.path.join(ssd, "ballast"), st.f_bavail * st.f_frsize - 4096)  # another program fills it
+        _fill(os.path.join(ssd, "ballast"))  # another program fills it
         _, err = p.communicate(timeout=120)
         line = err.strip().splitlines()[-1]
         assert p.returncode == 1 and line.startswith("error: disk full"), err[-3000:]
