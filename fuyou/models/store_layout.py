@@ -25,6 +25,7 @@ gathered vector of ``full_numel(b)`` elements, laid out like the one-rank ``w`` 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -90,9 +91,20 @@ class ModelLayout:
             raise ValueError(f"state chunk must be a positive multiple of 32 elements, got {self.state_chunk}")
         shards.shard_range(1, self.rank, self.world)  # raises ConfigError for a rank outside the world
 
+    @functools.cached_property
+    def _parts_of(self) -> dict[int, tuple[ExtentSpec, ExtentSpec | None]]:
+        """``_parts`` by block, filled as asked (the engine asks per block, several times a step)."""
+        return {}
+
     def _parts(self, b: int) -> tuple[ExtentSpec, ExtentSpec | None]:
         """Block ``b``'s parameters keyed by HF name as the device sees them (the gathered vectors): the
         trained ones, and the frozen ones of a block that trains (None if there are none)."""
+        got = self._parts_of.get(b)
+        if got is None:
+            got = self._parts_of[b] = self._split(b)
+        return got
+
+    def _split(self, b: int) -> tuple[ExtentSpec, ExtentSpec | None]:
         whole = self.blocks[b].extent("w/", self.compute_dtype)
         frozen = tuple(t for t in whole.tensors if t.name in self.frozen_params)
         if not frozen or not self.trains(b):

@@ -222,7 +222,7 @@ def block_compute(
     micro_batch: int,
     seq_len: int,
     flops_per_token: int,
-    repeats: int = 3,
+    repeats: int = 5,
     precision: str = "bf16",
     lora: Any = None,
 ) -> tuple[ComputePoint, float]:
@@ -299,23 +299,32 @@ def block_compute(
     for p in params.values():
         p.grad = torch.zeros_like(p) if head else None
 
-    def fwd_bwd() -> None:
+    def fwd_bwd() -> tuple[float, float]:
+        """One pass: (forward s, backward s), each timed on its own."""
+        t0 = time.perf_counter()
         y = fwd()
+        t1 = time.perf_counter()
         with backend.counting("a block's timing"):
             y.float().square().mean().backward()  # a loss-like reduction (the head's logits included)
         backend.synchronize()
+        t2 = time.perf_counter()
         if not head:
             for p in params.values():
                 p.grad = None
+        return t1 - t0, t2 - t1
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fwd()
-    t_f = _median(fwd, repeats)
-    t_fb = _median(fwd_bwd, repeats)
+    fwd_bwd()  # warm-up: the backward's first pass allocates what later ones reuse
+    # forward and backward timed in the same passes, each its own median: a backward taken as the
+    # difference of two medians (forward + backward, forward alone) swung 7× when one of them caught a
+    # busy moment (35.9 GF/s forward, 255 GF/s backward — above the machine's peak — in one profile)
+    passes = [fwd_bwd() for _ in range(repeats)]
+    t_f = statistics.median(p[0] for p in passes)
+    t_b = max(statistics.median(p[1] for p in passes), 1e-9)
     ad.unbind(block)
     tokens = micro_batch * seq_len
     flops = flops_per_token * tokens
-    t_b = max(t_fb - t_f, 1e-9)
     return ComputePoint(tokens, flops / t_f, (1 if lora is not None else 2) * flops / t_b, seq_len), saved[0] / tokens
 
 
@@ -330,7 +339,7 @@ QUICK = {
     "matmul_n": 1024,
     "matmul_max_s": 0.25,
     "repeats": 3,
-    "compute_repeats": 3,  # a median of three: one busy moment does not set the profile every later run inherits
+    "compute_repeats": 5,  # a median of five passes: two busy moments do not set the profile every later run inherits
     "head_tokens": 256,
 }
 """Sizes of the quick profile ``fuyou finetune`` measures when it has none (seconds on any CPU)."""
@@ -342,7 +351,7 @@ FULL = {
     "matmul_n": 2048,
     "matmul_max_s": None,
     "repeats": 3,
-    "compute_repeats": 3,
+    "compute_repeats": 5,
     "head_tokens": 0,
 }
 """Sizes of ``fuyou profile``."""

@@ -228,9 +228,10 @@ def quick_profile(
     return profile_from(machine, model, "quick (measured for a run)"), {"keys": keys, "cached": hit and hit_model}
 
 
-TIMING = "t2"
+TIMING = "t3"
 """How blocks are timed (``measure.block_compute``), in the cache key: figures timed another way are
-measured again (t2: under the CPU backend's allocation meter, as the engine computes)."""
+measured again (t2: under the CPU backend's allocation meter, as the engine computes; t3: forward and
+backward each timed in the same passes, not the backward as a difference of two medians)."""
 SSD_TIMING = "s2"
 """How the SSD is timed (``measure.ssd_measure``), in the machine figures' cache key (s2: the fastest of
 256 MiB passes, not the median of 64 MiB ones): figures measured another way are measured again."""

@@ -8,6 +8,7 @@ layer's read uses every drive at once; extents under ``stripe_min`` bytes stay i
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -55,7 +56,7 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         """Size of the tensor's data in bytes."""
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
     def to_json(self) -> dict:
         """Plain-data form for the manifest."""
@@ -79,9 +80,9 @@ class ExtentSpec:
         if len(set(names)) != len(names):
             raise ConfigError(f"extent {self.name!r} has duplicate tensor names")
 
-    @property
+    @functools.cached_property
     def offsets(self) -> tuple[int, ...]:
-        """Byte offset of each tensor (64-byte aligned)."""
+        """Byte offset of each tensor (64-byte aligned); computed once (the engine asks per block and step)."""
         out, pos = [], 0
         for t in self.tensors:
             pos = align_up(pos, TENSOR_ALIGN)
@@ -89,7 +90,7 @@ class ExtentSpec:
             pos += t.nbytes
         return tuple(out)
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         """Logical size in bytes: end of the last tensor."""
         if not self.tensors:
