@@ -15,7 +15,10 @@ Supported: AdamW (``adamw_torch``, ``adamw_torch_fused``), LR schedulers, warm-u
 ``max_steps``, logging, evaluation loss, ``save_model`` (streamed safetensors), checkpoints
 (``save_strategy``; the SSD state is checkpointed copy-free, by hard links) with ``save_total_limit``:
 a copy-free checkpoint goes when Trainer rotates its ``checkpoint-N`` directory away (the newest N
-stay, and the best model's when tracked), and ``resume_from_checkpoint``.
+stay, and the best model's when tracked), and ``resume_from_checkpoint``. A multimodal model object
+(``…ForConditionalGeneration``: Gemma 3, Llama 4, Qwen3.5) trains its language model on text-only batches,
+as plain Trainer does once the vision tower and projector are frozen (required); ``save_model`` then writes
+the whole model with ``save_pretrained``.
 
 The engine plan is chosen as ``fuyou finetune`` chooses it (``fuyou.run.plan_choice``, the same
 chooser): by default the cost-model planner, for ``per_device_train_batch_size`` ×
@@ -38,7 +41,7 @@ import json
 import os
 import statistics
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -48,6 +51,7 @@ from fuyou.engine import Engine, StepResult
 from fuyou.engine.lora import LoraState
 from fuyou.errors import ConfigError, FuyouWarning
 from fuyou.models.lora import ADAPTER, LoraSettings, base_key, is_lora
+from fuyou.models.multimodal import TextPart, is_multimodal, model_part, text_config
 from fuyou.run.plan_choice import (
     WARMUP_STEPS,
     ChosenPlan,
@@ -192,8 +196,16 @@ class FuyouTrainer(Trainer):
 
         super().__init__(model=model, args=args, **kwargs)
         lora, state, config = _peft_parts(model)
+        self._part = _text_part(model, lora)
+        """Where a multimodal model object holds the language model Fuyou trains (None: a causal LM)."""
+        if self._part is not None:
+            state, config = _text_state(self._part, state), text_config(config)
         # parameters the model does not train (requires_grad False) are frozen (``--freeze``)
-        freeze = () if lora is not None else tuple(n for n, p in model.named_parameters() if not p.requires_grad)
+        freeze = (
+            ()
+            if lora is not None
+            else tuple(self._text_names(n for n, p in model.named_parameters() if not p.requires_grad))
+        )
         req, seq_from = plan_request(args, config, lora)
         req = dataclasses.replace(req, freeze=freeze)
         self._ranks = join(device_kind(req.device))  # torchrun: Trainer's process group, and Fuyou's shards
@@ -213,7 +225,8 @@ class FuyouTrainer(Trainer):
             args.adam_epsilon,
             args.weight_decay,
             args.max_grad_norm or 0.0,
-            frozenset(n for n, _ in model.named_parameters()) - frozenset(self.get_decay_parameter_names(model)),
+            frozenset(self._text_names(n for n, _ in model.named_parameters()))
+            - frozenset(self._text_names(self.get_decay_parameter_names(model))),
         )
         batch = (args.per_device_train_batch_size, req.seq_len, args.gradient_accumulation_steps)
         cfg = engine_config(req, self.plan_choice, optim, batch, args.moe_balance)
@@ -231,6 +244,12 @@ class FuyouTrainer(Trainer):
         self._warned_longer = False
         self._pending: list[dict[str, torch.Tensor]] = []
         self._last: StepResult | None = None  # the last engine step's result (loss, grad_norm, …)
+
+    def _text_names(self, names: Iterable[str]) -> list[str]:
+        """``names`` (the model object's parameter names) as the engine names them: a multimodal model's
+        language-model parameters by their text model's names, its other parameters left out."""
+        part = self._part
+        return list(names) if part is None else [part.text_key(n) for n in names if part.owns(n)]
 
     def plan_record(self) -> dict[str, Any]:
         """The chosen plan's info plus the plan the engine executes (what ``fuyou_checkpoint.json`` records)."""
@@ -318,6 +337,11 @@ class FuyouTrainer(Trainer):
             self.engine.lora, LoraState
         ):  # a PEFT model: its adapter directory, as PeftModel.save_pretrained writes
             self.engine.export_adapter(out, base=getattr(self.engine.adapter.config, "_name_or_path", None) or None)
+        elif self._part is not None:  # a multimodal model: the trained language model beside its vision tower
+            self._load_trained()
+            if self._ranks.root:
+                model: Any = self._model()
+                model.save_pretrained(out)
         else:
             self.engine.export(out)  # in the model's own dtype, as Trainer saves it; every rank; rank 0 writes
         if self.processing_class is not None and self._ranks.root:
@@ -336,12 +360,18 @@ class FuyouTrainer(Trainer):
                 for name, t in trained.items():
                     named[name.replace(f".{ADAPTER}.", f".{peft_model.active_adapter}.")].copy_(t)
             return out
+        self._load_trained()
+        return out
+
+    def _load_trained(self) -> None:
+        """Copy the engine's trained weights into ``self.model`` (on every rank: a collective)."""
         trained = dict(self.engine.master_weights(everywhere=True))
+        part = self._part
         with torch.no_grad():
             for name, p in self._model().named_parameters():
-                if name in trained:
-                    p.copy_(trained[name])
-        return out
+                key = part.text_key(name) if part is not None and part.owns(name) else name
+                if key in trained:
+                    p.copy_(trained[key])
 
     def _check_profile(self) -> None:
         """Hold the plan's predicted step time against the steady steps measured (``profile_check``), as
@@ -454,6 +484,33 @@ class FuyouTrainer(Trainer):
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         """The weights come back with the SSD state in ``_load_optimizer_and_scheduler``."""
+
+
+def _text_part(model: Any, lora: Any) -> TextPart | None:
+    """Where the multimodal ``model`` holds its language model (None for a causal LM). Raises ConfigError
+    for a PEFT multimodal model, or one whose vision tower or projector would train (requires_grad):
+    Fuyou trains the language model only, so they must be frozen for it to train what plain Trainer would."""
+    if not is_multimodal(getattr(model, "config", None)):
+        return None
+    if lora is not None or not hasattr(model, "get_output_embeddings"):
+        raise ConfigError(
+            "FuyouTrainer trains a multimodal model object in full, not through PEFT; for LoRA on its "
+            "language model run fuyou finetune MODEL_DIR --lora-rank R on the checkpoint"
+        )
+    part = model_part(model)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad and not part.owns(n)]
+    if trained:
+        raise ConfigError(
+            f"FuyouTrainer trains a multimodal model's language model only, but {len(trained)} other parameters "
+            f"would train (e.g. {trained[0]}); freeze the vision tower and projector first "
+            "(requires_grad_(False)) so that plain Trainer would train the same"
+        )
+    return part
+
+
+def _text_state(part: TextPart, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The language model's tensors of a multimodal model's ``state`` dict, by its text model's names."""
+    return {part.text_key(k): v for k, v in state.items() if part.owns(k)}
 
 
 def _peft_parts(model: Any) -> tuple[LoraSettings | None, dict[str, torch.Tensor], Any]:
@@ -573,6 +630,11 @@ def _micro_batch(inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
     With right padding and a causal model, real tokens never attend to the padding after them, so
     dropping the attention mask (and masking the padding's labels) computes the same loss.
     """
+    if inputs.get("pixel_values") is not None:
+        raise ConfigError(
+            "FuyouTrainer trains a multimodal model's language model on text; this batch holds pixel_values "
+            "(images): pass text-only batches"
+        )
     ids = inputs["input_ids"]
     labels = inputs.get("labels", ids)
     mask = inputs.get("attention_mask")

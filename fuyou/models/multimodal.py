@@ -93,6 +93,14 @@ class TextPart:
             return self.head_prefix + key[len("lm_head.") :]
         return key
 
+    def text_key(self, disk_key: str) -> str:
+        """The text model's name of the tensor ``disk_key`` (one ``owns``): ``disk_key``'s inverse."""
+        if disk_key.startswith(self.model_prefix):
+            return "model." + disk_key[len(self.model_prefix) :]
+        if disk_key.startswith(self.head_prefix):
+            return "lm_head." + disk_key[len(self.head_prefix) :]
+        raise KeyError(f"{disk_key} is not in the language model ({self.model_prefix}…, {self.head_prefix}…)")
+
     def owns(self, disk_key: str) -> bool:
         """True if the checkpoint's tensor ``disk_key`` belongs to the language model Fuyou trains."""
         return disk_key.startswith((self.model_prefix, self.head_prefix))
@@ -141,14 +149,20 @@ def runtime_part(config: Any) -> TextPart:
     import torch
     from transformers import AutoModelForImageTextToText
 
-    from fuyou.models.families import base_model_class
-
     try:
         with torch.device("meta"):
             model = AutoModelForImageTextToText.from_config(config)
     except ValueError as e:
         raise ConfigError(f"transformers has no multimodal model of {config.model_type}: {e}") from None
-    base = base_model_class(config.text_config.model_type)
+    return model_part(model)
+
+
+def model_part(model: Any) -> TextPart:
+    """Where the multimodal transformers ``model`` (an instance) holds its language model, by module name.
+    Raises ConfigError if it holds no base model of its text model's type and LM head."""
+    from fuyou.models.families import base_model_class
+
+    base = base_model_class(model.config.text_config.model_type)
     head = model.get_output_embeddings()
     names = {type(m): n for n, m in model.named_modules() if isinstance(m, base)}
     heads = [n for n, m in model.named_modules() if m is head]

@@ -57,14 +57,19 @@ VISION = {  # family: (multimodal config and model classes, a tiny vision config
 }
 
 
-def multimodal(family: str, path) -> tuple[str, str, dict]:
-    """(a multimodal checkpoint of ``family``'s tiny text model, that text model alone as a checkpoint,
-    the multimodal model's tensors by stored name), both saved sharded into ``path``."""
+def mm_model(family: str) -> torch.nn.Module:
+    """A multimodal model of ``family``'s tiny text model, random weights (seed 0), in eval mode."""
     text_cfg, _ = tiny(family)
     config_cls, model_cls, vision, extra = VISION[family]
     cfg = getattr(transformers, config_cls)(text_config=text_cfg.to_dict(), vision_config=vision, **extra)
     torch.manual_seed(0)
-    model = getattr(transformers, model_cls)(cfg).eval()
+    return getattr(transformers, model_cls)(cfg).eval()
+
+
+def multimodal(family: str, path) -> tuple[str, str, dict]:
+    """(a multimodal checkpoint of ``family``'s tiny text model, that text model alone as a checkpoint,
+    the multimodal model's tensors by stored name), both saved sharded into ``path``."""
+    model = mm_model(family)
     model.save_pretrained(path / "mm", max_shard_size="50KB")
     text = AutoModelForCausalLM.from_config(load_config(str(path / "mm")))
     decoder = next(n for n, m in model.named_modules() if type(m) is type(text.model))
@@ -256,3 +261,45 @@ def test_the_head_is_tied_as_the_multimodal_model_ties_it(config_cls, top, text)
         model = transformers.AutoModelForImageTextToText.from_config(cfg)
     tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
     assert text_config(cfg).tie_word_embeddings is tied
+
+
+def test_fuyou_trainer_trains_a_multimodal_model_objects_language_model_as_plain_trainer(tmp_path):
+    """A Gemma 3 multimodal model object with its vision tower and projector frozen: FuyouTrainer trains its
+    language model to plain Trainer's losses and weights, leaves the rest as it was, and ``save_model``
+    writes the whole model transformers loads back."""
+    import copy
+
+    from fuyou.models.multimodal import model_part
+    from tests.integration.test_hf_trainer import dataset, losses, plain_and_fuyou
+
+    model = mm_model("gemma3")
+    part = model_part(model)
+    for n, p in model.named_parameters():
+        p.requires_grad_(part.owns(n))
+    ref_model = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items() if not part.owns(k)}
+    ref, fy = plain_and_fuyou(tmp_path, ref_model, model, dataset())
+    assert len(losses(fy)) == 6 and losses(fy) == pytest.approx(losses(ref), rel=1e-5)
+    ref_sd, got = ref_model.state_dict(), fy.model.state_dict()
+    moved = 0
+    for k, v in got.items():
+        assert (v - ref_sd[k]).abs().max().item() <= 1e-5 * ref_sd[k].abs().max().item() + 1e-12, k
+        moved += part.owns(k) and not torch.equal(v, before.get(k, torch.empty(0)))
+    assert moved > 0 and all(torch.equal(got[k], v) for k, v in before.items())  # vision tower, projector: as were
+    fy.save_model(str(tmp_path / "saved"))
+    back = transformers.Gemma3ForConditionalGeneration.from_pretrained(str(tmp_path / "saved")).state_dict()
+    assert back.keys() == got.keys() and all(torch.equal(back[k], v) for k, v in got.items())
+
+
+def test_fuyou_trainer_refuses_a_multimodal_model_whose_vision_tower_would_train_and_image_batches(tmp_path):
+    from fuyou import FuyouTrainer, FuyouTrainingArguments
+    from fuyou.integrations.hf_trainer import _micro_batch
+
+    ssd = tmp_path / "ssd"
+    ssd.mkdir()
+    args = FuyouTrainingArguments(output_dir=str(tmp_path / "o"), ssd_dirs=[str(ssd)], use_cpu=True, report_to=[])
+    with pytest.raises(ConfigError, match=r"freeze the vision tower and projector"):
+        FuyouTrainer(model=mm_model("gemma3"), args=args)
+    ids = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ConfigError, match="pixel_values"):
+        _micro_batch({"input_ids": ids, "pixel_values": torch.zeros(1, 3, 28, 28)})
