@@ -1,4 +1,4 @@
-"""Multimodal checkpoints (Llama 4, Gemma 3, Qwen3.5): Fuyou trains the language model, keeps the rest.
+"""Multimodal checkpoints (Llama 4, Gemma 3, Mistral 3, Qwen3.5): Fuyou trains the language model, keeps the rest.
 
 The same language model trains bit for bit as it does from a text-only checkpoint (whose training the
 fidelity tests hold to plain PyTorch); the vision tower and projector come out of export, resume and
@@ -48,6 +48,13 @@ VISION = {  # family: (multimodal config and model classes, a tiny vision config
         ),
         {"mm_tokens_per_image": 4},
     ),
+    "mistral3": (  # a Mistral text model (sliding window) beside a Pixtral vision tower; stored as Llama 4's
+        "Mistral3Config",
+        "Mistral3ForConditionalGeneration",
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
+             image_size=28, patch_size=14),
+        {"spatial_merge_size": 1},
+    ),  # fmt: skip
     "qwen3_5_moe": (  # linear-attention layers and experts; stored under model.language_model.* and lm_head.*
         "Qwen3_5MoeConfig",
         "Qwen3_5MoeForConditionalGeneration",
@@ -56,10 +63,13 @@ VISION = {  # family: (multimodal config and model classes, a tiny vision config
     ),
 }
 
+TEXT = {"mistral3": "mistral_sw"}
+"""The tiny text model of a multimodal family where its name is not the text family's."""
+
 
 def mm_model(family: str) -> torch.nn.Module:
     """A multimodal model of ``family``'s tiny text model, random weights (seed 0), in eval mode."""
-    text_cfg, _ = tiny(family)
+    text_cfg, _ = tiny(TEXT.get(family, family))
     config_cls, model_cls, vision, extra = VISION[family]
     cfg = getattr(transformers, config_cls)(text_config=text_cfg.to_dict(), vision_config=vision, **extra)
     torch.manual_seed(0)
@@ -100,7 +110,7 @@ def train(eng: Engine, data) -> dict:
 
 
 @pytest.mark.parametrize(
-    "family", ["llama4", "gemma3", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)]
+    "family", ["llama4", "gemma3", "mistral3", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)]
 )  # Qwen3.5's linear attention runs transformers' slow reference kernels here
 def test_the_text_model_trains_as_alone_and_the_rest_comes_back_unchanged(tmp_path, family):
     mm, text, stored = multimodal(family, tmp_path)
