@@ -51,8 +51,15 @@ VISION = {  # family: (multimodal config and model classes, a tiny vision config
     "mistral3": (  # a Mistral text model (sliding window) beside a Pixtral vision tower; stored as Llama 4's
         "Mistral3Config",
         "Mistral3ForConditionalGeneration",
-        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=16,
-             image_size=28, patch_size=14),
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            head_dim=16,
+            image_size=28,
+            patch_size=14,
+        ),
         {"spatial_merge_size": 1},
     ),  # fmt: skip
     "qwen3_5_moe": (  # linear-attention layers and experts; stored under model.language_model.* and lm_head.*
