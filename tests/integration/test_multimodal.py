@@ -117,7 +117,13 @@ def train(eng: Engine, data) -> dict:
 
 
 @pytest.mark.parametrize(
-    "family", ["llama4", "gemma3", "mistral3", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)]
+    "family",
+    [
+        "llama4",
+        "gemma3",
+        pytest.param("mistral3", marks=pytest.mark.slow),
+        pytest.param("qwen3_5_moe", marks=pytest.mark.slow),
+    ],
 )  # Qwen3.5's linear attention runs transformers' slow reference kernels here
 def test_the_text_model_trains_as_alone_and_the_rest_comes_back_unchanged(tmp_path, family):
     mm, text, stored = multimodal(family, tmp_path)
