@@ -32,8 +32,8 @@ NONE = Activations()
 
 EXPERTS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 """The names families give their experts per layer (Mixtral; Qwen-MoE, OLMoE; DeepSeek, GLM; ERNIE)."""
-TOP_K = ("num_experts_per_tok", "moe_k", "moe_topk")
-"""The names families give the experts each token is routed to."""
+TOP_K = ("num_experts_per_tok", "moe_k", "moe_topk", "top_k_experts")
+"""The names families give the experts each token is routed to (Gemma 4: ``top_k_experts``)."""
 
 
 def _first(cfg: Any, names: tuple[str, ...]) -> int:

@@ -3,9 +3,9 @@ one block at a time with real parameters bound to it.
 
 The blocks call the very modules, mask and rotary code of ``transformers``, in the order the
 library's own ``forward`` uses, so a streamed step computes what the in-RAM model computes.
-Supported: Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 1/2/3 (one block shape: GQA, RoPE, RMSNorm,
+Supported: Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 1/2/3/4 (one block shape: GQA, RoPE, RMSNorm,
 gated MLP — Phi-3 with fused qkv and gate-up projections, Gemma with scaled embeddings, Gemma 2's
-soft-capped attention and logits, Gemma 3's rotary table per attention kind; tied or untied
+soft-capped attention and logits, Gemma 3's and 4's rotary table per attention kind; tied or untied
 embeddings; sliding-window layers), the
 mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (a decoder layer with its router and every
 expert is one block, or, with ``expert_groups`` > 1, a core block followed by expert-group blocks:
@@ -406,14 +406,18 @@ def _runs_every_expert(mod: nn.Module) -> bool:
     return len(inspect.signature(type(mod).forward).parameters) == 2
 
 
-def _feed_forward_name(layer: nn.Module) -> str:
-    """The attribute holding a decoder layer's MLP or mixture of experts: ``mlp`` (Llama 4: ``feed_forward``)."""
-    return "mlp" if getattr(layer, "mlp", None) is not None else "feed_forward"
+def _experts_path(layer: nn.Module) -> str:
+    """Where a decoder layer keeps its experts module, relative to the layer: ``mlp.experts`` (Mixtral,
+    Qwen-MoE, …), ``feed_forward.experts`` (Llama 4) or ``experts`` beside a dense MLP (Gemma 4)."""
+    for owner in ("mlp", "feed_forward"):
+        if getattr(getattr(layer, owner, None), "experts", None) is not None:
+            return f"{owner}.experts"
+    return "experts"
 
 
-def _feed_forward(layer: nn.Module) -> nn.Module | None:
-    """A decoder layer's MLP or mixture of experts (``_feed_forward_name``), None if it has neither."""
-    return getattr(layer, _feed_forward_name(layer), None)
+def _experts_owner(layer: nn.Module) -> nn.Module:
+    """The module holding a decoder layer's ``experts`` attribute (``_experts_path``)."""
+    return _owner(layer, _experts_path(layer))[0]
 
 
 def param_targets(model: nn.Module) -> set[tuple[int, str]]:
@@ -542,7 +546,7 @@ def _masks(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None, ty
 
 
 class LlamaLike(Adapter):
-    """Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1/2/3 and the mixtures of experts: ``model.embed_tokens``,
+    """Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1/2/3/4 and the mixtures of experts: ``model.embed_tokens``,
     ``model.layers``, ``model.norm``, ``lm_head``.
 
     Sliding-window attention is honoured per layer (``layer_types``), with the rotary table of the
@@ -569,6 +573,11 @@ class LlamaLike(Adapter):
                 f"this {self.config.model_type} model's experts run every expert on every token (transformers' "
                 f"implementation): its layers cannot be split into {groups} expert groups; raise --gpu-memory"
             )
+        if any(_experts_path(layer) == "experts" for layer in self.model.model.layers if hasattr(layer, "experts")):
+            raise ConfigError(
+                f"this {self.config.model_type} model normalises its experts' output beside its MLP's before the "
+                f"residual sum (Gemma 4), so a layer is not the sum of {groups} expert groups; raise --gpu-memory"
+            )
         if any(type(m).__name__ == "ParamWrapper" and ".experts" in n for n, m in self.model.named_modules()):
             raise ConfigError(
                 f"LoRA on the experts of this {self.config.model_type} model needs each layer's experts in one block, "
@@ -589,14 +598,14 @@ class LlamaLike(Adapter):
                 continue
             name, g = spec.name.split(EXPERTS_PART)
             i = int(name.removeprefix("layer."))
-            mlp: Any = _feed_forward(layers[i])
-            if not isinstance(mlp.experts, RouteCapture):
-                self._experts_cls = type(mlp.experts)
-                mlp.experts = RouteCapture()
+            owner: Any = _experts_owner(layers[i])
+            if not isinstance(owner.experts, RouteCapture):
+                self._experts_cls = type(owner.experts)
+                owner.experts = RouteCapture()
             lo, hi = ranges[int(g)]
             self.slices[len(modules)] = (lo, hi)
-            ff = _feed_forward_name(layers[i])
-            modules.append((spec.name, [(f"model.layers.{i}.{ff}.experts", self._experts_module(hi - lo))]))
+            path = _experts_path(layers[i])
+            modules.append((spec.name, [(f"model.layers.{i}.{path}", self._experts_module(hi - lo))]))
             layer_of.append(i)
         self.modules, self.layer_of = modules, layer_of
 
@@ -660,7 +669,7 @@ class LlamaLike(Adapter):
         return self.layer_of[block]
 
     def _mlp(self, i: int) -> Any:
-        return getattr(_feed_forward(self.model.model.layers[i]), "experts", None)
+        return getattr(_experts_owner(self.model.model.layers[i]), "experts", None)
 
     def delta(self, block: int, ctx: MicroBatchContext) -> torch.Tensor:
         """A later vocabulary group's embeddings of its tokens (``VocabRows`` over ``ctx.input_ids``),
@@ -683,6 +692,9 @@ class LlamaLike(Adapter):
         self.rotary = type(m.rotary_emb)(config=self.config).to(device)
         self.layer_types = layer_types(self.config)
         self.per_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.kv_table = "shared_kv_states" in inspect.signature(type(m.layers[0]).forward).parameters
+        """The family's layers take a table they leave their keys and values in for later layers (Gemma 4,
+        ``num_kv_shared_layers``: refused by ``families.gemma4_departures`` unless 0, so nothing reads it)."""
         for mod in m.modules():
             if hasattr(mod, "scalar_embed_scale"):
                 mod.embed_scale = torch.tensor(mod.scalar_embed_scale, device=device)
@@ -722,7 +734,10 @@ class LlamaLike(Adapter):
         i = self.layer_of[block]
         kind = self.layer_types[i]
         rope = ctx.position_embeddings[kind] if self.per_kind else ctx.position_embeddings
-        y = m.layers[i](x, attention_mask=ctx.mask[kind], position_embeddings=rope, position_ids=ctx.position_ids)
+        table: dict[str, Any] = {"shared_kv_states": {}} if self.kv_table else {}
+        y = m.layers[i](
+            x, attention_mask=ctx.mask[kind], position_embeddings=rope, position_ids=ctx.position_ids, **table
+        )
         capture = self._mlp(i)
         if isinstance(capture, RouteCapture):
             ctx.routes[i] = capture.take()

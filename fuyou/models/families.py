@@ -30,9 +30,11 @@ from typing import Any
 from fuyou.errors import ConfigError, FuyouWarning
 
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM")
-GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM")
-"""Gemma 1/2/3 (text): Llama-like blocks with scaled embeddings, soft-capped attention and logits
-(Gemma 2), per-layer-kind rotary tables (Gemma 3)."""
+GEMMA = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma4ForCausalLM")
+"""Gemma 1/2/3/4 (text): Llama-like blocks with scaled embeddings, soft-capped attention and logits
+(Gemma 2), per-layer-kind rotary tables (Gemma 3, 4), and Gemma 4's per-kind head sizes, keys reused as
+values (``attention_k_eq_v``), per-layer output scalars and a mixture of experts beside the dense MLP.
+Gemma 4's per-layer embeddings and shared key-value layers are refused (``gemma4_departures``)."""
 MOE = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
@@ -228,9 +230,40 @@ def architecture_of(config: Any) -> str:
             FuyouWarning,
             stacklevel=2,
         )
+    why = gemma4_departures(config)
+    if why:
+        raise ConfigError(f"unsupported {name} variant: {why}")
     if name not in GPT2:
         layer_types(config)  # an attention kind Fuyou does not run is refused by name, before any work
     return name
+
+
+def gemma4_departures(config: Any) -> str | None:
+    """What of a Gemma 4 text config Fuyou does not stream, as a clause (None: nothing, or not Gemma 4).
+
+    Its per-layer embeddings (``hidden_size_per_layer_input`` > 0: the embedding block feeds every decoder
+    layer a slice of a second embedding, and each layer's backward would have to send a gradient back to it)
+    and its shared key-value layers (``num_kv_shared_layers`` > 0: later layers attend with an earlier
+    layer's keys and values) carry tensors between blocks besides the hidden states, which Fuyou's
+    block-by-block step does not; a bidirectional model (``use_bidirectional_attention="all"``) is no
+    causal LM."""
+    if getattr(config, "model_type", None) != "gemma4_text":
+        return None
+    if getattr(config, "hidden_size_per_layer_input", 0):
+        return (
+            f"per-layer embeddings (hidden_size_per_layer_input={config.hidden_size_per_layer_input}) feed every "
+            "layer from the embedding, which Fuyou's block-by-block step does not carry; Gemma 4 models without "
+            "them (hidden_size_per_layer_input 0 in config.json) train"
+        )
+    if getattr(config, "num_kv_shared_layers", 0):
+        return (
+            f"its last {config.num_kv_shared_layers} layers reuse earlier layers' keys and values "
+            "(num_kv_shared_layers), which Fuyou's block-by-block step does not carry; Gemma 4 models without "
+            "them (num_kv_shared_layers 0) train"
+        )
+    if getattr(config, "use_bidirectional_attention", None) == "all":
+        return "it attends bidirectionally (use_bidirectional_attention='all'); Fuyou trains causal LMs"
+    return None
 
 
 def layer_types(config: Any) -> list[str]:

@@ -19,6 +19,7 @@ def run_bench(script: str) -> list[dict]:
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow  # ~5 s
 def test_bench_adam_smoke() -> None:
     recs = run_bench("bench_adam.py")
     assert "cpu" in recs[0]["hardware"]
@@ -29,7 +30,7 @@ def test_bench_adam_smoke() -> None:
     assert summary["copy_GBps"] > 0 and summary["best_baseline"] == "torch_fused"
 
 
-@pytest.mark.slow  # 9 s; the fp32 smoke above stays in the default tier
+@pytest.mark.slow  # 9 s
 def test_bench_bf16_state_smoke() -> None:
     recs = run_bench("bench_adam_bf16_state.py")
     summary = next(r for r in recs if r.get("summary"))

@@ -23,6 +23,7 @@ def run_bench(script: str, tmp_path) -> list[dict]:
     return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow  # ~13 s
 def test_engine_bench_smoke(tmp_path):
     recs = run_bench("bench/bench_engine.py", tmp_path)
     kinds = [r["bench"] for r in recs]
@@ -46,7 +47,7 @@ def test_engine_bench_smoke(tmp_path):
     assert not os.listdir(tmp_path)  # stores cleaned up
 
 
-@pytest.mark.slow  # 8.5 s; the engine bench smoke above stays in the default tier
+@pytest.mark.slow  # 8.5 s
 def test_scale_bench_smoke(tmp_path):
     (r,) = run_bench("bench/bench_scale.py", tmp_path)
     assert r["bench"] == "scale_p5" and r["state_over_budget"] >= 10.0

@@ -110,7 +110,7 @@ def test_families_and_policies(tmp_path, family, policy):
     [
         *("mistral_sw", "qwen2_sw", "llama31", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe"),
         *("deepseek_v3", "llama4", "qwen3_5_moe", pytest.param("qwen3_5", marks=pytest.mark.slow)),
-        *("gemma", "gemma2", "gemma3"),
+        *("gemma", "gemma2", "gemma3", "gemma4", "gemma4_moe"),
     ],
 )
 @pytest.mark.parametrize("policy", ["keep", pytest.param("recompute", marks=pytest.mark.slow)])
@@ -123,12 +123,14 @@ def test_more_families(tmp_path, family, policy):
     and DeepSeek-V3 (a routing bias instead of a balance loss, a shared expert, a dense first layer;
     DeepSeek-V3's multi-head latent attention); Llama 4 (chunked attention, a NoPE layer, a mixture of
     experts every other layer that runs every expert, a shared expert); Qwen3.5-MoE (Gated DeltaNet
-    linear-attention layers, then gated full attention)."""
+    linear-attention layers, then gated full attention); Gemma 4 (``tiny_models.tiny_gemma4``: tied dense,
+    and untied with a mixture beside the MLP; it has no balance loss)."""
     cfg, model = tiny(family, layers=3)
     data = batches(STEPS)
     losses, weights = run_fuyou(cfg, model, tmp_path, data, policy=policy, K=2, clip=0.5)
     balance = hf_balance(cfg)
-    ill = {} if family in MOE_FAMILIES or family == "qwen3_5" else None  # near-zero gradients: as the standard shapes
+    near_zero = MOE_FAMILIES + ("qwen3_5", "gemma4", "gemma4_moe")  # near-zero gradients: as the standard shapes
+    ill = {} if family in near_zero else None
     ref = reference_steps(model, data, 2, LR, WD, clip=0.5, balance=balance, ill=ill)
     assert_same(model, ref, losses, weights, ill=ill)
 

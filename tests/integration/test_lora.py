@@ -267,13 +267,15 @@ def test_a_killed_lora_run_resumes_from_its_checkpoint_bit_identically(tmp_path)
         pytest.param("gpt_oss", marks=pytest.mark.slow),
         pytest.param("glm4_moe", marks=pytest.mark.slow),
         pytest.param("llama4", marks=pytest.mark.slow),  # its router (a linear layer returning a tuple) left out
+        pytest.param("gemma4_moe", marks=pytest.mark.slow),
     ],
 )
 def test_lora_on_a_mixture_of_experts_trains_as_peft(tmp_path, family):
     """``all-linear`` on a mixture of experts: what peft targets (Mixtral, DeepSeek-V3: every expert's
     fused tensors, each expert its own rank-r pair, and the router — GLM-4.5 too; Qwen2-MoE: its shared
     expert; Qwen3.5-MoE: its shared expert and gate, linear- and full-attention projections; GPT-OSS: the
-    attention projections; Llama 4: its shared expert, dense layers and attention, not its router) trains
+    attention projections; Llama 4: its shared expert, dense layers and attention, not its router; Gemma 4:
+    its dense MLP, attention and the router's projection, not the experts beside them) trains
     as peft + AdamW with the default global balance loss (DeepSeek-V3: none, its routing bias kept),
     clipping and accumulation on; the merged export and the adapter load back with peft's logits."""
     from peft import PeftModel, get_peft_model

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fuyou.engine import Engine, EngineConfig, Plan
-from fuyou.errors import DeviceMemoryError
+from fuyou.errors import ConfigError, DeviceMemoryError
 from fuyou.models.adapters import make_adapter
 from fuyou.models.hf_io import CheckpointReader
 from tests.integration.test_engine_fidelity import LR, STEPS, WD, assert_same
@@ -26,10 +26,10 @@ def config(tmp_path, cfg, groups: int, policy: str = "keep", **kw) -> EngineConf
     tmp_path.mkdir(exist_ok=True)
     n = len(make_adapter(cfg, expert_groups=groups).blocks) if groups else cfg.num_hidden_layers + 2
     pol = ("keep",) + (policy,) * (n - 2) + ("keep",) if groups else ()
-    plan = Plan(grad_accum=2, expert_groups=groups, activation_policy=pol)
+    kw.setdefault("plan", Plan(grad_accum=2, expert_groups=groups, activation_policy=pol))
     return EngineConfig(
         ssd_dirs=(str(tmp_path),), precision="fp32", lr=LR, weight_decay=WD, cpu_memory="256MiB",
-        max_grad_norm=CLIP, plan=plan, **kw,
+        max_grad_norm=CLIP, **kw,
     )  # fmt: skip
 
 
@@ -82,6 +82,16 @@ def test_split_layers_train_as_plain_pytorch(tmp_path, family, groups, policy):
     assert len(names) == 2 + 2 + (2 - dense) * groups
     assert all("[" not in k for k in weights)  # the groups' slices come back as the fused tensors
     expect_reference(model, data, losses, weights, SPLIT_TOL.get(family, 1e-5))
+
+
+def test_gemma4_layers_are_refused_expert_groups(tmp_path):
+    """Gemma 4 norms its experts' output (and its MLP's) before the residual sum: a layer is not its core
+    plus its expert groups' outputs, so a split is refused in one line, before anything is written."""
+    cfg, model = tiny("gemma4_moe")
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"normalises its experts' output .* raise --gpu-memory"):
+        Engine.from_state_dict(cfg, sd, config(tmp_path / "run", cfg, 0, plan=Plan(expert_groups=2)))
+    assert not any((tmp_path / "run").rglob("*.fy"))
 
 
 def test_a_dropped_route_gradient_is_caught(tmp_path, monkeypatch):

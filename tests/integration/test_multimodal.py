@@ -62,6 +62,21 @@ VISION = {  # family: (multimodal config and model classes, a tiny vision config
         ),
         {"spatial_merge_size": 1},
     ),  # fmt: skip
+    "gemma4": (  # Gemma 4's text model (no per-layer embeddings) beside its vision tower, no audio tower
+        "Gemma4Config",
+        "Gemma4ForConditionalGeneration",
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            global_head_dim=16,
+            position_embedding_size=64,
+        ),
+        {"audio_config": None},
+    ),
     "qwen3_5_moe": (  # linear-attention layers and experts; stored under model.language_model.* and lm_head.*
         "Qwen3_5MoeConfig",
         "Qwen3_5MoeForConditionalGeneration",
@@ -122,6 +137,7 @@ def train(eng: Engine, data) -> dict:
         "llama4",
         "gemma3",
         pytest.param("mistral3", marks=pytest.mark.slow),
+        pytest.param("gemma4", marks=pytest.mark.slow),
         pytest.param("qwen3_5_moe", marks=pytest.mark.slow),
     ],
 )  # Qwen3.5's linear attention runs transformers' slow reference kernels here

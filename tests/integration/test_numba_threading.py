@@ -13,6 +13,7 @@ from fuyou.optim import parallel
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # ~12 s; the serialisation rule below stays in the default tier
 def test_training_under_the_workqueue_threading_layer_finishes_correctly(tmp_path):
     """Both schedules, a few steps each, in a child forced onto ``workqueue`` (which aborts the process
     on concurrent launches): it must finish and match plain PyTorch + AdamW."""

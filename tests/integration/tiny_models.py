@@ -150,6 +150,8 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager" if family == "gemma2" else "sdpa")
         model.train()
         return cfg, model
+    elif family in ("gemma4", "gemma4_moe"):
+        return tiny_gemma4(family == "gemma4_moe", layers, hidden)
     elif family == "qwen3_5":  # Qwen3.5's dense text model, tied: Gated DeltaNet layers, then full attention
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -190,6 +192,41 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
     cfg.architectures = [cls.__name__]
     torch.manual_seed(0)
     model = cls(cfg)
+    model.train()
+    return cfg, model
+
+
+def tiny_gemma4(moe: bool, layers: int = 2, hidden: int = 64):
+    """(config, model) of a tiny Gemma 4 text model: 4-token sliding windows then full attention (the last
+    layer full, as the family forces), a larger head size on full-attention layers whose keys are also their
+    values (``attention_k_eq_v``), proportional partial RoPE there, soft-capped logits, per-layer output
+    scalars (0.7, as a trained checkpoint's). Dense and tied; ``moe``: untied, with a 4-expert top-2 mixture
+    beside every layer's MLP. No per-layer embeddings and no shared key-value layers (Fuyou refuses them).
+    q/k norms at 0.5, as a trained model's: at 1 (the init) this tiny model's attention saturates (scores
+    ×1 over a 16-wide head) and a 1e-8 relative change of its initial weights moves 64k elements by more
+    than 1e-5 over 5 steps (Llama: 9)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kinds = (["sliding_attention", "full_attention"] * layers)[: layers - 1] + ["full_attention"]
+    cfg = AutoConfig.for_model(
+        "gemma4_text",
+        hidden_size=hidden, intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64, num_hidden_layers=layers, head_dim=16, global_head_dim=32,
+        sliding_window=4, layer_types=kinds, hidden_size_per_layer_input=0, attention_k_eq_v=True,
+        num_global_key_value_heads=1, final_logit_softcapping=2.0, tie_word_embeddings=not moe,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        **(dict(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=hidden // 2) if moe else {}),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    cfg.architectures = [type(model).__name__]
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.fill_(0.7)
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.fill_(0.5)
     model.train()
     return cfg, model
 

@@ -28,6 +28,7 @@ def _real(monkeypatch: pytest.MonkeyPatch, adapter, b: int, cb: int, seq: int, m
     "family, groups",
     [
         *(("llama", 1), ("gpt2", 1), ("gemma2", 1), ("gemma3", 1), ("mixtral", 1), ("qwen3_moe", 2), ("gpt_oss", 2)),
+        ("gemma4_moe", 1),  # experts beside the dense MLP, per-kind head sizes
         pytest.param("deepseek_v3", 2, marks=pytest.mark.slow),  # latent attention; a dense layer, a core, groups
     ],
 )

@@ -51,3 +51,22 @@ def test_an_untested_family_of_the_standard_shape_runs_and_says_so():
 def test_models_that_are_not_decoder_stacks_are_refused_saying_why(model_type, says):
     with pytest.raises(ConfigError, match=says):
         architecture_of(CONFIG_MAPPING[model_type]())
+
+
+@pytest.mark.parametrize(
+    "fields, says",
+    [
+        ({}, r"per-layer embeddings \(hidden_size_per_layer_input=256\)"),  # the config's default (Gemma 4 E2B's)
+        ({"hidden_size_per_layer_input": 0, "num_kv_shared_layers": 2}, "reuse earlier layers' keys and values"),
+        ({"hidden_size_per_layer_input": 0, "use_bidirectional_attention": "all"}, "attends bidirectionally"),
+    ],
+)
+def test_gemma4_variants_fuyou_does_not_stream_are_refused_saying_what(fields, says):
+    cfg = CONFIG_MAPPING["gemma4_text"](num_hidden_layers=4, **fields)
+    with pytest.raises(ConfigError, match=f"unsupported Gemma4ForCausalLM variant: .*{says}"):
+        architecture_of(cfg)
+
+
+def test_gemma4_without_them_is_a_tested_family():
+    cfg = CONFIG_MAPPING["gemma4_text"](num_hidden_layers=4, hidden_size_per_layer_input=0)
+    assert architecture_of(cfg) == "Gemma4ForCausalLM" and "Gemma4ForCausalLM" in TESTED

@@ -150,6 +150,7 @@ def test_cli_plan_prints_and_writes_json(tmp_path):
     assert r.exit_code != 0 and "device memory" in str(r.exception)
 
 
+@pytest.mark.slow  # ~14 s
 def test_cli_plan_precision_sizes_the_store_and_buffers(tmp_path):
     """``--precision fp32`` plans 4-byte weights and gradients: with an fp32 master a bigger store than the
     default's (bf16, split master); with a split master the same store, the fp32 weights being the master."""

@@ -105,6 +105,7 @@ def test_clipping_under_a_small_host_budget_parks_gradients_on_ssd():
     assert tight.prediction.ssd_read_bytes > roomy.prediction.ssd_read_bytes
 
 
+@pytest.mark.slow  # ~15 s; the engine's split under a small device budget stays (test_moe_split)
 def test_a_layer_too_big_for_the_device_is_split_into_expert_groups():
     """A Mixtral-8x22B-wide decoder layer (2.5 B params with its experts) needs 9.3 GiB for bf16
     weights and gradients: at 8 GiB its experts stream in groups (2 fit; more where predicted
