@@ -3,7 +3,8 @@
 The rules it follows (load order, which gradients park, where) are ``fuyou.schedule.rules``; what it
 needs from its engine is a ``StepContext``; what it returns is a ``StepResult``.
 
-Load order: forward 0…H−1, the head H (plus the embedding again if tied), then backward H−1…0.
+Load order: forward 0…H−1, the head H (plus the embedding again if tied), then backward H−1…0 — but
+the embedding, whose backward reads no weights (``rules.reads_weights_in_backward``).
 All K micro-batches pass a block while its weights are resident (layer-grouped accumulation);
 gradients accumulate on the device into one flat buffer per block, which is handed to the run's
 update policy once complete (``fuyou.engine.updates``: update in backward, clipping with updates
@@ -192,6 +193,10 @@ class StepRunner:
         lay = ctx.layout
         self._gradients = frozenset(b for b in range(len(lay.blocks)) if lay.gets_gradients(b))
         """The blocks whose gradients backward computes (``ModelLayout.gets_gradients``), fixed with the layout."""
+        kinds = [rules.block_kind(blk.name, b, self.head.first) for b, blk in enumerate(lay.blocks)]
+        self.weightless = rules.weightless_backward(kinds, ctx.plan)
+        """The blocks whose backward loads no weights (``rules.weightless_backward``): their storage, freed
+        after forward, stays freed; autograd reads none of it."""
 
     def gets_gradients(self, b: int) -> bool:
         """Whether backward computes block ``b``'s gradients and hands them off (``ModelLayout.gets_gradients``)."""
@@ -210,7 +215,7 @@ class StepRunner:
         t0 = time.perf_counter()
         c.updates.begin()
         n = len(c.layout.blocks)
-        c.loader.start(rules.load_order(n, self.borrowed(), n - self.head.first))
+        c.loader.start(rules.load_order(n, self.borrowed(), n - self.head.first, self.weightless))
         try:
             self.forward(st)
             self.turnaround(st)
@@ -322,7 +327,8 @@ class StepRunner:
             policy = c.plan.policy(b, H + 1)
             for a in (b, b - 1):  # SSD-swapped activations: this block's and, ahead, the next one's
                 activations.prefetch(st.saved.get(a, []))
-            st.weights[b] = self.load(st, b, refill=policy not in RECOMPUTES)
+            if b not in self.weightless:
+                st.weights[b] = self.load(st, b, refill=policy not in RECOMPUTES)
             if policy in RECOMPUTES:
                 st.params[b] = self.bind(st, b)
             if self.gets_gradients(b):
@@ -331,7 +337,7 @@ class StepRunner:
             with self.computing(f"bwd {name}", f"backward of {name}"):
                 st.xs = self._backward_block(st, b)
             self.drop_params(st, b)
-            st.weights.pop(b)
+            st.weights.pop(b, None)
             if self.gets_gradients(b):
                 self.hand_off(st, b)
 

@@ -34,8 +34,8 @@ from fuyou.models.families import layer_types
 from fuyou.models.freeze import frozen_blocks, frozen_keys
 from fuyou.models.multimodal import text_config
 from fuyou.models.store_layout import ModelLayout
+from fuyou.schedule import rules
 from fuyou.schedule.device_memory import BlockMemory
-from fuyou.schedule.experts import EXPERTS_PART
 from fuyou.schedule.shapes import NAMED, BlockShape, ModelShape
 
 
@@ -150,13 +150,8 @@ def _block(adapter: Adapter, layout: ModelLayout, cfg: dict[str, Any], b: int, m
 
 
 def _kind(adapter: Adapter, b: int) -> str:
-    """``embed`` | ``layer`` | ``experts`` | ``head`` of block ``b``."""
-    name = adapter.blocks[b].name
-    if b >= adapter.first_head:
-        return "head"
-    if name.startswith("embed"):
-        return "embed"
-    return "experts" if EXPERTS_PART in name else "layer"
+    """``embed`` | ``layer`` | ``experts`` | ``head`` of block ``b`` (``rules.block_kind``)."""
+    return rules.block_kind(adapter.blocks[b].name, b, adapter.first_head)
 
 
 def _attention_width(adapter: Adapter, cfg: dict[str, Any], b: int) -> int:

@@ -110,7 +110,10 @@ class StepGraph:
         tied = [i for i, b in enumerate(shape.blocks) for o in shape.blocks[H].borrows if b.name == o]
         self.F = H + 1 - rules.head_count([b.name for b in shape.blocks])
         """The head's first block (H, or the first of its vocabulary groups: ``fuyou.schedule.vocab``)."""
-        self.order = rules.load_order(H + 1, tied, H + 1 - self.F)
+        kinds = [blk.kind for blk in shape.blocks]
+        self.weightless = rules.weightless_backward(kinds, plan)
+        """Blocks whose backward loads no weights (``rules.weightless_backward``: the embedding)."""
+        self.order = rules.load_order(H + 1, tied, H + 1 - self.F, self.weightless)
         self.first_pos = {b: self.order.index(b) for b in range(H + 1)}
         """Each block's first position in the load order: the read the new weights are handed to."""
         self.parked = set(rules.parked(H + 1, plan))
@@ -301,14 +304,15 @@ class StepGraph:
 
     def backward(self) -> None:
         swap_in = self.hw.swap_Bps[1]
-        first = self.H + 1 + len(self.m.blocks[self.H].borrows) + (self.H - self.F)
+        pos = self.H + 1 + len(self.m.blocks[self.H].borrows) + (self.H - self.F)
         act_reads: dict[int, int] = {}
         self.prefetch_from = self.thread
-        for i, b in enumerate(range(self.F - 1, -1, -1)):
+        for b in range(self.F - 1, -1, -1):
             for a in (b, b - 1):
                 if a in self.act_ssd and a not in act_reads:
                     act_reads[a] = self._ssd(self.act_bytes(a), "ssd_read", (self.thread, self.act_ssd[a]))
-            cp = self._next(first + i)
+            cp = None if b in self.weightless else self._next(pos)
+            pos += b not in self.weightless
             pol = self._policy(b)
             swapped = pol in ("swap_cpu", "swap_ssd")
             boundary = self.boundary_bytes(b, pol)

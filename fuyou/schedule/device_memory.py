@@ -22,7 +22,8 @@ saved tensors move off), ``recompute_cpu`` nothing. The phases:
   vocabulary entry); a head split
   by vocabulary rows (``fuyou.schedule.vocab``) holds one group's weights and gradients at a time and,
   besides, the normed hidden states (K·x) and their fp32 gradient, its backward pass the larger;
-* backward of ``b``: Σ_{a≤b} K·resident(a) + b's weights and gradients + output gradients in and
+* backward of ``b``: Σ_{a≤b} K·resident(a) + b's weights (none for an embedding whose graph was kept:
+  ``rules.reads_weights_in_backward``) and gradients + output gradients in and
   input gradients out (2·K·x) + one micro-batch's backward transient (a weight's fresh gradient,
   added into the block's buffer, included) + what comes back for it (``recompute``: its saved tensors
   again; ``swap_*``: those of this micro-batch and its input — for the first block backward reaches,
@@ -42,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fuyou.schedule import sizing
+from fuyou.schedule import rules, sizing
 from fuyou.schedule.plan import Plan
 
 FWD_WORK = 3.5
@@ -266,7 +267,8 @@ def phases(blocks: Sequence[DeviceBlock], policies: Sequence[str], run: DeviceRu
             kept -= blk.grads  # counted with the block below
         below = (blocks[b - 1], policies[b - 1]) if b else None
         back = _brought_back(blk, policies[b], run, below, first=b == F - 1)
-        out.append((f"backward of {blk.name}", blk.kind, kept + blk.weights + blk.grads + 2 * K * x + back))
+        weights = blk.weights if rules.reads_weights_in_backward(blk.kind, policies[b]) else 0
+        out.append((f"backward of {blk.name}", blk.kind, kept + weights + blk.grads + 2 * K * x + back))
         kept -= K * resident(blk, policies[b], run)
     return [(name, kind, int(n * (1 + ALLOWANCE) + run.resident)) for name, kind, n in out]
 

@@ -1,5 +1,5 @@
-"""The step's rules, written once: which schedule runs, the order blocks are loaded in, which blocks'
-gradients wait (park) until the step's end, and where they wait. The engine follows them
+"""The step's rules, written once: which schedule runs, the order blocks are loaded in (and which blocks'
+backward reads no weights), which blocks' gradients wait (park) until the step's end, and where they wait. The engine follows them
 (``fuyou/engine/step.py``); the planner's step graph (``fuyou/planner/graph.py``) builds its
 operations from them. Plain Python, no torch.
 
@@ -11,10 +11,12 @@ head's F…H last).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection, Sequence
 
 from fuyou.errors import ConfigError
-from fuyou.schedule.plan import AUTO, Plan
-from fuyou.schedule.vocab import HEAD
+from fuyou.schedule.experts import EXPERTS_PART
+from fuyou.schedule.plan import AUTO, RECOMPUTES, Plan
+from fuyou.schedule.vocab import EMBED, HEAD
 
 
 def resolve(plan: Plan, clip: bool) -> Plan:
@@ -34,13 +36,39 @@ def resolve(plan: Plan, clip: bool) -> Plan:
     return plan
 
 
-def load_order(nblocks: int, borrowed: list[int], heads: int = 1) -> list[int]:
+def load_order(nblocks: int, borrowed: list[int], heads: int = 1, weightless: Collection[int] = ()) -> list[int]:
     """Blocks in the order one training step loads their weights: forward 0…F−1, the head F…H (its
     ``heads`` vocabulary groups, ``fuyou.schedule.vocab``; one: F = H), the blocks the head borrows (a
     tied embedding), the head groups again but the last, in reverse, for the loss's backward pass
-    (H−1…F), then backward F−1…0."""
+    (H−1…F), then backward F−1…0 but the ``weightless`` blocks (``weightless_backward``)."""
     H, F = nblocks - 1, nblocks - heads
-    return list(range(H)) + [H] + list(borrowed) + list(range(H - 1, F - 1, -1)) + list(range(F - 1, -1, -1))
+    back = [b for b in range(F - 1, -1, -1) if b not in weightless]
+    return list(range(H)) + [H] + list(borrowed) + list(range(H - 1, F - 1, -1)) + back
+
+
+def block_kind(name: str, b: int, first_head: int) -> str:
+    """``embed`` | ``layer`` | ``experts`` | ``head`` of block ``b`` named ``name`` (layout order; the head's
+    vocabulary groups start at ``first_head``)."""
+    if b >= first_head:
+        return "head"
+    if name.startswith(EMBED):
+        return "embed"
+    return "experts" if EXPERTS_PART in name else "layer"
+
+
+def reads_weights_in_backward(kind: str, policy: str) -> bool:
+    """Whether a block's backward needs its weights on the device. Not an embedding's (or one of its
+    vocabulary groups') whose forward graph was kept: a lookup's weight gradient is a scatter of the
+    tokens' rows, which reads no weight (autograd keeps the ids and the row count), and the scaled
+    embeddings (Gemma) scale by a constant. Recomputed, its forward reads them again."""
+    return kind != "embed" or policy in RECOMPUTES
+
+
+def weightless_backward(kinds: Sequence[str], plan: Plan) -> frozenset[int]:
+    """The blocks (of ``kinds``, layout order: ``block_kind``) whose backward under ``plan`` loads no weights
+    (``reads_weights_in_backward``): the step leaves them out of its load order's backward."""
+    n = len(kinds)
+    return frozenset(b for b, k in enumerate(kinds) if not reads_weights_in_backward(k, plan.policy(b, n)))
 
 
 def eval_order(nblocks: int, borrowed: list[int]) -> list[int]:

@@ -40,7 +40,9 @@ def test_each_rank_moves_its_shards_and_gathers_every_load(sched):
     assert four.memory.ssd == pytest.approx(one.memory.ssd / 4, rel=1e-3)
     nb = len(SHAPE.blocks)
     tied = [i for i, b in enumerate(SHAPE.blocks) if b.name in SHAPE.blocks[-1].borrows]
-    loads = rules.load_order(nb, tied)  # every upload is all-gathered; every block's gradient reduce-scattered
+    weightless = rules.weightless_backward([b.kind for b in SHAPE.blocks], plan)
+    assert weightless == {0}  # the embedding's backward loads nothing: no gather
+    loads = rules.load_order(nb, tied, 1, weightless)  # every upload all-gathered; every gradient reduce-scattered
     want = sum(collective_bytes(SHAPE.blocks[b].numel, 4, 2) for b in list(loads) + list(range(nb)))
     assert four.comm_bytes == want
     assert four.extra["resource_busy_s"]["comm"] > 0

@@ -26,13 +26,14 @@ def test_sim_fifo_and_dependencies():
 
 
 def test_ssd_only_step_is_every_byte_at_the_drive_rate():
-    # forward reads embed+layer, head once, backward layer+embed again (2 B/param each); Adam reads
-    # and writes 12 B/param of state and writes 2 B/param of new weights: 30/30/28 B per param.
+    # forward reads embed+layer, head once, backward the layer again (2 B/param each; the embedding's
+    # backward reads no weights); Adam reads and writes 12 B/param of state and writes 2 B/param of new
+    # weights: 28/30/28 B per param.
     p = predict(
         toy_shape(), Plan(activation_policy=("keep", "keep", "keep")), CFG, profile(ssd_read_Bps=1e9, ssd_write_Bps=1e9)
     )
-    assert p.step_s == pytest.approx((30 * N0 + 30 * N1 + 28 * N2) / 1e9, rel=1e-7)
-    assert p.ssd_read_bytes == 16 * N0 + 16 * N1 + 14 * N2 and p.ssd_write_bytes == 14 * (N0 + N1 + N2)
+    assert p.step_s == pytest.approx((28 * N0 + 30 * N1 + 28 * N2) / 1e9, rel=1e-7)
+    assert p.ssd_read_bytes == 14 * N0 + 16 * N1 + 14 * N2 and p.ssd_write_bytes == 14 * (N0 + N1 + N2)
     assert p.bottleneck == "ssd"
 
 
@@ -68,13 +69,14 @@ def test_per_element_gradient_work_is_charged_per_block():
 
 
 def test_ram_tier_weight_reads_are_memcpys_on_the_tiers_copy_thread():
-    # every block in the RAM tier: reads (forward 3 blocks, backward 2) are memcpys at 1 GB/s on the RAM
+    # every block in the RAM tier: reads (forward 3 blocks, backward the layer: the embedding's backward
+    # reads no weights) are memcpys at 1 GB/s on the RAM
     # tier's copy thread (fuyou.transfer.ram_tier), one after the other, overlapping compute: slower than
     # compute here, they bound the step with the new weights' copies, but no longer add compute to it
     hw = profile(device_peak_flops=1e12, host_mem_Bps=1e9)
     compute = predict(toy_shape(), Plan(), CFG, profile(device_peak_flops=1e12)).step_s
     p = predict(toy_shape(), Plan(ram_weight_blocks=3, ram_state_blocks=3), CFG, hw)
-    reads = 2 * (2 * N0 + 2 * N1 + N2) / 1e9
+    reads = 2 * (N0 + 2 * N1 + N2) / 1e9
     writes = 2 * (N0 + N1 + N2) / 1e9  # new weights copied back into RAM
     assert p.ssd_read_bytes == 0 and p.ssd_write_bytes == 0
     assert reads + writes <= p.step_s < compute + reads + writes

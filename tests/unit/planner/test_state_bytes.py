@@ -1,5 +1,6 @@
 """The planner counts each optimizer-state format's SSD bytes per parameter per step as the format defines
-them (``fuyou.schedule.state_format``): Adam's reads and writes, plus the backward's re-read of the weights."""
+them (``fuyou.schedule.state_format``): Adam's reads and writes, plus the backward's re-read of the weights
+(not the embedding's: its backward reads none)."""
 
 from __future__ import annotations
 
@@ -27,11 +28,12 @@ def test_bytes_per_parameter_follow_the_format(fmt: str, cb: int) -> None:
     f = FORMATS[fmt]
     p = predict(shape, plan, StepConfig(1, 16, cb, Cluster(1), optimizer_state=fmt), profile())
     assert p.ssd_write_bytes == f.adam_written(cb) * n
-    # the backward re-reads the weights but the head's, read once for its turnaround (handed over from Adam)
-    head = shape.blocks[-1].numel
-    assert p.ssd_read_bytes == f.adam_read(cb) * n + cb * (n - head)
-    if fmt == "fp32":  # today's figure: 28 B/param in bf16, the head's re-read aside
-        assert p.ssd_read_bytes + p.ssd_write_bytes == {2: 28, 4: 32}[cb] * n - cb * head
+    # the backward re-reads the weights but the head's, read once for its turnaround (handed over from
+    # Adam), and the embedding's, whose backward reads none
+    head, embed = shape.blocks[-1].numel, shape.blocks[0].numel
+    assert p.ssd_read_bytes == f.adam_read(cb) * n + cb * (n - head - embed)
+    if fmt == "fp32":  # the issue's figure: 28 B/param in bf16, the head's and the embedding's re-reads aside
+        assert p.ssd_read_bytes + p.ssd_write_bytes == {2: 28, 4: 32}[cb] * n - cb * (head + embed)
 
 
 @pytest.mark.parametrize("measured", [2e8, 0.0])

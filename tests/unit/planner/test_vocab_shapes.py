@@ -97,6 +97,9 @@ def test_the_step_graph_reads_the_head_groups_twice_and_runs_their_forward_twice
     parts = predict(split, dataclasses.replace(plan, vocab_groups=3), cfg, profile())
     head = 2 * next(b.numel for b in s.blocks if b.kind == "head")
     again = sum(2 * b.numel for b in split.blocks if b.kind == "head") - 2 * split.blocks[-1].numel
-    assert parts.ssd_read_bytes - whole.ssd_read_bytes == pytest.approx(again, rel=0.01)
+    # the default plan recomputes the later embedding groups (only block 0 keeps its graph), whose backward
+    # then reads their weights; the whole embedding's backward reads none (``rules.reads_weights_in_backward``)
+    recomputed = sum(2 * b.numel for b in split.blocks[1:] if b.kind == "embed")
+    assert parts.ssd_read_bytes - whole.ssd_read_bytes == pytest.approx(again + recomputed, rel=0.01)
     assert again == pytest.approx(head * 2 / 3, rel=0.01)
     assert parts.busy_s["compute"] > whole.busy_s["compute"]

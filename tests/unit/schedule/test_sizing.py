@@ -94,6 +94,11 @@ def test_schedule_resolution_and_parking_rules():
     with pytest.raises(ConfigError, match="clipping needs the overlap_next_forward schedule"):
         rules.resolve(Plan(schedule="overlap_backward"), clip=True)
     assert rules.load_order(4, [0]) == [0, 1, 2, 3, 0, 2, 1, 0]
+    # the embedding's backward reads no weights unless its forward is recomputed
+    kinds = ["embed", "layer", "layer", "head"]
+    assert rules.weightless_backward(kinds, Plan()) == {0}  # default: keep the embedding, recompute layers
+    assert rules.weightless_backward(kinds, Plan(activation_policy=("recompute",) * 4)) == set()
+    assert rules.load_order(4, [0], 1, {0}) == [0, 1, 2, 3, 0, 2, 1]
     tier = Plan(schedule="overlap_backward", ram_weight_blocks=3, ram_state_blocks=1)
     assert list(rules.parked(5, tier)) == [1, 2] == list(rules.held_back(tier))
     clip = Plan(schedule="overlap_next_forward", park_ram_blocks=2, ram_weight_blocks=3)

@@ -94,7 +94,7 @@ def test_clipping_forward_takes_weights_from_adam_not_the_ssd(tmp_path):
                     sum(s.label.startswith("adam→host w/") for s in spans),
                 )
             )
-    order = H + 1 + 1 + H  # forward, head, the tied embedding again, backward
+    order = H + 1 + 1 + H - 1  # forward, head, the tied embedding again, backward but the embedding's
     assert reads[0] == (order, 0)
     for ssd, handed in reads[1:]:
         # blocks 0…H-1 and the head: all handed over; the head's borrowed embedding is read again from the
