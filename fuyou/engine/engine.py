@@ -394,6 +394,21 @@ class Engine:
         positions = None if position_ids is None else list(position_ids.chunk(K))
         return self.train_micro_batches(list(input_ids.chunk(K)), list(labels.chunk(K)), position_ids=positions)
 
+    def _check_ids(self, input_ids: list[torch.Tensor]) -> None:
+        """Raises ConfigError (one line, before any work) if a token id falls outside the model's
+        vocabulary — data tokenized with another tokenizer than the model's — where the embedding lookup
+        would fail deep inside the step (or, on a GPU, with a device-side assert)."""
+        vocab = int(self.adapter.config.vocab_size)
+        ids = [t for t in input_ids if t.numel()]
+        low, high = min((int(t.min()) for t in ids), default=0), max((int(t.max()) for t in ids), default=0)
+        if low < 0 or high >= vocab:
+            bad = low if low < 0 else high
+            raise ConfigError(
+                f"token id {bad} is outside the model's vocabulary of {vocab:,} (ids 0…{vocab - 1}, vocab_size in its "
+                "config.json): the data was tokenized with another tokenizer than the model's; tokenize with the "
+                "model's own (fuyou finetune uses the tokenizer files in the model directory: give it the model's)"
+            )
+
     def train_micro_batches(
         self,
         input_ids: list[torch.Tensor],
@@ -414,6 +429,7 @@ class Engine:
             or (position_ids is not None and len(position_ids) != len(input_ids))
         ):
             raise ConfigError("train_micro_batches needs one labels (and position_ids) tensor per input_ids tensor")
+        self._check_ids(input_ids)
         dev = self.backend.device
         if num_items is None:
             num_items = int(sum((lab[:, 1:] != -100).sum() for lab in labels))
@@ -485,6 +501,7 @@ class Engine:
     def _evaluate(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None, position_ids: torch.Tensor | None
     ) -> float:
+        self._check_ids([input_ids])
         labels = input_ids if labels is None else labels
         dev = self.backend.device
         seed = _seeds(None if position_ids is None else [position_ids], 1, dev)[0]

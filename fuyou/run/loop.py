@@ -177,6 +177,7 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
         raise ModelFileError(
             f"cannot load the tokenizer of {model_dir}: {e}; the directory needs tokenizer files"
         ) from e
+    check_tokenizer(tokenizer, config, model_dir)
     data = None
     for r in range(ranks.world):  # one rank at a time: the demo text and data index are shared files
         if r == ranks.rank:
@@ -224,6 +225,18 @@ def _finetune(cfg: FinetuneConfig, ranks: Any) -> dict[str, Any]:
     if cfg.progress:
         summary_table(summary, out)
     return summary | {"rank": ranks.rank}
+
+
+def check_tokenizer(tokenizer: Any, config: Any, model_dir: str) -> None:
+    """Raises ConfigError (before any data is read or store written) if ``model_dir``'s tokenizer has more
+    regular tokens than the model's embedding has rows (``vocab_size``): it is another model's. Tokens added
+    beyond them (special tokens some checkpoints add) are checked where they occur (``Engine.train_step``)."""
+    vocab, regular = int(config.vocab_size), int(getattr(tokenizer, "vocab_size", 0) or 0)
+    if regular > vocab:
+        raise ConfigError(
+            f"the tokenizer in {model_dir} has {regular:,} tokens but the model's embedding has {vocab:,} rows "
+            "(vocab_size in config.json): the tokenizer files are another model's; put the model's own there"
+        )
 
 
 def _export(cfg: FinetuneConfig, engine: Any, out: str) -> str:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -162,6 +163,10 @@ def test_bad_inputs_give_one_line_errors(tmp_path, model_dir):
             with open(os.path.join(model_dir, f), "rb") as src, open(corrupt / f, "wb") as dst:
                 dst.write(src.read())
     (corrupt / "model.safetensors").write_bytes(b"not a safetensors file")
+    small = tmp_path / "small-vocab"  # the model's embedding has fewer rows than its directory's tokenizer has tokens
+    shutil.copytree(model_dir, small)
+    conf = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps(conf | {"vocab_size": 96}))
     cases = [
         ([str(tmp_path / "nope"), "--data", data], "no config.json"),
         ([str(bert), "--data", data], "unsupported architecture"),
@@ -179,6 +184,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, model_dir):
         ([model_dir, "--data", data, "--ssd", str(tmp_path / "no-such-ssd")], "does not exist"),
         ([model_dir, "--data", data, "--ssd", os.path.join(data, "x")], "is a file, not a directory"),
         ([model_dir, "--data", data, "--steps", "0"], "--steps"),
+        ([str(small), "--data", data], "the tokenizer files are another model's"),
     ]
     for i, (args, match) in enumerate(cases):  # the console script for two, the rest in this process (faster)
         msg = (cli_error if i < 2 else cli_error_here)(["finetune", *common, *args])

@@ -344,3 +344,24 @@ def test_resume_from_store_continues_bit_identically(tmp_path):
         w_resumed = dict(eng.master_weights())
     assert first + rest == straight
     assert all(torch.equal(w_straight[k], w_resumed[k]) for k in w_straight)
+
+
+def test_a_token_id_outside_the_vocabulary_is_refused_before_the_step(tmp_path):
+    """Data tokenized with another model's tokenizer: one line naming the id and the vocabulary, before the
+    step runs (the lookup would fail deep inside it, or on a GPU with a device-side assert); nothing trained."""
+    from fuyou.errors import ConfigError
+
+    cfg, model = tiny("llama", layers=1)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", cpu_memory="64MiB")
+    ids = torch.full((2, 8), cfg.vocab_size - 1)
+    with Engine.from_state_dict(cfg, sd, ec) as eng:
+        for bad in (cfg.vocab_size, -1):
+            ids[1, 3] = bad
+            with pytest.raises(
+                ConfigError, match=rf"token id {bad} is outside the model's vocabulary of {cfg.vocab_size}"
+            ):
+                eng.train_step(ids)
+            with pytest.raises(ConfigError, match="outside the model's vocabulary"):
+                eng.evaluate(ids)
+        assert eng.step == 0
