@@ -397,12 +397,17 @@ class Engine:
     def _check_ids(self, input_ids: list[torch.Tensor]) -> None:
         """Raises ConfigError (one line, before any work) if a token id falls outside the model's
         vocabulary — data tokenized with another tokenizer than the model's — where the embedding lookup
-        would fail deep inside the step (or, on a GPU, with a device-side assert)."""
+        would fail deep inside the step (or, on a GPU, with a device-side assert). With several ranks every
+        rank raises when one batch holds such an id (no rank is left waiting in a collective)."""
         vocab = int(self.adapter.config.vocab_size)
         ids = [t for t in input_ids if t.numel()]
         low, high = min((int(t.min()) for t in ids), default=0), max((int(t.max()) for t in ids), default=0)
-        if low < 0 or high >= vocab:
-            bad = low if low < 0 else high
+        bad = low if low < 0 else high if high >= vocab else None
+        if self.comm.world > 1 and self.comm.any(bad is not None) and bad is None:
+            raise ConfigError(
+                "another rank's batch holds a token id outside the model's vocabulary (its message says which)"
+            )
+        if bad is not None:
             raise ConfigError(
                 f"token id {bad} is outside the model's vocabulary of {vocab:,} (ids 0…{vocab - 1}, vocab_size in its "
                 "config.json): the data was tokenized with another tokenizer than the model's; tokenize with the "
