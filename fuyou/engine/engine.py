@@ -400,8 +400,8 @@ class Engine:
         would fail deep inside the step (or, on a GPU, with a device-side assert). With several ranks every
         rank raises when one batch holds such an id (no rank is left waiting in a collective)."""
         vocab = int(self.adapter.config.vocab_size)
-        ids = [t for t in input_ids if t.numel()]
-        low, high = min((int(t.min()) for t in ids), default=0), max((int(t.max()) for t in ids), default=0)
+        ranges = [torch.aminmax(t) for t in input_ids if t.numel()]  # one pass per micro-batch
+        low, high = min((int(r.min) for r in ranges), default=0), max((int(r.max) for r in ranges), default=0)
         bad = low if low < 0 else high if high >= vocab else None
         if self.comm.world > 1 and self.comm.any(bad is not None) and bad is None:
             raise ConfigError(
