@@ -54,6 +54,8 @@ GRACE=5
 # a carried fio (a build of its own, e.g. static) in the wheels folder's bin/: the store stage's reference
 [ -x "$WHEELS/bin/fio" ] && PATH="$(cd "$WHEELS/bin" && pwd):$PATH" && export PATH
 export PYTHONPATH="$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# the carried tbb wheel's libtbb.so.12 lands in $SITE/lib, where numba's loader (by soname) looks only through this
+export LD_LIBRARY_PATH="$SITE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # 0.75 B Llama (12 × 2048, FFN 5632, 32k vocabulary), 8 × 2048 tokens × 4 micro-batches = 65,536 tokens/step;
 # its store is ~21 GB (two versions of 14 B/param: 19.6 GiB), one Fuyou run's at a time (removed after each)
 P6_SHAPE=${P6_SHAPE:---layers 12 --hidden 2048 --ffn 5632 --vocab 32000 --seq 2048 --micro-batch 8 --grad-accum 4}
@@ -245,6 +247,19 @@ import fuyou.engine, fuyou.run.plan_choice, fuyou.storage.io_kvikio  # noqa: E40
 
 rec["fuyou"] = os.path.dirname(fuyou.__file__)
 rec["kvikio_usable"] = fuyou.storage.io_kvikio.kvikio_usable()
+import numba  # noqa: E402
+from numba import njit, prange  # noqa: E402
+
+
+@njit(parallel=True)
+def _touch(a):  # the first parallel launch makes numba choose its threading layer
+    for i in prange(a.shape[0]):
+        a[i] += 1
+
+
+_touch(__import__("numpy").zeros(1 << 16))
+rec["numba_threading_layer"] = numba.threading_layer()  # tbb expected (the tbb wheel carried); omp slows compute
+print(f"numba layer      {rec['numba_threading_layer']}")
 print(f"fuyou            {rec['fuyou']}  kvikio usable: {rec['kvikio_usable']}")
 if not rec["fuyou"].startswith(repo):
     bad.append(f"fuyou imported from {rec['fuyou']}, not from this checkout {repo}")

@@ -9,7 +9,7 @@
 # What is fetched (no dependencies: the lent image has torch, numpy, safetensors, tokenizers,
 # huggingface_hub, accelerate, numba, cupy and the CUDA toolkit wheels): the versions Fuyou is tested with
 # where the image's may be older (transformers, which checks regex's version at import; peft), and
-# what such images lack (crc32c; kvikio with libkvikio and rapids-logger). The carried tree, wheels
+# what such images lack (crc32c; kvikio with libkvikio and rapids-logger; tbb, numba's threading layer). The carried tree, wheels
 # included, must stay under the device's 64 MiB.
 set -euo pipefail
 cd "$(dirname "$0")/.." || exit 2
@@ -26,7 +26,7 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manyl
   platforms+=(--platform "$p")
 done
 for req in "transformers==5.23.0" "regex>=2025.10.22" "peft==0.21.*" "crc32c>=2.4" "kvikio-cu${cuda}==26.10.*" \
-  "libkvikio-cu${cuda}==26.10.*" "rapids-logger==0.3.*"; do
+  "libkvikio-cu${cuda}==26.10.*" "rapids-logger==0.3.*" "tbb==2023.2.*"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp \
     "${platforms[@]}" -d "$dest" "$req"
 done

@@ -46,7 +46,7 @@ def main(ctx: click.Context, debug: bool) -> None:
     "--ssd", "ssd_dirs", multiple=True, required=True, type=click.Path(), help="Store directory (repeat per SSD)."
 )
 def doctor(ssd_dirs: tuple[str, ...]) -> None:
-    """Check the machine: SSD directories (writable, O_DIRECT, space), memlock, GPU, kvikio."""
+    """Check the machine: SSD directories (writable, O_DIRECT, space), memlock, GPU, kvikio, numba's threading layer."""
     from rich.console import Console
     from rich.table import Table
 

@@ -12,6 +12,16 @@ the libgomp torch loaded) is per thread by OpenMP's rules: the calling thread ge
 main thread and threads started later keep torch's setting (``torch.set_num_threads`` would change
 the latter too).
 
+The same holds for the CPU Adam's thread, which runs numba's parallel kernel: under numba's ``omp``
+threading layer the kernel's team comes from the same libgomp as torch's (one ``libgomp.so.1`` per
+process), and while that thread lives every small op of the training thread pays a worker's wake-up.
+Measured on a 2-core VM (AMD EPYC, AVX2), 1000 element-wise products of 256 × 576 fp32 on the main
+thread: 12–13 ms in a fresh process, 70–130 ms while an engine was open (also 2 s after its last step),
+85 ms beside one idle thread whose numba kernel had run under ``omp``, 12–16 ms under ``tbb``; a
+SmolLM2 layer's forward / backward in the engine 26 / 50 ms against 17.3 / 36.8 ms once the Adam thread
+was a serial worker and numba ran on ``tbb`` (its quick-profile figure: 17.5 / 36.7). Hence the
+``tbb`` dependency, which numba prefers when it loads, and ``serial_worker`` in the Adam thread too.
+
 Host-to-host copies of whole extents (the RAM tier's reads and writes, Adam's new weights handed to
 the loader) go through ``host_copy``: one serial thread copies ~4 GB/s on a server Xeon (measured on the
 lent H100 machine: a 103 MB layer's weights in 25 ms, longer than the layer's forward), so the copy is

@@ -9,7 +9,10 @@ thread (e.g. to queue the SSD write-back). The buffers of a job belong to the wo
 Threads: this thread launches the Adam kernel while the training thread launches the gradient
 norm's (``norm.py``); numba's ``workqueue`` layer aborts on concurrent launches, so both go through
 ``parallel.parallel_launch``, which serialises them under that layer only. Its numba thread count is
-set inside the thread, since ``numba.set_num_threads`` is per thread.
+set inside the thread, since ``numba.set_num_threads`` is per thread. The thread runs torch's host
+ops serially (``host_threads.serial_worker``), and numba should run on its ``tbb`` layer (the ``tbb``
+dependency): a thread that owns an OpenMP team of its own makes libgomp stop spinning in every team of the
+process (``fuyou.device.host_threads``), the training thread's included.
 
 Errors: the first failing job's future gets the exception; every later queued job is skipped
 (its future fails with ``AdamWorkerError``), since the state would be inconsistent; the next
@@ -29,6 +32,7 @@ from typing import Any, Protocol
 import numba
 import torch
 
+from fuyou.device.host_threads import serial_worker
 from fuyou.errors import ConfigError, FuyouError
 from fuyou.optim.adam_numba import adamw_step
 from fuyou.optim.args import AdamWHyper, check_hyper, check_step_args
@@ -209,6 +213,7 @@ class AdamWorker:
     def _run(self) -> None:
         """Thread body: take jobs until the stop marker (after a failure, only to skip them)."""
         try:
+            serial_worker()  # its torch ops (the callbacks' copies) get no OpenMP team: see host_threads
             if self._num_threads is not None:
                 numba.set_num_threads(self._num_threads)
         except BaseException as err:  # noqa: BLE001 - reported by submit/wait/close

@@ -126,6 +126,31 @@ def check_gpu() -> list[Check]:
     return checks
 
 
+def check_threading_layer() -> Check:
+    """The threading layer numba runs the CPU Adam's kernels on (launching one small kernel to choose it).
+
+    ``tbb`` (the dependency on x86-64) is ok. ``omp`` warns: its team in the Adam thread beside torch's makes
+    libgomp's workers sleep between parallel regions, and every small op of the training thread waits for
+    one to wake (``fuyou.device.host_threads``: element-wise ops 5–10× slower on a 2-core VM). ``workqueue``
+    warns: the Adam and gradient-norm kernels then run one at a time (``fuyou.optim.parallel``)."""
+    import torch
+
+    from fuyou.optim.norm import sum_squares
+    from fuyou.optim.parallel import threading_layer
+
+    sum_squares(torch.zeros(1 << 17))
+    layer = threading_layer() or "unknown"
+    if layer == "tbb":
+        return Check("numba layer", "ok", "tbb: the CPU Adam's threads leave torch's OpenMP threads spinning")
+    fix = "pip install tbb (x86-64 wheels), or NUMBA_THREADING_LAYER=tbb where TBB is installed otherwise"
+    if layer == "omp":
+        return Check(
+            "numba layer", "warn",
+            f"omp: the CPU Adam's OpenMP team beside torch's slows the training thread's small ops; {fix}",
+        )  # fmt: skip
+    return Check("numba layer", "warn", f"{layer}: the Adam and gradient-norm kernels run one at a time; {fix}")
+
+
 def run_checks(ssd_dirs: list[str]) -> list[Check]:
     """All checks for the given store directories."""
     checks: list[Check] = []
@@ -136,4 +161,5 @@ def run_checks(ssd_dirs: list[str]) -> list[Check]:
     checks.append(check_memlock())
     checks.append(check_open_files())
     checks += check_gpu()
+    checks.append(check_threading_layer())
     return checks

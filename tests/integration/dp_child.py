@@ -7,7 +7,8 @@ precision, ssd (a store path, may hold {rank}), cpu_memory, ram_weights, ram_sta
 rank 1's store goes back one committed step and both ranks try ``Engine.resume``: each writes the
 error it got), die ({"rank": r, "commit": k}: rank r is SIGKILLed as it starts its k-th store commit; the
 others write the error that stopped them), resume_live (resume every rank's live store with
-``Engine.resume`` and train the steps left). Writes on rank 0 (or the only process) the per-step losses, grad norms and final
+``Engine.resume`` and train the steps left), bad_id_rank (that rank's second batch holds an id outside the
+vocabulary: every rank writes the error that stopped it). Writes on rank 0 (or the only process) the per-step losses, grad norms and final
 master weights; every rank writes its SSD bytes.
 """
 
@@ -74,8 +75,12 @@ def main(spec_path: str, out: str) -> None:
     steps = []
     for ids, labels in data[start:]:
         per = ids.shape[0] // world
+        mine = ids[rank * per : (rank + 1) * per]
+        if spec.get("bad_id_rank") == rank and eng.progress.step == 1:  # data from another tokenizer
+            mine = mine.clone()
+            mine[0, -1] = cfg.vocab_size
         try:
-            st = eng.train_step(ids[rank * per : (rank + 1) * per], labels[rank * per : (rank + 1) * per])
+            st = eng.train_step(mine, labels[rank * per : (rank + 1) * per])
         except Exception as e:  # noqa: BLE001 - a peer was killed: record what stopped this rank, then exit
             torch.save({"error": f"{type(e).__name__}: {e}", "rank": rank}, out)
             os._exit(0)

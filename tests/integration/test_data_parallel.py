@@ -134,6 +134,14 @@ def test_resuming_ranks_whose_stores_are_steps_apart_is_refused_on_every_rank(tm
 
 
 @SLOW
+def test_a_token_id_outside_the_vocabulary_on_one_rank_stops_every_rank_before_the_step(tmp_path) -> None:
+    spec = dict(steps=3, batch=4, K=1, world=2, clip=1.0, bad_id_rank=1)
+    bad, other = reversed(launch(spec, 2, tmp_path / "many"))
+    assert bad["error"].startswith("ConfigError: token id") and "outside the model's vocabulary" in bad["error"], bad
+    assert other["error"].startswith("ConfigError: another rank's batch holds a token id"), other
+
+
+@SLOW
 def test_a_rank_killed_as_it_commits_leaves_stores_every_rank_resumes_from(tmp_path) -> None:
     """Rank 1 dies as it starts committing step 2, after rank 0 committed it: the stores are a step apart.
     Rank 0 kept step 1 until both confirmed, goes back to it, and the resumed run ends bit-identical to

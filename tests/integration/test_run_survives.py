@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -184,6 +185,21 @@ def _fill(path: str) -> None:
     raise AssertionError(f"could not fill the filesystem of {path}")
 
 
+def _keep_full(directory: str, proc: subprocess.Popen) -> list[str]:
+    """Fill ``directory``'s filesystem, then take again whatever room it gets back (the run freeing a
+    pruned checkpoint or a step's scratch files) until ``proc`` exits: another program that keeps
+    writing. Without this, room freed after one fill at a lucky moment could let the run finish
+    (seen once in CI). Returns the ballast files made, for the caller to remove."""
+    made: list[str] = []
+    while proc.poll() is None:
+        st = os.statvfs(directory)
+        if not made or st.f_bavail * st.f_frsize > 64 * 1024:
+            made.append(os.path.join(directory, f"ballast{len(made)}"))
+            _fill(made[-1])
+        time.sleep(0.005)
+    return made
+
+
 @pytest.mark.root
 @pytest.mark.slow  # ~30 s
 def test_on_a_full_disk_keep_checkpoints_on_resume_prunes_before_it_needs_the_room(tmp_path, inputs):
@@ -280,13 +296,16 @@ def test_a_disk_that_fills_mid_run_names_what_the_checkpoints_pin_and_nothing_is
         common = ("--ssd", ssd, "--save-every", "1", "--profile", os.path.join(clean, "profile.json"))
         p = start(args(model, data, out, *common))
         wait_for_steps([p], out, 3)
-        _fill(os.path.join(ssd, "ballast"))  # another program fills it
-        _, err = p.communicate(timeout=120)
+        with ThreadPoolExecutor(1) as pool:
+            ballast = pool.submit(_keep_full, ssd, p)  # another program fills it, and keeps it full
+            _, err = p.communicate(timeout=120)
+            made = ballast.result()
         line = err.strip().splitlines()[-1]
         assert p.returncode == 1 and line.startswith("error: disk full"), err[-3000:]
         assert "checkpoint(s) pin" in line and "MiB the live store no longer uses: step-" in line, line
         assert "Traceback" not in err, err[-3000:]
-        os.unlink(os.path.join(ssd, "ballast"))
+        for path in made:
+            os.unlink(path)
         r = subprocess.run(
             [sys.executable, "-m", "fuyou", *args(model, data, out, *common, "--resume", "auto")], cwd=ROOT,
             capture_output=True, text=True, timeout=600, env=env_without_ranks(),

@@ -2,6 +2,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from click.testing import CliRunner
 
 from fuyou.cli.main import main
@@ -19,9 +20,20 @@ def test_help_is_instant_and_does_not_import_torch():
 def test_doctor_ok_and_failing_dir(tmp_path):
     r = CliRunner().invoke(main, ["doctor", "--ssd", str(tmp_path)])
     assert r.exit_code == 0, r.output
-    assert "O_DIRECT" in r.output and "memlock" in r.output
+    assert "O_DIRECT" in r.output and "memlock" in r.output and "numba layer" in r.output
     r = CliRunner().invoke(main, ["doctor", "--ssd", str(tmp_path / "missing")])
     assert r.exit_code == 1 and "does not exist" in r.output
+
+
+@pytest.mark.parametrize("layer,status", [("tbb", "ok"), ("omp", "warn"), ("workqueue", "warn")])
+def test_doctor_names_numbas_threading_layer_and_the_fix(monkeypatch, layer, status):
+    from fuyou.optim import parallel
+    from fuyou.run.doctor import check_threading_layer
+
+    monkeypatch.setattr(parallel, "threading_layer", lambda: layer)
+    c = check_threading_layer()
+    assert c.status == status and c.detail.startswith(layer), c
+    assert status == "ok" or "pip install tbb" in c.detail
 
 
 def test_console_script_installed():

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import platform
 import threading
 import time
 
+import numba
 import pytest
 import torch
 
@@ -206,3 +208,30 @@ def test_per_job_weight_decay_overrides_the_workers() -> None:
             w.submit(b)
     adamw_step(b.master, b.m, b.v, b.grad, lr=b.lr, step=1, hyper=AdamWHyper(), out=b.out)
     assert_bits_equal(a.master, b.master, "master with weight_decay=0")
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs ≥ 2 torch threads")
+def test_the_worker_thread_makes_no_openmp_team_of_its_own() -> None:
+    """A thread with an OpenMP team beside the training thread's makes libgomp stop spinning in every team
+    (``fuyou.device.host_threads``): the worker's torch ops (its callbacks' copies) run serially."""
+    seen: list[int] = []
+
+    def on_done(j: AdamJob) -> None:
+        torch.ones(1 << 22).mul_(2.0).sum()  # large enough for ATen to run in parallel where it may
+        seen.append(torch.get_num_threads())
+
+    with AdamWorker(HYPER, name="adam-test") as w:
+        w.submit(job(0), on_done=on_done)
+        w.wait(timeout=T)
+    assert seen == [1] and torch.get_num_threads() >= 2  # the main thread keeps its team
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="tbb has wheels for x86-64 only")
+def test_numba_runs_the_kernels_on_tbb_not_openmp() -> None:
+    """The ``tbb`` dependency is what numba loads (its default order prefers it): under ``omp`` the Adam
+    thread's kernel team comes from torch's libgomp and slows the training thread (host_threads)."""
+    master, m, v = make_state(1 << 16, seed=0)
+    with AdamWorker(HYPER) as w:  # numba's default thread count: a parallel launch picks the layer
+        w.submit(AdamJob(0, master, m, v, make_grads(1 << 16, 1, seed=1)[0], lr=1e-3, step=1))
+        w.wait(timeout=T)
+    assert numba.threading_layer() == "tbb"
