@@ -209,6 +209,17 @@ stage_install() {
       echo "installing ${#whl[@]} wheels from $WHEELS into $SITE (pip --target; the image's Python is untouched)"
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${whl[@]}" ||
         return 1
+      # pip --target drops a wheel's data files: tbb's libraries (tbb-*.data/data/lib/) go to $SITE/lib by hand
+      for w in "$WHEELS"/tbb-*.whl; do
+        [ -f "$w" ] || continue
+        "$PY" -c 'import os, sys, zipfile
+z = zipfile.ZipFile(sys.argv[1])
+libs = [n for n in z.namelist() if ".data/data/lib/" in n and not n.endswith("/")]
+os.makedirs(sys.argv[2], exist_ok=True)
+for n in libs:
+    open(os.path.join(sys.argv[2], os.path.basename(n)), "wb").write(z.read(n))
+print(f"{len(libs)} tbb libraries into {sys.argv[2]}")' "$w" "$SITE/lib" || return 1
+      done
       echo "$stamp" >"$SITE/.fc-stamp"
     fi
   else
