@@ -258,19 +258,12 @@ import fuyou.engine, fuyou.run.plan_choice, fuyou.storage.io_kvikio  # noqa: E40
 
 rec["fuyou"] = os.path.dirname(fuyou.__file__)
 rec["kvikio_usable"] = fuyou.storage.io_kvikio.kvikio_usable()
-import numba  # noqa: E402
-from numba import njit, prange  # noqa: E402
+import fuyou.optim.parallel  # noqa: E402
+from fuyou.run.doctor import check_threading_layer  # noqa: E402
 
-
-@njit(parallel=True)
-def _touch(a):  # the first parallel launch makes numba choose its threading layer
-    for i in prange(a.shape[0]):
-        a[i] += 1
-
-
-_touch(__import__("numpy").zeros(1 << 16))
-rec["numba_threading_layer"] = numba.threading_layer()  # tbb expected (the tbb wheel carried); omp slows compute
-print(f"numba layer      {rec['numba_threading_layer']}")
+layer_check = check_threading_layer()  # tbb expected (the tbb wheel carried); omp slows the training thread
+rec["numba_threading_layer"] = fuyou.optim.parallel.threading_layer()
+print(f"numba layer      {layer_check.status}: {layer_check.detail}")
 print(f"fuyou            {rec['fuyou']}  kvikio usable: {rec['kvikio_usable']}")
 if not rec["fuyou"].startswith(repo):
     bad.append(f"fuyou imported from {rec['fuyou']}, not from this checkout {repo}")

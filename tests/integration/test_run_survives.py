@@ -298,7 +298,12 @@ def test_a_disk_that_fills_mid_run_names_what_the_checkpoints_pin_and_nothing_is
         wait_for_steps([p], out, 3)
         with ThreadPoolExecutor(1) as pool:
             ballast = pool.submit(_keep_full, ssd, p)  # another program fills it, and keeps it full
-            _, err = p.communicate(timeout=120)
+            try:
+                _, err = p.communicate(timeout=120)
+            finally:
+                if p.poll() is None:  # a run that never stops must not leave _keep_full waiting on it
+                    p.kill()
+                    p.wait()
             made = ballast.result()
         line = err.strip().splitlines()[-1]
         assert p.returncode == 1 and line.startswith("error: disk full"), err[-3000:]
