@@ -354,8 +354,9 @@ class StepGraph:
 
     def _ssd(self, nbytes: float, kind: str, deps: tuple) -> int:
         """An SSD read or write of ``nbytes``; on the cpu device also the CPU time the I/O path takes
-        (kernel, checksums: ``io_cpu_s_per_byte``), which competes with compute and Adam for the cores
-        but delays nothing that waits for the transfer."""
+        (kernel, checksums: ``io_cpu_s_per_byte``), charged whole to the cores' one server: it stalls
+        compute and Adam for as long (``HardwareProfile.io_cpu_s_per_byte``) but delays nothing that
+        waits for the transfer."""
         bps = self.hw.ssd_read_Bps if kind == "ssd_read" else self.hw.ssd_write_Bps
         op = self.sim.op("ssd", nbytes / bps, deps, kind)
         if self.cpu and self.hw.io_cpu_s_per_byte > 0:

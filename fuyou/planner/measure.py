@@ -43,8 +43,8 @@ def ssd_measure(
     after a warm-up, as in training. Each rate is the fastest of ``repeats`` passes: a moment the
     machine or a shared disk is busy only slows a pass, and the engine's continuous stream of state
     reads and writes runs at least at a pass's rate (each pass also pays the start and drain of its
-    burst). The third figure is the process's CPU time (all threads) over the timed runs ÷ cores ÷
-    bytes moved (``HardwareProfile.io_cpu_s_per_byte``).
+    burst). The third figure is the process's CPU time (all threads) over the timed runs ÷ bytes moved
+    (``HardwareProfile.io_cpu_s_per_byte``).
 
     Raises StoreError subclasses if a directory is unusable or short of space.
     """
@@ -78,7 +78,7 @@ def ssd_measure(
             shutil.rmtree(d, ignore_errors=True)
     total = n * extent_bytes
     moved = 2 * (repeats + 1) * total  # _median runs each once more as a warm-up
-    return total / r, total / w, cpu / (os.cpu_count() or 1) / moved
+    return total / r, total / w, cpu / moved
 
 
 def adam_throughput(params: int = 32 << 20, repeats: int = 3, threads: int | None = None, int8: bool = False) -> float:

@@ -94,9 +94,11 @@ class HardwareProfile:
     ssd_dwpd_rating: float = 1.0
     """The drives' rated endurance, drive-writes per day over the warranty."""
     io_cpu_s_per_byte: float = 0.0
-    """Share of the whole host CPU the SSD I/O path takes per byte moved (CPU-seconds of all threads ÷
-    cores ÷ bytes: kernel time of O_DIRECT I/O, checksums); on the ``cpu`` device it competes with
-    compute and Adam for the cores. 0: not modelled (hand-written profiles, GPU machines)."""
+    """CPU time the SSD I/O path takes per byte moved (CPU-seconds of all its threads ÷ bytes: kernel
+    time of O_DIRECT I/O, checksums). On the ``cpu`` device each of those seconds stalls compute for a
+    whole second, not a second ÷ cores: torch splits each op evenly over every core and waits for the
+    slowest part, so a core taken by I/O for t delays the op by t (``graph.StepGraph._ssd``). 0: not
+    modelled (hand-written profiles, GPU machines)."""
     commit_s: float = 0.005
     """Time to commit a store version (fsync + atomic manifest), seconds."""
     layer_act_bytes_per_token: float = 0.0

@@ -232,9 +232,10 @@ TIMING = "t3"
 """How blocks are timed (``measure.block_compute``), in the cache key: figures timed another way are
 measured again (t2: under the CPU backend's allocation meter, as the engine computes; t3: forward and
 backward each timed in the same passes, not the backward as a difference of two medians)."""
-SSD_TIMING = "s2"
+SSD_TIMING = "s3"
 """How the SSD is timed (``measure.ssd_measure``), in the machine figures' cache key (s2: the fastest of
-256 MiB passes, not the median of 64 MiB ones): figures measured another way are measured again."""
+256 MiB passes, not the median of 64 MiB ones; s3: the I/O path's CPU time per byte not divided by the
+cores): figures measured another way are measured again."""
 QUICK_CACHE = "quick-profile"
 """The per-machine cache file of quick profiles (``fuyou.machine``)."""
 PROFILE_TOLERANCE = 1.3

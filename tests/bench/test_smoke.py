@@ -355,3 +355,22 @@ def test_device_peak_bench_smoke():
     assert len(draws) == 2 and all(x["measured_bytes"] > 0 and x["predicted_over_measured"] > 0 for x in draws)
     (m,) = [x for x in recs if x["part"] == "meter"]
     assert 0 < m["plain_us_per_op"] < m["meter_us_per_op"]
+
+
+@pytest.mark.slow  # ~9 s
+def test_io_share_bench_smoke(tmp_path):
+    """A layer alone and beside the store's I/O stream: the I/O path's CPU per byte, the compute lost and
+    what the cost model charges for it, per round."""
+    r = subprocess.run(
+        [sys.executable, "bench/bench_io_share.py", "--smoke", "--dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    rec = json.loads(r.stdout.splitlines()[-1])
+    assert rec["io_cpu_s_per_gb"] > 0 and len(rec["rounds"]) == 1
+    row = rec["rounds"][0]
+    assert row["alone_ms"] > 0 and row["beside_ms"] > 0 and row["io_MBps"] > 0 and row["charged_ms"] > 0
+    assert os.listdir(tmp_path) == []  # the store's files are gone

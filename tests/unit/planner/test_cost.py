@@ -83,6 +83,21 @@ def test_ram_tier_weight_reads_are_memcpys_on_the_tiers_copy_thread():
     assert p.busy_s["ram_read"] == pytest.approx(reads, rel=1e-6)
 
 
+def test_the_io_paths_cpu_time_stalls_compute_whole_on_the_cpu_device():
+    # on the cpu device the I/O path's CPU time (1 ns a byte here) is charged whole to the cores' one
+    # server, not divided by the cores: torch splits each op over every core and waits for the slowest
+    # part, so a core taken by I/O for t delays compute by t (bench/bench_io_share.py measures it); on
+    # a GPU machine it is not modelled
+    plan = Plan(activation_policy=("keep", "keep", "keep"))
+    quiet = predict(toy_shape(), plan, CFG, profile(device="cpu", device_peak_flops=1e12))
+    p = predict(toy_shape(), plan, CFG, profile(device="cpu", device_peak_flops=1e12, io_cpu_s_per_byte=1e-9))
+    io = (p.ssd_read_bytes + p.ssd_write_bytes) * 1e-9
+    assert p.busy_s["io_cpu"] == pytest.approx(io, rel=1e-9)
+    assert p.step_s == pytest.approx(quiet.step_s + io, rel=1e-7)
+    gpu = predict(toy_shape(), plan, CFG, profile(device_peak_flops=1e12, io_cpu_s_per_byte=1e-9))
+    assert "io_cpu" not in gpu.busy_s and gpu.step_s == pytest.approx(quiet.step_s, rel=1e-7)
+
+
 def test_state_chunks_pipeline_read_adam_write():
     # one 4 Mi-element chunk: read 48 MiB, then Adam, then write; four chunks overlap the three stages
     hw = profile(device_peak_flops=1e12, adam_params_per_s=2e9, ssd_read_Bps=4e9, ssd_write_Bps=4e9)
