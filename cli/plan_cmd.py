@@ -209,38 +209,34 @@ def plan_inputs(
 ) -> tuple[Budgets, Request]:
     """The budgets and the planner request of ``fuyou plan`` with these options (each as its flag; defaults
     as the command's), on the hardware profile ``prof``: what the command searches, and what
-    ``bench/bench_frontier_plans.py`` searches too, so the two cannot drift apart. Budgets left out: the
+    ``bench/bench_frontier_plans.py`` searches too, built by the search's own ``plan_inputs`` as
+    ``fuyou finetune``'s plan chooser builds its, so none can drift apart. Budgets left out: the
     host's 3/4 of the profile's RAM ÷ ``gpus`` (the node's RAM is shared by its ranks), the device's
     memory; ``tokens_per_step`` left out: 8 sequences; ``max_grad_norm`` > 0 turns clipping on (default: ``fuyou finetune``'s,
     ``DEFAULT_MAX_GRAD_NORM``).
 
     Raises ConfigError for an unreadable size or link speed."""
     from fuyou.planner.cluster import Cluster, link_Bps
-    from fuyou.planner.result import Budgets
-    from fuyou.planner.search import Request
-    from fuyou.units import parse_size
+    from fuyou.planner.search import plan_inputs as inputs
 
     cluster = Cluster(gpus, nodes, link_Bps(interconnect, "--interconnect"), link_Bps(network, "--network"))
-    bud = Budgets(
-        cpu_memory=parse_size(cpu_memory, "--cpu-memory") if cpu_memory else prof.host_memory_bytes * 3 // 4 // gpus,
-        gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory else prof.device_memory_bytes,
-        ssd_bytes=parse_size(ssd_space, "--ssd-space") if ssd_space else 0,
-    )
-    req = Request(
+    return inputs(
+        prof,
+        cpu_memory=cpu_memory,
+        gpu_memory=gpu_memory,
+        ssd_space=ssd_space,
         seq_len=seq_len,
-        tokens_per_step=tokens_per_step or 8 * seq_len,
+        tokens_per_step=tokens_per_step,
         clip=max_grad_norm > 0,
         optimizer_state=optimizer_state,
+        precision=precision,
         micro_batch_size=micro_batch_size,
         schedule=schedule,
         prefetch_depth=prefetch_depth,
         activations=activations,
-        precision=precision,
         cluster=cluster,
-        lora_base=lora_rank is not None,
-        lora_rank=lora_rank or 0,
+        lora_rank=lora_rank,
     )
-    return bud, req
 
 
 def _policies(pol: tuple[str, ...]) -> str:

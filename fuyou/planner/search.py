@@ -42,7 +42,7 @@ from fuyou.schedule.plan import MIN_CHUNK, RECOMPUTES, Plan
 from fuyou.schedule.shapes import ModelShape
 from fuyou.schedule.state_format import DEFAULT_FORMAT, state_format
 from fuyou.schedule.vocab import bounding_groups
-from fuyou.units import format_size as fs
+from fuyou.units import format_size as fs, parse_size
 
 CHUNKS = (1 << 20, 1 << 22, 1 << 23, 1 << 25)
 MAX_CHUNKS = 32
@@ -100,6 +100,59 @@ class Request:
     """LoRA on a frozen base (``Plan.lora_base``): weights are only read; no gradients, state or writes."""
     lora_rank: int = 0
     """With ``lora_base``: the adapters' rank, for their device memory (``all-linear``: every linear layer)."""
+
+
+def plan_inputs(
+    prof: HardwareProfile,
+    *,
+    cpu_memory: str | int | None,
+    gpu_memory: str | int | None = None,
+    ssd_space: str | int | None = None,
+    seq_len: int = 1024,
+    tokens_per_step: int | None = None,
+    clip: bool = False,
+    optimizer_state: str = DEFAULT_FORMAT,
+    precision: str = "bf16",
+    micro_batch_size: int | None = None,
+    schedule: str | None = None,
+    prefetch_depth: int | None = None,
+    activations: str | None = None,
+    cluster: Cluster | None = None,
+    lora_rank: int | None = None,
+) -> tuple[Budgets, Request]:
+    """The budgets and the request the search gets for a run of these settings, whichever front end
+    describes it (``fuyou plan``, ``fuyou finetune``'s plan chooser, the frontier bench), so their plans
+    cannot drift apart. Sizes are bytes or strings such as ``64GiB``. Left out: the host budget is 3/4 of
+    the profile's RAM ÷ the node's ranks (they share it), the device budget the profile's device memory,
+    the SSD room unbounded (0), the step 8 sequences, the ranks one. ``lora_rank`` (None: full fine-tuning) plans LoRA
+    on a frozen base.
+
+    Raises ConfigError for an unreadable size."""
+    cluster = cluster or Cluster()
+    bud = Budgets(
+        cpu_memory=(
+            parse_size(cpu_memory, "--cpu-memory")
+            if cpu_memory is not None
+            else prof.host_memory_bytes * 3 // 4 // cluster.gpus_per_node
+        ),
+        gpu_memory=parse_size(gpu_memory, "--gpu-memory") if gpu_memory is not None else prof.device_memory_bytes,
+        ssd_bytes=parse_size(ssd_space, "--ssd-space") if ssd_space is not None else 0,
+    )
+    req = Request(
+        seq_len=seq_len,
+        tokens_per_step=tokens_per_step or 8 * seq_len,
+        clip=clip,
+        optimizer_state=optimizer_state,
+        micro_batch_size=micro_batch_size,
+        schedule=schedule,
+        prefetch_depth=prefetch_depth,
+        activations=activations,
+        precision=precision,
+        cluster=cluster,
+        lora_base=lora_rank is not None,
+        lora_rank=lora_rank or 0,
+    )
+    return bud, req
 
 
 class _Search:

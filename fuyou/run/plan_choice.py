@@ -34,7 +34,6 @@ from typing import Any
 from fuyou.errors import ConfigError
 from fuyou.schedule.plan import POLICIES, Plan
 from fuyou.schedule.state_format import CHOICES, FORMATS, resolve_format
-from fuyou.units import parse_size
 
 MODES = ("auto", "rules")
 
@@ -335,25 +334,24 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         )
         return ChosenPlan(plan, {"source": "rules"})
     from fuyou.planner.cluster import Cluster
-    from fuyou.planner.result import Budgets
-    from fuyou.planner.search import Request, search
+    from fuyou.planner.search import plan_inputs, search
 
     prof, where = _profile(req, log)
     shape = _shape(req)
-    gpu = parse_size(req.gpu_memory, "--gpu-memory") if req.gpu_memory is not None else prof.device_memory_bytes
-    budgets = Budgets(cpu_memory=parse_size(req.cpu_memory, "--cpu-memory"), gpu_memory=gpu)
-    sreq = Request(
+    budgets, sreq = plan_inputs(
+        prof,
+        cpu_memory=req.cpu_memory,
+        gpu_memory=req.gpu_memory,
         seq_len=req.seq_len,
         tokens_per_step=req.seq_len * req.micro_batch_size * req.grad_accum * req.ranks,
         clip=req.clip,
         optimizer_state=req.stored_format,
+        precision=req.precision,
         micro_batch_size=req.micro_batch_size,
         prefetch_depth=req.prefetch_depth,
         activations=req.activations,
-        precision=req.precision,
         cluster=Cluster(req.ranks),  # one node; the link speed shapes the prediction, not the plan's memory
-        lora_base=req.lora_base,
-        lora_rank=req.lora_rank,
+        lora_rank=req.lora_rank if req.lora_base else None,
     )
     res = search(shape, prof, budgets, sreq)
     quick = where if isinstance(where, dict) else None

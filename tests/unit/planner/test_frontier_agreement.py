@@ -67,3 +67,30 @@ def test_clipping_leaves_block_inputs_room_in_host_ram(config):
     for r in (plain, clipped):
         assert "recompute_cpu" in r.plan.activation_policy and r.prediction.memory.host <= bud.cpu_memory
     assert plain.plan.park_ram_blocks is None and clipped.plan.schedule == "overlap_next_forward"
+
+
+@pytest.mark.parametrize("clip,lora", [(True, None), (False, 8)])
+def test_fuyou_finetune_plans_what_fuyou_plan_plans(config, tmp_path, clip, lora):
+    """``fuyou finetune``'s plan chooser and ``fuyou plan`` build the search's inputs in one place
+    (``search.plan_inputs``): the same settings give the same plan, budgets and predicted step."""
+    from transformers import AutoConfig
+
+    from fuyou.models.lora import LoraSettings
+    from fuyou.run.plan_choice import PlanRequest, choose_plan
+
+    model = AutoConfig.for_model(**json.loads(open(config).read()))
+    req = PlanRequest(
+        model_config=model, store_dirs=(str(tmp_path),), cpu_memory=CPU, gpu_memory=GPU, profile=PROFILE,
+        micro_batch_size=2, grad_accum=4, seq_len=2048, clip=clip, precision="bf16",
+        lora=LoraSettings(rank=lora, alpha=16) if lora else None,
+    )  # fmt: skip
+    chosen = choose_plan(req)
+    args = ["plan", config, "--profile", PROFILE, "--cpu-memory", CPU, "--gpu-memory", GPU, "--seq-len", "2048"]
+    args += ["--tokens-per-step", str(2048 * 2 * 4), "--micro-batch-size", "2", "--max-grad-norm", str(float(clip))]
+    args += ["--lora-rank", str(lora), "--json", "-"] if lora else ["--json", "-"]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    cli = json.loads(r.output)
+    assert json.loads(json.dumps(chosen.info["plan"])) == cli["plan"]
+    assert chosen.info["predicted_step_s"] == pytest.approx(cli["prediction"]["step_s"], rel=1e-12)
+    assert chosen.info["predicted_device_bytes"] == cli["prediction"]["memory"]["device"]
