@@ -79,6 +79,10 @@ MUTATIONS = [
         "fuyou/transfer/weights.py",
         "ev.wait()",
         why="a host buffer goes back to the pool (and is refilled) while its copy still reads it",
+        redundant="only drain() releases a buffer whose copy has not been seen done, and on CPU every copy "
+        "has landed by then: compute is synchronous and waited for each copy before using its weights, and "
+        "a copy is issued only by next(), right before compute uses it; on a GPU the host reaches drain() "
+        "while the queued copies still run, which only a GPU test can see",
     ),
     Mutation(
         "weights.next: SSD read landed before the copy (future)",
