@@ -355,13 +355,16 @@ class StepGraph:
     def _ssd(self, nbytes: float, kind: str, deps: tuple) -> int:
         """An SSD read or write of ``nbytes``; on the cpu device also the CPU time the I/O path takes
         (kernel, checksums: ``io_cpu_s_per_byte``), charged whole to the cores' one server: it stalls
-        compute and Adam for as long (``HardwareProfile.io_cpu_s_per_byte``) but delays nothing that
-        waits for the transfer."""
+        compute and Adam for as long (``HardwareProfile.io_cpu_s_per_byte``), and it is part of the
+        transfer: a write's checksum before its bytes go out, a read's check after they land, so where
+        compute holds the cores a read lands late (its user waits for both; the returned operation)."""
         bps = self.hw.ssd_read_Bps if kind == "ssd_read" else self.hw.ssd_write_Bps
-        op = self.sim.op("ssd", nbytes / bps, deps, kind)
-        if self.cpu and self.hw.io_cpu_s_per_byte > 0:
-            self.sim.op("thread", nbytes * self.hw.io_cpu_s_per_byte, deps, "io_cpu")
-        return op
+        if not (self.cpu and self.hw.io_cpu_s_per_byte > 0):
+            return self.sim.op("ssd", nbytes / bps, deps, kind)
+        host = nbytes * self.hw.io_cpu_s_per_byte
+        if kind == "ssd_write":  # the checksum is taken before the bytes go out
+            return self.sim.op("ssd", nbytes / bps, (self.sim.op("thread", host, deps, "io_cpu"),), kind)
+        return self.sim.op("thread", host, (self.sim.op("ssd", nbytes / bps, deps, kind),), "io_cpu")
 
     def hand_off(self, b: int, bwd: int) -> None:
         """Gradient reduce-scatter (data parallel), norm (a read of the gradient on the device, then a

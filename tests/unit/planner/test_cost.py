@@ -94,6 +94,13 @@ def test_the_io_paths_cpu_time_stalls_compute_whole_on_the_cpu_device():
     io = (p.ssd_read_bytes + p.ssd_write_bytes) * 1e-9
     assert p.busy_s["io_cpu"] == pytest.approx(io, rel=1e-9)
     assert p.step_s == pytest.approx(quiet.step_s + io, rel=1e-7)
+    # a read's check runs after its bytes land, on the same cores: with nothing else to do the step is
+    # every transfer and every byte's CPU time one after the other
+    slow = dict(device="cpu", ssd_read_Bps=1e9, ssd_write_Bps=1e9)
+    bare = predict(toy_shape(), plan, CFG, profile(**slow))
+    ssd = predict(toy_shape(), plan, CFG, profile(**slow, io_cpu_s_per_byte=1e-9))
+    assert bare.step_s == pytest.approx(io, rel=1e-7)  # 1 ns a byte at 1 GB/s
+    assert ssd.step_s > bare.step_s * 1.5
     gpu = predict(toy_shape(), plan, CFG, profile(device_peak_flops=1e12, io_cpu_s_per_byte=1e-9))
     assert "io_cpu" not in gpu.busy_s and gpu.step_s == pytest.approx(quiet.step_s, rel=1e-7)
 
