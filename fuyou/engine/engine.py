@@ -73,6 +73,7 @@ class Engine:
         store: TensorStore | None = None,
         lora_init: dict[str, torch.Tensor] | None = None,
         source_dtype: torch.dtype | None = None,
+        source: CheckpointReader | None = None,
     ) -> None:
         """Build the engine; with ``store`` (an opened store of an earlier run) resume from it, else
         create a new store in ``cfg.ssd_dirs`` and import ``tensors`` block by block. With
@@ -80,7 +81,8 @@ class Engine:
         parameter name), ``peft``'s initialisation, or the resumed store's (the same on every rank).
         ``source_dtype``: the checkpoint's dtype (``checkpoint_dtype``; None: fp32), which export writes by
         default and frozen parameters keep exactly (``ModelLayout.origin``); a resumed store's is recorded.
-        Raises ConfigError for a store trained with other LoRA settings."""
+        ``source``: the reader of ``source_dir`` that ``tensors`` reads through (its index is read once;
+        None: one is opened where needed). Raises ConfigError for a store trained with other LoRA settings."""
         self.cfg, self.source_dir = cfg, source_dir
         self.progress = Progress(step=0, lr=cfg.lr)
         self.max_grad_norm = cfg.max_grad_norm
@@ -109,7 +111,7 @@ class Engine:
         self._setup_data_path(cfg)
         if store is None:
             assert tensors is not None  # a new store is filled from the model's tensors
-            self._save_model_files()
+            self._save_model_files(source)
             self._import(tensors)
 
     def _setup_store(self, cfg: EngineConfig, store: TensorStore | None) -> None:
@@ -243,7 +245,7 @@ class Engine:
             reader.close()  # one block at a time: never keep the checkpoint mapped
             return out
 
-        return cls(config, cfg, block_tensors, source_dir=model_dir, source_dtype=reader.dtype())
+        return cls(config, cfg, block_tensors, source_dir=model_dir, source_dtype=reader.dtype(), source=reader)
 
     @classmethod
     def resume(cls, cfg: EngineConfig) -> Engine:
@@ -353,13 +355,14 @@ class Engine:
             freeze=tuple(self.cfg.freeze),
         )
 
-    def _save_model_files(self) -> None:
-        """Keep the HF config (and tokenizer files) with the store, so ``fuyou export`` needs nothing else."""
+    def _save_model_files(self, source: CheckpointReader | None) -> None:
+        """Keep the HF config (and tokenizer files) with the store, so ``fuyou export`` needs nothing else;
+        ``source``: the checkpoint's reader (None: ``source_dir``'s is opened)."""
         d = os.path.join(self.store.dirs[0], HF_FILES)
         os.makedirs(d, exist_ok=True)
         self.adapter.config.save_pretrained(d)
         if self.source_dir:
-            keep_untrained(CheckpointReader(self.source_dir), d)  # a multimodal checkpoint's other parts
+            keep_untrained(source or CheckpointReader(self.source_dir), d)  # a multimodal checkpoint's other parts
             for name in TOKENIZER_FILES:
                 if os.path.isfile(os.path.join(self.source_dir, name)):
                     shutil.copy2(os.path.join(self.source_dir, name), d)

@@ -342,3 +342,20 @@ def test_fuyou_trainer_refuses_a_multimodal_model_whose_vision_tower_would_train
     ids = torch.zeros(1, 8, dtype=torch.long)
     with pytest.raises(ConfigError, match="pixel_values"):
         _micro_batch({"input_ids": ids, "pixel_values": torch.zeros(1, 3, 28, 28)})
+
+
+def test_a_fresh_import_opens_the_checkpoint_once(tmp_path, monkeypatch):
+    """The import and the store's model files (the multimodal checkpoint's other parts) share one reader:
+    the checkpoint's index is read once."""
+    mm, _, _ = multimodal("gemma3", tmp_path)
+    opened: list[str] = []
+    init = CheckpointReader.__init__
+
+    def counted(self, model_dir, *a, **kw):
+        opened.append(model_dir)
+        init(self, model_dir, *a, **kw)
+
+    monkeypatch.setattr(CheckpointReader, "__init__", counted)
+    with Engine.from_pretrained(mm, cfg_for(tmp_path, "a")):
+        pass
+    assert opened == [mm]
