@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -189,54 +189,27 @@ def plan_cmd(
 def plan_inputs(
     prof: HardwareProfile,
     *,
-    cpu_memory: str | None = None,
-    gpu_memory: str | None = None,
-    ssd_space: str | None = None,
-    seq_len: int = 1024,
-    tokens_per_step: int | None = None,
     max_grad_norm: float = DEFAULT_MAX_GRAD_NORM,
-    optimizer_state: str = DEFAULT_FORMAT,
-    precision: str = "bf16",
-    micro_batch_size: int | None = None,
-    schedule: str | None = None,
-    prefetch_depth: int | None = None,
-    activations: str | None = None,
     gpus: int = 1,
     nodes: int = 1,
     interconnect: str = "pcie4",
     network: str = "ib200",
-    lora_rank: int | None = None,
+    cpu_memory: str | None = None,
+    **settings: Any,
 ) -> tuple[Budgets, Request]:
     """The budgets and the planner request of ``fuyou plan`` with these options (each as its flag; defaults
     as the command's), on the hardware profile ``prof``: what the command searches, and what
-    ``bench/bench_frontier_plans.py`` searches too, built by the search's own ``plan_inputs`` as
-    ``fuyou finetune``'s plan chooser builds its, so none can drift apart. Budgets left out: the
-    host's 3/4 of the profile's RAM ÷ ``gpus`` (the node's RAM is shared by its ranks), the device's
-    memory; ``tokens_per_step`` left out: 8 sequences; ``max_grad_norm`` > 0 turns clipping on (default: ``fuyou finetune``'s,
-    ``DEFAULT_MAX_GRAD_NORM``).
+    ``bench/bench_frontier_plans.py`` searches too, built by the search's own ``plan_inputs`` (which takes
+    ``settings``: ``gpu_memory``, ``seq_len``, ``tokens_per_step``, …) as ``fuyou finetune``'s plan chooser
+    builds its, so none can drift apart. ``max_grad_norm`` > 0 turns clipping on (default: ``fuyou
+    finetune``'s, ``DEFAULT_MAX_GRAD_NORM``); ``gpus``/``nodes`` and the link names make the cluster.
 
     Raises ConfigError for an unreadable size or link speed."""
     from fuyou.planner.cluster import Cluster, link_Bps
     from fuyou.planner.search import plan_inputs as inputs
 
     cluster = Cluster(gpus, nodes, link_Bps(interconnect, "--interconnect"), link_Bps(network, "--network"))
-    return inputs(
-        prof,
-        cpu_memory=cpu_memory,
-        gpu_memory=gpu_memory,
-        ssd_space=ssd_space,
-        seq_len=seq_len,
-        tokens_per_step=tokens_per_step,
-        clip=max_grad_norm > 0,
-        optimizer_state=optimizer_state,
-        precision=precision,
-        micro_batch_size=micro_batch_size,
-        schedule=schedule,
-        prefetch_depth=prefetch_depth,
-        activations=activations,
-        cluster=cluster,
-        lora_rank=lora_rank,
-    )
+    return inputs(prof, cpu_memory=cpu_memory, clip=max_grad_norm > 0, cluster=cluster, **settings)
 
 
 def _policies(pol: tuple[str, ...]) -> str:

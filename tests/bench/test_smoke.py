@@ -14,6 +14,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PEER = os.path.join(os.path.dirname(ROOT), "shared", "peers", "deepspeed_baseline.py")
 
 
+def smoke_record(script: str, tmp_path) -> dict:
+    """Run ``bench/<script> --smoke --dir tmp_path``; its last JSON line (fails the test on a non-zero exit)."""
+    r = subprocess.run(
+        [sys.executable, f"bench/{script}", "--smoke", "--dir", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.splitlines()[-1])
+
+
 @pytest.mark.slow  # ~11 s; .ci/run runs `bench_store.py --smoke` itself before the tests
 def test_store_bench_smoke(tmp_path):
     """Two I/O engines side by side (pyfile stands in for kvikio, which cannot do I/O without a CUDA
@@ -76,15 +89,7 @@ def test_store_bench_refuses_an_engine_it_cannot_run(tmp_path):
 
 @pytest.mark.slow  # ~8 s
 def test_checkpoint_bench_smoke(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "bench/bench_checkpoint.py", "--smoke", "--dir", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
-    rec = json.loads(r.stdout.splitlines()[-1])
+    rec = smoke_record("bench_checkpoint.py", tmp_path)
     assert rec["link_s_median"] > 0 and len(rec["disk_bytes_after_each"]) == 2
 
 
@@ -361,15 +366,7 @@ def test_device_peak_bench_smoke():
 def test_io_share_bench_smoke(tmp_path):
     """A layer alone and beside the store's I/O stream: the I/O path's CPU per byte, the compute lost and
     what the cost model charges for it, per round."""
-    r = subprocess.run(
-        [sys.executable, "bench/bench_io_share.py", "--smoke", "--dir", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr
-    rec = json.loads(r.stdout.splitlines()[-1])
+    rec = smoke_record("bench_io_share.py", tmp_path)
     assert rec["io_cpu_s_per_gb"] > 0 and len(rec["rounds"]) == 1
     row = rec["rounds"][0]
     assert row["alone_ms"] > 0 and row["beside_ms"] > 0 and row["io_MBps"] > 0 and row["charged_ms"] > 0
