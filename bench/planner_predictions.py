@@ -40,7 +40,7 @@ def cpu_profile() -> HardwareProfile:
         ssd_read_Bps=1.5e9, ssd_write_Bps=0.9e9, adam_params_per_s=3e8, name="cpu", device="cpu",
         compute=(ComputePoint(64, 5e10, 4e10),), head_compute=(ComputePoint(64, 4e10, 3e10),),
         h2d_Bps=8e9, d2h_Bps=8e9, host_mem_Bps=8e9, device_mem_Bps=8e9, grad_add_elems_per_s=1e9,
-        grad_norm_elems_per_s=2e9, io_cpu_s_per_byte=1e-10,
+        grad_norm_elems_per_s=2e9, io_cpu_s_per_byte=2e-10,  # CPU-s per byte (not ÷ cores since s3)
     )  # fmt: skip
 
 

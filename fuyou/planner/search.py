@@ -124,8 +124,8 @@ def plan_inputs(
     describes it (``fuyou plan``, ``fuyou finetune``'s plan chooser, the frontier bench), so their plans
     cannot drift apart. Sizes are bytes or strings such as ``64GiB``. Left out: the host budget is 3/4 of
     the profile's RAM ÷ the node's ranks (they share it), the device budget the profile's device memory,
-    the SSD room unbounded (0), the step 8 sequences, the ranks one. ``lora_rank`` (None: full fine-tuning) plans LoRA
-    on a frozen base.
+    the SSD room unbounded (0), the step 8 sequences, the ranks one. ``lora_rank`` (None: full
+    fine-tuning) plans LoRA on a frozen base.
 
     Raises ConfigError for an unreadable size."""
     cluster = cluster or Cluster()
