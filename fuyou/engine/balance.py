@@ -21,7 +21,8 @@ cost nothing extra.
 
 None of the supported families defines a router z-loss. DeepSeek-V3 and GLM-4.5 define no balance loss
 at all (``defines_balance_loss``): they balance by a bias on the router's choice
-(``e_score_correction_bias``), which a checkpoint carries and Fuyou keeps as the family uses it, untrained.
+(``e_score_correction_bias``), which a checkpoint carries and Fuyou keeps as the family uses it, untrained
+and in fp32 where ``transformers`` keeps it so (``fuyou.engine.family_buffers``).
 """
 
 from __future__ import annotations

@@ -53,6 +53,7 @@ def batch_peak(
     run = device_memory.step_run(
         micro_batch, seq_len, accum, shape.hidden, cb, shape.vocab, adapter_params=adapter_params,
         shard_grad_bytes=cb * max(fp.numels) if fp.world > 1 else 0, device=device, device_bytes=capacity,
+        held_bytes=shape.held_bytes(cb),
     )  # fmt: skip
     return device_memory.device_peak(blocks, device_memory.block_policies(plan, len(blocks)), run)
 

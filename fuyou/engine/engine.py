@@ -30,6 +30,7 @@ from fuyou.engine.balance import StepBalance, balance_rule
 from fuyou.engine.config import EngineConfig
 from fuyou.engine.device_admission import admit_batch, batch_peak
 from fuyou.engine.export import HF_FILES, export_dtype, export_layout, iter_master
+from fuyou.engine.family_buffers import hold_buffers, write_buffers
 from fuyou.engine.lora import LoraState
 from fuyou.engine.step import StepContext, StepIO, StepResult, StepRunner, StepState
 from fuyou.engine.updates import Progress
@@ -113,6 +114,7 @@ class Engine:
             assert tensors is not None  # a new store is filled from the model's tensors
             self._save_model_files(source)
             self._import(tensors)
+        self.adapter.held = hold_buffers(self.tier, self.layout, self.backend)
 
     def _setup_store(self, cfg: EngineConfig, store: TensorStore | None) -> None:
         """The host buffer pool (every buffer class reserved up front), the store (a new one, or the
@@ -285,7 +287,7 @@ class Engine:
         block's source at a time, converting through the pool's own buffers (so import stays inside
         the host budget). The first committed version is complete."""
         for b, blk in enumerate(self.layout.blocks):
-            self._import_block(b, tensors([p.key for p in blk.params]))
+            self._import_block(b, tensors([p.key for p in blk.params] + [x.key for x in blk.buffers]))
         self.lora.save_to(self.store, self.pool)
         self.tier.commit(self.commit_meta())
 
@@ -304,6 +306,7 @@ class Engine:
                 self.tier.write_through(f.name, w).result()
         finally:
             self.pool.release(buf)
+        write_buffers(self.tier, lay, b, src)
         chunks = [(lay.s(b, c), "master", lo, hi, sizing.STATE) for c, (lo, hi) in enumerate(lay.chunks(b))]
         origin = [(lay.o(b, c), "origin", lo, hi, sizing.WEIGHTS) for c, (lo, hi) in enumerate(lay.origin_chunks(b))]
         for ext, field, lo, hi, kind in (chunks if lay.trains(b) else []) + origin:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fuyou.engine.family_buffers import read_buffers
 from fuyou.errors import ConfigError, ManifestError
 from fuyou.models.blocks import parse_slice
 from fuyou.models.freeze import frozen_blocks, frozen_keys
@@ -101,7 +102,8 @@ def iter_master(
     gather: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF key, fp32 master tensor) for every parameter, one block at a time (latest writes; a split
-    layer's expert groups joined: ``merge_expert_groups``).
+    layer's expert groups joined: ``merge_expert_groups``), and the family's buffers as stored (in the
+    dtype it keeps them in: ``fuyou.engine.family_buffers``).
 
     A sharded layout (``layout.world`` > 1) needs ``gather``: every rank's shard of a block's master
     in rank order on one rank (``Collectives.gather_to_root``), None on the others, which then yield
@@ -119,6 +121,7 @@ def iter_master(
             rest = gathered(frozen) if frozen is not None else None
             if whole is not None:
                 yield from layout.unflatten(b, whole if rest is None else torch.cat([whole, rest])).items()
+                yield from read_buffers(store, layout, b).items()
 
     return merge_expert_groups(blocks())
 
@@ -131,6 +134,7 @@ def _iter_ranks(stores: list[TensorStore], layouts: list[ModelLayout]) -> Iterat
             parts = [read_master(st, lay, b) for st, lay in zip(stores, layouts)]
             parts += [f for st, lay in zip(stores, layouts) if (f := read_frozen(st, lay, b)) is not None]
             yield from layouts[0].unflatten(b, torch.cat(parts)).items()
+            yield from read_buffers(stores[0], layouts[0], b).items()  # every rank holds them whole
 
     return merge_expert_groups(blocks())
 
@@ -158,6 +162,14 @@ def _joined(pending: dict[str, list[torch.Tensor]]) -> Iterator[tuple[str, torch
         del pending[key]
 
 
+def export_cast(layout: ModelLayout, dtype: torch.dtype) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """(key, tensor) → the tensor export writes: in ``dtype``, but a buffer the family keeps in fp32
+    (``BufferSpec.fp32``: DeepSeek-V3's router biases) in fp32 whatever ``dtype``, as ``transformers``
+    holds it, so a bf16 export does not round it."""
+    keep = {x.key for blk in layout.blocks for x in blk.buffers if x.fp32}
+    return lambda k, t: t.float() if k in keep else t.to(dtype)
+
+
 def export_layout(
     store: TensorStore | RamTier,
     layout: ModelLayout,
@@ -172,7 +184,8 @@ def export_layout(
     layout streams its blocks through ``gather`` (``iter_master``) and only the rank it gathers on
     writes. ``transform(key, fp32 tensor)``, if given, changes each tensor first (LoRA merged in)."""
     change = transform or (lambda _k, t: t)
-    gen = ((k, change(k, t).to(dtype)) for k, t in iter_master(store, layout, gather))
+    cast = export_cast(layout, dtype)
+    gen = ((k, cast(k, change(k, t))) for k, t in iter_master(store, layout, gather))
     if layout.world > 1 and layout.rank != 0:
         for _ in gen:  # the other ranks send their shards, block by block
             pass
@@ -249,7 +262,8 @@ def export_store(paths: list[str], out_dir: str, dtype: str = "auto", checkpoint
                 f"the ranks' stores of {paths[0]} are at different steps ({sorted(steps)}) or out of order; "
                 "export a run that finished, or resume it with torchrun and --resume auto"
             )
-        gen = ((k, t.to(out_dtype)) for k, t in _iter_ranks(stores, layouts))
+        cast = export_cast(layouts[0], out_dtype)
+        gen = ((k, cast(k, t)) for k, t in _iter_ranks(stores, layouts))
         save_streamed(out_dir, gen, config, out_dtype, copy_from=files)
     finally:
         for st in stores:

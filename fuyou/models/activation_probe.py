@@ -276,6 +276,8 @@ def _bind(adapter: Adapter, b: int, dtype: torch.dtype, grads: bool) -> list[tor
     tensors: dict[str, Any] = {}
     for key, shape in _keys(adapter, b):
         tensors[key] = torch.zeros(shape, dtype=dtype)
+    for buf in adapter.blocks[b].buffers:  # the family's (router biases): held through the run, not the block's
+        tensors[buf.key] = torch.zeros(buf.shape, dtype=buf.dtype(dtype))
     params = list(adapter.bind(b, tensors).values())
     for p in params:
         if grads and p.requires_grad:

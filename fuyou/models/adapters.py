@@ -28,7 +28,7 @@ from torch import nn
 
 from fuyou.errors import ConfigError
 from fuyou.models.activation_rules import EXPERTS, experts_of, top_k_of
-from fuyou.models.blocks import EXPERTS_PART, BlockSpec, ParamSpec, slice_key, split_experts, split_vocab
+from fuyou.models.blocks import EXPERTS_PART, BlockSpec, BufferSpec, ParamSpec, slice_key, split_experts, split_vocab
 from fuyou.models.families import ATTENTION_MASKS, GPT2, architecture_of, causal_lm_class, layer_types
 from fuyou.models.llama4 import route_experts
 from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
@@ -194,6 +194,9 @@ class Adapter:
         ]
         """Per block: the family's checkpointed buffers — (owner, name), meta placeholder, store key — found
         once here, not at every ``bind``."""
+        self.held: dict[str, torch.Tensor] = {}
+        """The family's persistent buffers on the device, by HF key (``fuyou.engine.family_buffers``): the
+        values ``bind`` gives the modules where its ``tensors`` do not."""
 
     # -- router tap (mixtures of experts) -----------------------------------------------------
     def _tap_routers(self) -> None:
@@ -256,6 +259,7 @@ class Adapter:
 
     def _spec(self, name: str, mods: list[tuple[str, nn.Module]]) -> BlockSpec:
         params: list[ParamSpec] = []
+        buffers: list[BufferSpec] = []
         borrows: tuple[str, ...] = ()
         for prefix, mod in mods:
             for pname, p in mod.named_parameters():
@@ -266,7 +270,10 @@ class Adapter:
                     borrows = ("embed",)
                     continue
                 params.append(ParamSpec(key, tuple(p.shape)))
-            params += [ParamSpec(base_key(f"{prefix}.{n}"), tuple(b.shape), trains=False) for n, b in kept_buffers(mod)]
+            buffers += [
+                BufferSpec(key, tuple(b.shape), keeps_fp32(self.model, key))
+                for key, b in ((base_key(f"{prefix}.{n}"), b) for n, b in kept_buffers(mod))
+            ]
         flops = 2 * sum(
             p.numel
             for p in params
@@ -278,7 +285,7 @@ class Adapter:
         flops += 2 * routed * sum(p.numel // p.shape[0] for p in params if len(p.shape) == 3)
         if borrows:
             flops += 2 * self.config.vocab_size * self.hidden
-        return BlockSpec(name, tuple(params), borrows, flops)
+        return BlockSpec(name, tuple(params), borrows, flops, tuple(buffers))
 
     @property
     def hidden(self) -> int:
@@ -320,7 +327,7 @@ class Adapter:
                 owner._parameters[attr] = param
                 out[key] = param
         for (owner, attr), _, key in self._meta_buffers[block]:  # the family's buffers: read-only inputs
-            owner._buffers[attr] = tensors[key]
+            owner._buffers[attr] = tensors[key] if key in tensors else self.held[key]
         return out
 
     def unbind(self, block: int) -> None:
@@ -440,13 +447,23 @@ def own_version(t: torch.Tensor) -> torch.Tensor:
 def kept_buffers(mod: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``mod``'s persistent buffers (in its state dict, hence in the family's checkpoints) other than
     rotary tables: values the family keeps but does not train (the aux-loss-free router bias
-    ``e_score_correction_bias`` of DeepSeek-V3 and GLM-4.5), stored and bound like frozen parameters."""
+    ``e_score_correction_bias`` of DeepSeek-V3 and GLM-4.5), stored apart from the parameters
+    (``fuyou.models.blocks.BufferSpec``) and bound at every ``Adapter.bind``."""
     out = []
     for name, buf in mod.named_buffers():
         owner, attr = _owner(mod, name)
         if attr not in owner._non_persistent_buffers_set and "rotary_emb" not in name:
             out.append((name, buf))
     return out
+
+
+def keeps_fp32(model: nn.Module, key: str) -> bool:
+    """Whether ``transformers`` keeps the tensor ``key`` of ``model`` in fp32 when it loads the model in
+    bf16: its name contains an entry of the model's ``_keep_in_fp32_modules_strict`` (the library's own
+    substring match; the non-strict list applies to fp16 only, which Fuyou does not compute in).
+    DeepSeek-V3 and GLM-4.5 name their router biases: bf16 would round them by up to 2⁻⁹ of their
+    size, enough to change which experts a token goes to."""
+    return any(n in key for n in getattr(model, "_keep_in_fp32_modules_strict", None) or ())
 
 
 def _owner(mod: nn.Module, dotted: str) -> tuple[nn.Module, str]:

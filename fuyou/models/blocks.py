@@ -24,15 +24,28 @@ class ParamSpec:
 
     key: str
     shape: tuple[int, ...]
-    trains: bool = True
-    """False for a persistent buffer the family keeps in its checkpoint (DeepSeek-V3's and GLM-4.5's
-    router ``e_score_correction_bias``): stored, bound and exported like a parameter ``--freeze``
-    freezes, never trained (``fuyou.models.freeze``)."""
 
     @property
     def numel(self) -> int:
         """Number of elements."""
         return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """A persistent buffer the family keeps in its checkpoint and never trains (DeepSeek-V3's and
+    GLM-4.5's router ``e_score_correction_bias``): stored once per block apart from the parameters'
+    flat vectors (``ModelLayout.k``), held on the device through the run, exported as it came."""
+
+    key: str
+    shape: tuple[int, ...]
+    fp32: bool = False
+    """The family keeps it in fp32 whatever the compute dtype (its ``_keep_in_fp32_modules_strict``, as
+    ``transformers`` loads it); else it is held in the compute dtype."""
+
+    def dtype(self, compute: torch.dtype) -> torch.dtype:
+        """The dtype it is stored, held and bound in when the model computes in ``compute``."""
+        return torch.float32 if self.fp32 else compute
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,8 @@ class BlockSpec:
     borrows: tuple[str, ...] = ()
     flops_per_token: int = 0
     """Forward FLOPs per token (2 per multiply-add of the matmuls, attention excluded)."""
+    buffers: tuple[BufferSpec, ...] = ()
+    """The family's persistent buffers its modules read (``BufferSpec``); not parameters."""
 
     @property
     def numel(self) -> int:
@@ -92,7 +107,7 @@ def split_experts(blocks: tuple[BlockSpec, ...], groups: int, experts: int, top_
             continue
         routed = 2 * top_k * sum(p.numel for p in fused if len(p.shape) == 3) // experts
         core = tuple(p for p in blk.params if p not in fused)
-        out.append(BlockSpec(blk.name, core, blk.borrows, blk.flops_per_token - routed))
+        out.append(BlockSpec(blk.name, core, blk.borrows, blk.flops_per_token - routed, blk.buffers))
         for g, (lo, hi) in enumerate(group_ranges(experts, groups)):
             params = tuple(ParamSpec(slice_key(p.key, lo, hi), (hi - lo, *p.shape[1:])) for p in fused)
             flops = routed * hi // experts - routed * lo // experts  # the groups' sum is the layer's
@@ -141,5 +156,5 @@ def _rows(
         others = tuple(p for p in blk.params if p.key != key) if g == 0 else ()
         f = 2 * rows.numel if flops else 0
         # the whole tensors first: an export meets them before the rows it joins with the next groups'
-        out.append(BlockSpec(name(g), (*others, rows), blk.borrows if g == 0 else (), f))
+        out.append(BlockSpec(name(g), (*others, rows), blk.borrows if g == 0 else (), f, blk.buffers if g == 0 else ()))
     return out

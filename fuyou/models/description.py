@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import threading
 import warnings
@@ -64,13 +65,15 @@ def _describe(key: str, name: str, groups: int, vocab_groups: int, freeze: tuple
     moe = bool(activation_rules.experts_of(d))
     blocks = tuple(_block(adapter, layout, d, b, moe) for b in range(len(specs)))
     hidden, layers = adapter.hidden, int(d.get("num_hidden_layers") or d.get("n_layer"))
+    bufs = [x for blk in specs for x in blk.buffers]
+    held = (sum(math.prod(x.shape) for x in bufs if x.fp32), sum(math.prod(x.shape) for x in bufs if not x.fp32))
 
     def again(expert_groups: int, vocab_groups: int) -> ModelShape:
         return _describe(key, name, expert_groups, vocab_groups, freeze)
 
     return ModelShape(
         name, blocks, hidden, layers, int(d["vocab_size"]), activation_rules.experts_of(d), groups, vocab_groups,
-        source=d, describer=again, probe=_Prober(adapter),
+        held=held, source=d, describer=again, probe=_Prober(adapter),
         lora_dims=functools.partial(_moe_lora_dims, key) if moe else None,
     )  # fmt: skip
 

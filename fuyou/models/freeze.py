@@ -12,11 +12,10 @@ from fuyou.models.blocks import BlockSpec, parse_slice
 
 def frozen_keys(blocks: tuple[BlockSpec, ...], patterns: tuple[str, ...]) -> frozenset[str]:
     """The store keys of the parameters that never train: those ``patterns`` (``fnmatch`` globs on
-    Hugging Face keys; an expert group's slice matches as its fused tensor) freeze (``--freeze``), and
-    the family's persistent buffers (``ParamSpec.trains`` False). Raises ConfigError naming a pattern
-    that matches nothing, or when nothing would be left to train."""
+    Hugging Face keys; an expert group's slice matches as its fused tensor) freeze (``--freeze``). The
+    family's persistent buffers are not parameters (``BlockSpec.buffers``): they never train. Raises
+    ConfigError naming a pattern that matches nothing, or when nothing would be left to train."""
     keys = [p.key for blk in blocks for p in blk.params]
-    fixed = frozenset(p.key for blk in blocks for p in blk.params if not p.trains)
     names = {k: (parse_slice(k) or (k,))[0] for k in keys}
     out = frozenset(k for k in keys if any(fnmatch.fnmatchcase(names[k], pat) for pat in patterns))
     unused = [pat for pat in patterns if not any(fnmatch.fnmatchcase(n, pat) for n in names.values())]
@@ -24,9 +23,9 @@ def frozen_keys(blocks: tuple[BlockSpec, ...], patterns: tuple[str, ...]) -> fro
         raise ConfigError(
             f"--freeze {unused[0]!r} matches no parameter of this model (names look like {keys[-2]!r}); fix the pattern"
         )
-    if patterns and len(out | fixed) == len(keys):
+    if patterns and len(out) == len(keys):
         raise ConfigError("--freeze matches every parameter: nothing would train; freeze fewer, or use --lora-rank")
-    return out | fixed
+    return out
 
 
 def frozen_blocks(blocks: tuple[BlockSpec, ...], patterns: tuple[str, ...]) -> frozenset[int]:

@@ -17,6 +17,11 @@ frozen values are also kept as they came, in fp32 chunks ``o/<block>/<chunk>`` (
 export reads: a weight that never trains leaves the run bit-identical. On the device the block's weights are one vector, the trained part then the frozen part
 (``device_numel``); its gradient covers the trained part only (``full_numel``).
 
+The family's persistent buffers (``BlockSpec.buffers``: DeepSeek-V3's router biases) are no parameters:
+each block's are in one extent ``k/<block>``, in the dtype the family keeps them in (fp32 where
+``transformers`` keeps them so, else the compute dtype), written by the import, read once per run into
+device memory and by export; every rank holds them whole.
+
 With data-parallel ranks (``world`` > 1) each rank stores only its shard of every block's flat vector
 (``fuyou.schedule.shards``): ``w/<block>`` is then one flat tensor ``shard`` of ``numel(b)`` elements
 (the last rank's zero-padded), and the state chunks cover the shard. The device works on the
@@ -194,6 +199,15 @@ class ModelLayout:
         lo, hi = self.origin_chunks(b)[c]
         return ExtentSpec(f"o/{self.blocks[b].name}/{c}", (TensorSpec("origin", (hi - lo,), torch.float32),))
 
+    def k(self, b: int) -> ExtentSpec | None:
+        """The extent of block ``b``'s persistent buffers (``BlockSpec.buffers``), each in the dtype the
+        family keeps it in; None if it has none. Never sharded."""
+        bufs = self.blocks[b].buffers
+        if not bufs:
+            return None
+        specs = (TensorSpec(x.key, x.shape, x.dtype(self.compute_dtype)) for x in bufs)
+        return ExtentSpec(f"k/{self.blocks[b].name}", tuple(specs))
+
     def footprint(self) -> Footprint:
         """What host-memory sizing (``fuyou.schedule.sizing``) needs of this layout."""
         nb = range(len(self.blocks))
@@ -221,6 +235,9 @@ class ModelLayout:
             if self.trains(b):
                 out += [self.s(b, c) for c in range(len(self.chunks(b)))]
             out += [self.o(b, c) for c in range(len(self.origin_chunks(b)))]
+            k = self.k(b)
+            if k is not None:
+                out.append(k)
         return out
 
     def index(self, name: str) -> int:

@@ -119,13 +119,14 @@ def ram_tier_bytes(shape: ModelShape, plan: Plan, cfg: StepConfig) -> int:
 def device_peak(shape: ModelShape, plan: Plan, cfg: StepConfig, device: str = "cpu") -> DevicePeak:
     """The step's device peak (``fuyou.schedule.device_memory``) on a ``device`` backend: the blocks
     at ``cfg``'s element size and sequence length, LoRA adapters (fp32 weights, gradients, m and v:
-    ``device_memory.ADAPTER_BYTES_PER_PARAM``), the reduce-scattered gradient shard with several ranks, and what the
-    backend's libraries take (``sizing.library_bytes``)."""
+    ``device_memory.ADAPTER_BYTES_PER_PARAM``), the reduce-scattered gradient shard with several ranks, the
+    family's persistent buffers, and what the backend's libraries take (``sizing.library_bytes``)."""
     cb, world = cfg.compute_bytes, cfg.cluster.world
     shard_grad = cb * max(blk.numel for blk in shape.sharded(world).blocks) if world > 1 else 0
     run = device_memory.step_run(
         cfg.micro_batch_size, cfg.seq_len, plan.grad_accum, shape.hidden, cb, shape.vocab,
         adapter_params=cfg.adapter_params, shard_grad_bytes=shard_grad, device=device, device_bytes=cfg.device_memory,
+        held_bytes=shape.held_bytes(cb),
     )  # fmt: skip
     pol = device_memory.block_policies(plan, len(shape.blocks))
     return device_memory.device_peak(

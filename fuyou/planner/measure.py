@@ -253,7 +253,10 @@ def block_compute(
     specs: list[BlockSpec] = ad.blocks
 
     def rand(spec: BlockSpec) -> dict[str, torch.Tensor]:
-        return {p.key: (torch.randn(p.shape, device=dev) * 0.02).to(_dtype(precision)) for p in spec.params}
+        out = {p.key: (torch.randn(p.shape, device=dev) * 0.02).to(_dtype(precision)) for p in spec.params}
+        for buf in spec.buffers:  # the family's (router biases), in the dtype it keeps them in
+            out[buf.key] = torch.zeros(buf.shape, device=dev, dtype=buf.dtype(_dtype(precision)))
+        return out
 
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len), device=dev)
     embed = rand(specs[0])

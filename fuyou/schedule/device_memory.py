@@ -147,15 +147,17 @@ def step_run(
     shard_grad_bytes: int = 0,
     device: str = "cpu",
     device_bytes: int = 0,
+    held_bytes: int = 0,
 ) -> DeviceRun:
     """A step's ``DeviceRun``: its loss chunk under a ``device_bytes`` budget (0: none;
     ``sizing.loss_chunk_tokens``), and what lives through it — LoRA adapters
-    (``ADAPTER_BYTES_PER_PARAM`` each), a reduce-scattered gradient shard, the ``device`` backend's
-    libraries (``sizing.library_bytes``)."""
+    (``ADAPTER_BYTES_PER_PARAM`` each), a reduce-scattered gradient shard, the family's persistent
+    buffers (``held_bytes``: ``ModelShape.held_bytes``), the ``device`` backend's libraries
+    (``sizing.library_bytes``)."""
     return DeviceRun(
         micro_batch, seq_len, accum, hidden, compute_bytes, vocab,
         sizing.loss_chunk_tokens(vocab, compute_bytes, device_bytes),
-        ADAPTER_BYTES_PER_PARAM * adapter_params + shard_grad_bytes + sizing.library_bytes(device),
+        ADAPTER_BYTES_PER_PARAM * adapter_params + shard_grad_bytes + held_bytes + sizing.library_bytes(device),
     )  # fmt: skip
 
 

@@ -304,6 +304,9 @@ class ModelShape:
     """Expert-group blocks each mixture-of-experts layer is split into (``Plan.expert_groups``)."""
     vocab_groups: int = 1
     """Blocks the embedding and the LM head are each split into by vocabulary rows (``Plan.vocab_groups``)."""
+    held: tuple[int, int] = (0, 0)
+    """Elements of the family's persistent buffers (router biases: ``fuyou.models.blocks.BufferSpec``),
+    kept in fp32 and in the compute dtype, which live on the device through the run (``held_bytes``)."""
     source: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
     """The config dict the shape was made from."""
     describer: Callable[[int, int], ModelShape] | None = dataclasses.field(default=None, compare=False, repr=False)
@@ -321,6 +324,10 @@ class ModelShape:
         default_factory=dict, init=False, compare=False, repr=False
     )
     """``device_blocks`` by its arguments (the planner asks thousands of times per search)."""
+
+    def held_bytes(self, compute_bytes: int) -> int:
+        """Device bytes of the family's persistent buffers (``held``) at ``compute_bytes`` per element."""
+        return 4 * self.held[0] + compute_bytes * self.held[1]
 
     def memory(self, b: int, compute_bytes: int, seq_len: int, micro_batch: int = 1) -> BlockMemory:
         """What block ``b`` holds on the device while it computes, at ``compute_bytes`` per element on a

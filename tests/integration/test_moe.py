@@ -197,3 +197,56 @@ def test_fp8_weights_without_a_block_size_are_refused_in_one_line(tmp_path):
     (src / "config.json").write_text(json.dumps(conf))
     with pytest.raises(ModelFileError, match="no quantization_config.weight_block_size; add it"):
         CheckpointReader(str(src), "deepseek_v3")
+
+
+def test_a_routing_bias_transformers_keeps_in_fp32_routes_in_fp32_in_a_bf16_run(tmp_path):
+    """DeepSeek-V3's router bias steers which experts a token goes to, and ``transformers`` keeps it in
+    fp32 in a bf16 model (``_keep_in_fp32_modules_strict``). Here the router's weight is zero (every
+    score 0.5) and the bias alone decides: 1.003 against 1.0, a gap bf16 rounds away (its spacing at 1
+    is 2⁻⁷). Fuyou's bf16 run binds the bias exactly, routes each token where the HF model loaded in
+    bf16 routes it, and a bf16 export writes the bias in fp32, unrounded."""
+    from safetensors.torch import load_file
+
+    _, model = tiny("deepseek_v3")
+    gate = model.model.layers[1].mlp.gate
+    with torch.no_grad():
+        gate.weight.zero_()
+        gate.e_score_correction_bias.copy_(torch.tensor([1.0, 1.0, 1.003, 1.003]))
+    bias = gate.e_score_correction_bias.clone()
+    assert torch.equal(bias.to(torch.bfloat16).float(), torch.ones(4))  # what bf16 would make of it
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    ids, labels = batches(1)[0]
+
+    def routed(m) -> list:
+        seen: list = []
+        hook = m.model.layers[1].mlp.gate.register_forward_hook(
+            lambda mod, _a, out: seen.append((mod.e_score_correction_bias.clone(), out[2].sort(-1).values))
+        )
+        return seen, hook
+
+    ref = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16)
+    want, hook = routed(ref)
+    with torch.no_grad():
+        ref(input_ids=ids)
+    hook.remove()
+    assert ref.model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+    assert (want[0][1] == torch.tensor([2, 3])).all()  # the higher bias wins every token
+
+    (tmp_path / "ssd").mkdir()
+    ec = EngineConfig(ssd_dirs=(str(tmp_path / "ssd"),), precision="bf16", lr=LR, cpu_memory="256MiB")
+    with Engine.from_pretrained(str(src), ec) as eng:
+        got, hook = routed(eng.adapter.model)
+        eng.train_step(ids, labels)
+        hook.remove()
+        eng.export(str(tmp_path / "out"), dtype="bf16")
+    held, idx = got[0]
+    assert held.dtype == torch.float32 and torch.equal(held, bias)
+    assert torch.equal(idx, want[0][1])
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    with Engine.resume(ec) as eng:  # a resumed run holds the stored bias
+        assert torch.equal(eng.adapter.held[key], bias)
+        assert eng.train_step(ids, labels).applied
+    out = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert out[key].dtype == torch.float32 and torch.equal(out[key], bias)
+    assert out["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # the rest as asked
