@@ -43,6 +43,11 @@ class BufferSpec:
     """The family keeps it in fp32 whatever the compute dtype (its ``_keep_in_fp32_modules_strict``, as
     ``transformers`` loads it); else it is held in the compute dtype."""
 
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
     def dtype(self, compute: torch.dtype) -> torch.dtype:
         """The dtype it is stored, held and bound in when the model computes in ``compute``."""
         return torch.float32 if self.fp32 else compute

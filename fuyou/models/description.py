@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import threading
 import warnings
@@ -66,7 +65,7 @@ def _describe(key: str, name: str, groups: int, vocab_groups: int, freeze: tuple
     blocks = tuple(_block(adapter, layout, d, b, moe) for b in range(len(specs)))
     hidden, layers = adapter.hidden, int(d.get("num_hidden_layers") or d.get("n_layer"))
     bufs = [x for blk in specs for x in blk.buffers]
-    held = (sum(math.prod(x.shape) for x in bufs if x.fp32), sum(math.prod(x.shape) for x in bufs if not x.fp32))
+    held = (sum(x.numel for x in bufs if x.fp32), sum(x.numel for x in bufs if not x.fp32))
 
     def again(expert_groups: int, vocab_groups: int) -> ModelShape:
         return _describe(key, name, expert_groups, vocab_groups, freeze)
