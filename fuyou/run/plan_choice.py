@@ -136,6 +136,9 @@ class ChosenPlan:
     plan: Plan
     info: dict[str, Any] = field(default_factory=dict)
     """For the run's record: source (planner|rules), profile, predicted step time and bottleneck."""
+    step: Any = None
+    """The planner's ``StepConfig`` for ``plan`` (None for a rules plan): ``check_profile`` predicts the same
+    step again on figures measured afresh."""
     measured: Any = None
     """A hardware profile measured for this run, to be saved at ``info["profile"]`` once the run starts
     (``keep_profile``), so a run refused or failing before leaves no file behind."""
@@ -272,7 +275,7 @@ def check_profile(
         return rec | {"verdict": "cost model (a profile file, not measured by the run)"}
     log("planner: the run's steps disagree with its quick profile; profiling again (seconds) …")
     fresh, _ = quick_profile(req, device_kind(req.device), log, again=True)
-    again = _predicted_step_s(req, fresh, chosen.plan)
+    again = _predicted_step_s(req, fresh, chosen)
     rec |= {"remeasured_step_s": again, "remeasured_over_measured": again / measured_s, "cached": cache["cached"]}
     if 1 / PROFILE_TOLERANCE <= again / pred <= PROFILE_TOLERANCE:
         return rec | {"verdict": "cost model (the profile measured again predicts the same)"}
@@ -285,19 +288,12 @@ def check_profile(
     }
 
 
-def _predicted_step_s(req: PlanRequest, prof: Any, plan: Plan) -> float:
-    """The cost model's step time of ``plan`` for the run ``req`` on ``prof``."""
-    from fuyou.planner.cluster import Cluster
+def _predicted_step_s(req: PlanRequest, prof: Any, chosen: ChosenPlan) -> float:
+    """The cost model's step time of the planner's ``chosen`` plan for the run ``req`` on ``prof``, with the
+    step configuration the search planned it with."""
     from fuyou.planner.cost import predict
-    from fuyou.planner.graph import StepConfig
 
-    shape = _shape(req)
-    cb = 4 if req.precision == "fp32" else 2
-    cfg = StepConfig(
-        req.micro_batch_size, req.seq_len, cb, Cluster(req.ranks),
-        shape.lora_params(req.lora_rank), optimizer_state=req.stored_format,
-    )  # fmt: skip
-    return predict(shape, plan, cfg, prof).step_s
+    return predict(_shape(req), chosen.plan, chosen.step, prof).step_s
 
 
 def _shape(req: PlanRequest) -> Any:
@@ -371,7 +367,7 @@ def choose_plan(req: PlanRequest, log: Callable[[str], None] = lambda s: None) -
         "state_chunk": plan.state_chunk,
     } | ({"profile_cache": quick} if quick is not None else {})
     log(f"planner: {describe(plan)}; predicted {p.step_s:.2f} s/step, bottleneck {p.bottleneck} (profile {where})")
-    return ChosenPlan(plan, info, measured)
+    return ChosenPlan(plan, info, res.step, measured)
 
 
 def describe(plan: Plan) -> str:

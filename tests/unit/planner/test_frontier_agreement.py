@@ -76,7 +76,7 @@ def test_fuyou_finetune_plans_what_fuyou_plan_plans(config, tmp_path, clip, lora
     from transformers import AutoConfig
 
     from fuyou.models.lora import LoraSettings
-    from fuyou.run.plan_choice import PlanRequest, choose_plan
+    from fuyou.run.plan_choice import PlanRequest, _predicted_step_s, choose_plan
 
     model = AutoConfig.for_model(**json.loads(open(config).read()))
     req = PlanRequest(
@@ -94,3 +94,6 @@ def test_fuyou_finetune_plans_what_fuyou_plan_plans(config, tmp_path, clip, lora
     assert json.loads(json.dumps(chosen.info["plan"])) == cli["plan"]
     assert chosen.info["predicted_step_s"] == pytest.approx(cli["prediction"]["step_s"], rel=1e-12)
     assert chosen.info["predicted_device_bytes"] == cli["prediction"]["memory"]["device"]
+    # a run's check of its profile (``check_profile``) predicts the same plan again with the search's own step
+    again = _predicted_step_s(req, load_profile(PROFILE), chosen)
+    assert again == pytest.approx(chosen.info["predicted_step_s"], rel=1e-12)
