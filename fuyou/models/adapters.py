@@ -139,12 +139,11 @@ class Adapter:
         every mixture-of-experts layer into a core block and that many expert-group blocks
         (``fuyou.models.blocks.split_experts``); ``vocab_groups`` > 1 the embedding into that many
         blocks of vocabulary rows (``fuyou.schedule.vocab``)."""
-        from transformers import AutoModelForCausalLM
-
         self.config = config
         config.use_cache = False
+        cls = causal_lm_class(getattr(config, "model_type", "") or "")
         with torch.device("meta"):
-            self.model = AutoModelForCausalLM.from_config(config, attn_implementation=attention_kernel(config))
+            self.model = cls._from_config(config, attn_implementation=attention_kernel(config))
             route_experts(self.model, config)  # Llama 4: its experts on their tokens only (fuyou.models.llama4)
             if lora is not None:
                 inject(self.model, lora)

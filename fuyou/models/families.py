@@ -78,6 +78,8 @@ STANDARD_MOE = (
     "OlmoeForCausalLM",
     "FlexOlmoForCausalLM",
     "SolarOpenForCausalLM",
+    "MiniMaxM2ForCausalLM",
+    "Mistral4ForCausalLM",
 )
 """Mixtures of experts of the standard decoder shape that the generic adapter runs with no code of their
 own (DeepSeek-V2, GLM-4 MoE Lite, ERNIE 4.5 MoE, Hunyuan MoE, OLMoE, FlexOlmo, Solar Open)."""
@@ -117,6 +119,7 @@ def _classes(model_type: str) -> tuple[Any, Any]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
     name, base = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type), MODEL_MAPPING_NAMES.get(model_type)
+    name = name or _unmapped_causal_lm(model_type)
     cls = getattr(transformers, name, None) if isinstance(name, str) else None
     model_cls = getattr(transformers, base, None) if isinstance(base, str) else None  # some map to several
     if cls is None:
@@ -127,6 +130,15 @@ def _classes(model_type: str) -> tuple[Any, Any]:
     if model_cls is None:
         raise ConfigError(f"{cls.__name__} has no base model class; Fuyou cannot read its layer stack")
     return cls, model_cls
+
+
+def _unmapped_causal_lm(model_type: str) -> str | None:
+    """The ``…ForCausalLM`` class of ``model_type`` that transformers ships but left out of its causal-LM
+    auto mapping (5.24: ``mistral4``, listed for pretraining only), else None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_PRETRAINING_MAPPING_NAMES
+
+    name = MODEL_FOR_PRETRAINING_MAPPING_NAMES.get(model_type)
+    return name if isinstance(name, str) and name.endswith("ForCausalLM") else None
 
 
 def causal_lm_class(model_type: str) -> Any:
@@ -199,7 +211,6 @@ def architecture_of(config: Any) -> str:
     (``standard_shape``) with a ``FuyouWarning`` that it is untested. Raises ConfigError naming what
     Fuyou does not run: not a causal LM, a departure from the standard shape, an attention layer kind
     (``layer_types``)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = getattr(config, "model_type", "") or ""
     if getattr(config, "is_encoder_decoder", False):
@@ -212,7 +223,8 @@ def architecture_of(config: Any) -> str:
             "the checkpoint directory (fuyou finetune MODEL_DIR keeps the vision tower unchanged)"
         )
     archs = getattr(config, "architectures", None) or []
-    name = archs[0] if archs else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type, "")
+    causal = causal_lm_class(model_type) if not archs and model_type else None
+    name = archs[0] if archs else (causal.__name__ if causal is not None else "")
     if name not in TESTED:
         if not model_type:
             raise ConfigError(f"architecture {name or '?'!r} names no model_type; pass a complete config.json")

@@ -216,6 +216,42 @@ NAMED["glm-4.5-355b"] = {  # zai-org/GLM-4.5's config.json (its multi-token-pred
     "tie_word_embeddings": False,
 }
 
+NAMED["minimax-m2-230b"] = {  # MiniMaxAI/MiniMax-M2's config.json (its multi-token-prediction modules aside)
+    "model_type": "minimax_m2",
+    "num_hidden_layers": 62,
+    "hidden_size": 3072,
+    "intermediate_size": 1536,  # each expert's
+    "num_attention_heads": 48,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "partial_rotary_factor": 0.5,  # the published config's rotary_dim 64
+    "vocab_size": 200064,
+    "num_local_experts": 256,
+    "num_experts_per_tok": 8,
+    "tie_word_embeddings": False,
+}
+
+NAMED["mistral-small-4-119b"] = {  # mistralai/Mistral-Small-4-119B-2603's text model (Mistral4Config's defaults)
+    "model_type": "mistral4",
+    "num_hidden_layers": 36,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 2048,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "kv_lora_rank": 256,
+    "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 128,
+    "vocab_size": 131072,
+    "n_routed_experts": 128,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 4,
+    "first_k_dense_replace": 0,
+    "tie_word_embeddings": False,
+}
+
 
 @dataclass(frozen=True)
 class BlockShape:

@@ -12,18 +12,22 @@ from transformers import AutoModelForCausalLM
 
 from fuyou.engine import Engine, EngineConfig, Plan
 from tests.integration.test_engine_fidelity import LR, STEPS, WD, assert_same
-from tests.integration.tiny_models import batches, hf_balance, reference_steps, tiny
+from tests.integration.tiny_models import batches, hf_balance, reference_steps, tiny, tiny_standard_moe
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "minimax_m2"])
 def test_moe_checkpoint_trains_as_transformers_and_exports_what_it_loads(tmp_path, family):
-    """DeepSeek-V3: its routing bias (``e_score_correction_bias``, a buffer) comes from the checkpoint,
-    steers the routing and leaves untouched."""
-    cfg, model = tiny(family)
+    """DeepSeek-V3 and MiniMax-M2: their routing bias (``e_score_correction_bias``, a buffer: the router's
+    in DeepSeek's checkpoints, the MoE block's in MiniMax's) comes from the checkpoint, steers the routing
+    (drawn at random here, as a trained one) and leaves untouched. MiniMax-M2 runs through the generic
+    adapter, its checkpoint in the published layout (``block_sparse_moe.experts.N.w1``)."""
+    cfg, model = tiny_standard_moe(family, layers=3) if family == "minimax_m2" else tiny(family)
     src = tmp_path / "src"
     model.save_pretrained(src)
     with safe_open(str(src / "model.safetensors"), "pt") as f:  # per-expert tensors on disk, not the fused
-        assert any(".experts.0." in k for k in f.keys()) != (family == "gpt_oss")  # ones; GPT-OSS's are fused
+        keys = list(f.keys())
+        assert any(".experts.0." in k for k in keys) != (family == "gpt_oss")  # ones; GPT-OSS's are fused
+        assert any(".block_sparse_moe." in k for k in keys) == (family in ("mixtral", "minimax_m2"))
     (tmp_path / "ssd").mkdir()
     ec = EngineConfig(
         ssd_dirs=(str(tmp_path / "ssd"),), precision="fp32", lr=LR, weight_decay=WD, cpu_memory="256MiB",
@@ -40,7 +44,7 @@ def test_moe_checkpoint_trains_as_transformers_and_exports_what_it_loads(tmp_pat
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
     assert all(torch.equal(loaded[k], w) for k, w in weights.items())
     buffers = [k for k in model.state_dict() if k.endswith("e_score_correction_bias")]
-    assert len(buffers) == (1 if family == "deepseek_v3" else 0)
+    assert len(buffers) == {"deepseek_v3": 1, "minimax_m2": 3}.get(family, 0)
     assert all(torch.equal(loaded[k], model.state_dict()[k]) for k in buffers)
 
 
@@ -106,30 +110,21 @@ def import_train_export(tmp_path, src, want: dict, precision: str) -> None:
     assert all(torch.equal(loaded.state_dict()[k], w) for k, w in trained.items())
 
 
-def _fp8_checkpoint(path, block: int) -> None:
-    """A tiny DeepSeek-V3 checkpoint as DeepSeek publishes the real ones: one tensor per expert, every
-    linear weight but the router's and the head's float8 (e4m3) with an fp32 scale per
+def _fp8_checkpoint(path, block: int, family: str = "deepseek_v3") -> None:
+    """A tiny checkpoint of ``family`` as DeepSeek (DeepSeek-V3) and MiniMax (MiniMax-M2) publish the real
+    ones: the on-disk layout transformers writes (one tensor per expert; MiniMax's ``block_sparse_moe``),
+    every linear weight but the router's and the head's float8 (e4m3) with an fp32 scale per
     ``block`` × ``block`` tile (``weight_scale_inv``, the last tiles partial), the rest bf16 but the
     fp32 routing bias; ``quantization_config`` naming fp8 and the block."""
     from safetensors.torch import save_file
 
-    _, model = tiny("deepseek_v3", layers=3)
-    tensors = {}
-    for k, v in model.state_dict().items():
-        if v.ndim == 3:  # fused experts → per expert, as on disk
-            layer = k.rsplit(".experts.", 1)[0]
-            for e in range(v.shape[0]):
-                parts = (
-                    zip(("gate_proj", "up_proj"), v[e].chunk(2))
-                    if k.endswith("gate_up_proj")
-                    else [("down_proj", v[e])]
-                )
-                tensors |= {f"{layer}.experts.{e}.{name}.weight": w for name, w in parts}
-        else:
-            tensors[k] = v.detach()
+    _, model = tiny(family, layers=3) if family == "deepseek_v3" else tiny_standard_moe(family, layers=3)
+    model.save_pretrained(path)  # the published layout: transformers reverts its conversions on save
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
     out = {}
     for k, w in tensors.items():
-        if w.ndim == 2 and "embed" not in k and "lm_head" not in k and not k.endswith("mlp.gate.weight"):
+        if w.ndim == 2 and "embed" not in k and "lm_head" not in k and not k.endswith(".gate.weight"):
             r, c = w.shape
             tiles = torch.zeros(-(-r // block) * block, -(-c // block) * block)
             tiles[:r, :c] = w
@@ -138,8 +133,7 @@ def _fp8_checkpoint(path, block: int) -> None:
             q = (t / scale[:, None, :, None]).flatten(2).flatten(0, 1)[:r, :c]
             out[k], out[k + "_scale_inv"] = q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
         else:
-            out[k] = w if k.endswith("e_score_correction_bias") else w.to(torch.bfloat16).contiguous()
-    path.mkdir()
+            out[k] = w.float() if k.endswith("e_score_correction_bias") else w.to(torch.bfloat16).contiguous()
     save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = model.config
     cfg.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [block] * 2}
@@ -147,14 +141,15 @@ def _fp8_checkpoint(path, block: int) -> None:
     cfg.save_pretrained(path)
 
 
-def test_fp8_weights_import_as_transformers_dequantizes_them_and_export_unquantized(tmp_path):
-    """DeepSeek-V3's block-scaled FP8: every tile whole (8 × 8 here), the import is bit for bit what
-    ``from_pretrained`` dequantizes to in fp32, routing bias included; one step trains, and the
-    export is a plain checkpoint transformers loads."""
+@pytest.mark.parametrize("family", ["deepseek_v3", "minimax_m2"])
+def test_fp8_weights_import_as_transformers_dequantizes_them_and_export_unquantized(tmp_path, family):
+    """DeepSeek-V3's and MiniMax-M2's block-scaled FP8: every tile whole (8 × 8 here), the import is bit
+    for bit what ``from_pretrained`` dequantizes to in fp32, routing bias included; one step trains,
+    and the export is a plain checkpoint transformers loads."""
     from transformers import FineGrainedFP8Config
 
     src = tmp_path / "src"
-    _fp8_checkpoint(src, 8)
+    _fp8_checkpoint(src, 8, family)
     ref = AutoModelForCausalLM.from_pretrained(
         src, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32
     )

@@ -10,13 +10,12 @@ import os
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
 
 from fuyou.engine import Engine, EngineConfig
 from fuyou.engine.export import export_store
 from fuyou.errors import ConfigError
 from fuyou.models.hf_io import CheckpointReader, load_config
-from tests.integration.tiny_models import VOCAB, batches, tiny
+from tests.integration.tiny_models import VOCAB, batches, causal_lm, tiny
 
 VISION = {  # family: (multimodal config and model classes, a tiny vision config, other settings)
     "llama4": (
@@ -62,6 +61,20 @@ VISION = {  # family: (multimodal config and model classes, a tiny vision config
         ),
         {"spatial_merge_size": 1},
     ),  # fmt: skip
+    "mistral3_small4": (  # Mistral Small 4 as published: Mistral 4's text model (latent attention, experts)
+        "Mistral3Config",  # beside a Pixtral vision tower, in Mistral 3's multimodal model
+        "Mistral3ForConditionalGeneration",
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            head_dim=16,
+            image_size=28,
+            patch_size=14,
+        ),
+        {"spatial_merge_size": 1},
+    ),  # fmt: skip
     "gemma4": (  # Gemma 4's text model (no per-layer embeddings) beside its vision tower, no audio tower
         "Gemma4Config",
         "Gemma4ForConditionalGeneration",
@@ -85,7 +98,7 @@ VISION = {  # family: (multimodal config and model classes, a tiny vision config
     ),
 }
 
-TEXT = {"mistral3": "mistral_sw"}
+TEXT = {"mistral3": "mistral_sw", "mistral3_small4": "mistral4"}
 """The tiny text model of a multimodal family where its name is not the text family's."""
 
 
@@ -103,7 +116,7 @@ def multimodal(family: str, path) -> tuple[str, str, dict]:
     the multimodal model's tensors by stored name), both saved sharded into ``path``."""
     model = mm_model(family)
     model.save_pretrained(path / "mm", max_shard_size="50KB")
-    text = AutoModelForCausalLM.from_config(load_config(str(path / "mm")))
+    text = causal_lm(load_config(str(path / "mm")))
     decoder = next(n for n, m in model.named_modules() if type(m) is type(text.model))
     head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
     own = model.state_dict()
@@ -137,6 +150,7 @@ def train(eng: Engine, data) -> dict:
         "llama4",
         "gemma3",
         pytest.param("mistral3", marks=pytest.mark.slow),
+        pytest.param("mistral3_small4", marks=pytest.mark.slow),
         pytest.param("gemma4", marks=pytest.mark.slow),
         pytest.param("qwen3_5_moe", marks=pytest.mark.slow),
     ],
@@ -197,8 +211,10 @@ def test_a_multimodal_checkpoint_without_its_language_model_is_refused(tmp_path)
         Engine.from_pretrained(str(bare), cfg_for(tmp_path, "c"))
 
 
-def test_fuyou_finetune_then_export_a_multimodal_checkpoint_with_the_defaults(tmp_path):
-    """The CLI as users run it (planner, clipping, precision auto): a Gemma 3 checkpoint with a tokenizer."""
+@pytest.mark.parametrize("family", ["gemma3", pytest.param("mistral3_small4", marks=pytest.mark.slow)])
+def test_fuyou_finetune_then_export_a_multimodal_checkpoint_with_the_defaults(tmp_path, family):
+    """The CLI as users run it (planner, clipping, precision auto): a Gemma 3 checkpoint with a tokenizer;
+    Mistral Small 4's layout (Mistral 4's latent attention and experts in Mistral 3's multimodal model)."""
     import shutil
 
     from click.testing import CliRunner
@@ -209,8 +225,8 @@ def test_fuyou_finetune_then_export_a_multimodal_checkpoint_with_the_defaults(tm
 
     tok_dir, data = cli_inputs(tmp_path)
     vocab = len(AutoTokenizer.from_pretrained(tok_dir))
-    text_cfg, _ = tiny("gemma3")
-    config_cls, model_cls, vision, extra = VISION["gemma3"]
+    text_cfg, _ = tiny(TEXT.get(family, family))
+    config_cls, model_cls, vision, extra = VISION[family]
     cfg = getattr(transformers, config_cls)(
         text_config={**text_cfg.to_dict(), "vocab_size": vocab}, vision_config=vision, **extra
     )

@@ -270,7 +270,17 @@ def tiny_standard(model_type: str, layers: int = 2, hidden: int = 64, tied: bool
     return cfg, model
 
 
-STANDARD_MOE = ("deepseek_v2", "glm4_moe_lite", "ernie4_5_moe", "hunyuan_v1_moe", "olmoe", "flex_olmo", "solar_open")
+STANDARD_MOE = (
+    "deepseek_v2",
+    "glm4_moe_lite",
+    "ernie4_5_moe",
+    "hunyuan_v1_moe",
+    "olmoe",
+    "flex_olmo",
+    "solar_open",
+    "minimax_m2",
+    "mistral4",
+)
 """``model_type`` of each mixture-of-experts family of the standard shape the generic adapter runs with no
 code of its own (``fuyou.models.families.STANDARD_MOE``)."""
 MLA = dict(
@@ -279,11 +289,23 @@ MLA = dict(
 """Multi-head latent attention's dimensions in the tiny models (DeepSeek-V2/V3, GLM-4 MoE Lite)."""
 
 
+def causal_lm(cfg, meta: bool = False):
+    """transformers' causal LM of ``cfg`` (random weights; on the meta device with ``meta``): the causal-LM
+    auto class, or for a family transformers left out of that mapping (``mistral4`` in 5.24) its
+    pretraining one, which names the same ``…ForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForPreTraining
+
+    auto = AutoModelForCausalLM if type(cfg) in AutoModelForCausalLM._model_mapping else AutoModelForPreTraining
+    if not meta:
+        return auto.from_config(cfg)
+    with torch.device("meta"):
+        return auto.from_config(cfg)
+
+
 def tiny_standard_moe(model_type: str, layers: int = 2, hidden: int = 64):
     """(config, model) of a tiny random mixture of experts of a standard-shape family: its own config
     class and defaults but the sizes, 4 experts (2 groups where the router groups them), top 2, every
     dropout off; a routing bias (``e_score_correction_bias``) drawn at random, as a trained one."""
-    from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     sizes = dict(
@@ -301,7 +323,7 @@ def tiny_standard_moe(model_type: str, layers: int = 2, hidden: int = 64):
     for k in [k for k in cfg.to_dict() if "dropout" in k]:
         setattr(cfg, k, 0.0)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float()
+    model = causal_lm(cfg).float()
     cfg.architectures = [type(model).__name__]
     with torch.no_grad():
         for name, b in model.named_buffers():
@@ -316,9 +338,7 @@ def hf_balance(cfg) -> str | None:
     and a coefficient), else None (DeepSeek-V3, GLM-4.5, Llama 4: none): the reference's ``balance``."""
     import sys
 
-    from transformers import AutoModelForCausalLM
-
-    cls = AutoModelForCausalLM._model_mapping[type(cfg)]
+    cls = type(causal_lm(cfg, meta=True))
     has = hasattr(sys.modules[cls.__module__], "load_balancing_loss_func")
     return "global" if has and getattr(cfg, "router_aux_loss_coef", 0.0) else None
 

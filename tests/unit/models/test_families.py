@@ -12,9 +12,14 @@ from fuyou.models.families import STANDARD, STANDARD_MOE, TESTED, architecture_o
 def test_every_tested_standard_family_runs_without_a_warning():
     # OLMo 3, EXAONE 4 and StarCoder2 build their masks otherwise than the verified families (their
     # base model's forward differs): proven by the fidelity tests, they are listed, not inferred
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_PRETRAINING_MAPPING_NAMES,
+    )
 
-    types = {v: k for k, v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if v in STANDARD + STANDARD_MOE}
+    # Mistral 4's causal LM is in transformers' pretraining mapping only (5.24)
+    names = MODEL_FOR_PRETRAINING_MAPPING_NAMES | MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    types = {v: k for k, v in names.items() if v in STANDARD + STANDARD_MOE}
     assert set(types) == set(STANDARD + STANDARD_MOE)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -28,7 +33,7 @@ def test_every_tested_standard_family_runs_without_a_warning():
     [
         ("granite", "GraniteForCausalLM.forward"),
         ("cohere", "CohereForCausalLM.forward"),
-        ("minimax_m2", "MiniMaxM2Model.forward"),
+        ("jamba", "JambaModel.forward"),
     ],
 )
 def test_a_family_that_scales_its_logits_or_differs_around_its_layers_is_refused_naming_where(model_type, part):
@@ -70,3 +75,16 @@ def test_gemma4_variants_fuyou_does_not_stream_are_refused_saying_what(fields, s
 def test_gemma4_without_them_is_a_tested_family():
     cfg = CONFIG_MAPPING["gemma4_text"](num_hidden_layers=4, hidden_size_per_layer_input=0)
     assert architecture_of(cfg) == "Gemma4ForCausalLM" and "Gemma4ForCausalLM" in TESTED
+
+
+def test_a_causal_lm_transformers_left_out_of_its_causal_lm_mapping_is_found():
+    """transformers 5.24 ships ``Mistral4ForCausalLM`` but maps ``mistral4`` to it only for pretraining:
+    Fuyou finds it there (before the fallback, a Mistral 4 model was refused as "not a causal language
+    model transformers knows")."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from fuyou.models.families import causal_lm_class
+
+    assert "mistral4" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # else this test proves nothing: drop the fallback
+    assert causal_lm_class("mistral4").__name__ == "Mistral4ForCausalLM"
+    assert causal_lm_class("t5") is None  # T5ForConditionalGeneration, its pretraining model, is no causal LM
