@@ -102,6 +102,7 @@ class CheckpointReader:
             self.where = {k: "model.safetensors" for k in self._keys("model.safetensors")}
         else:
             raise ModelFileError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+        _check_quantization(model_dir)
         self.part: TextPart | None = find_text_part(model_dir, self.where)
         """Where a multimodal checkpoint keeps the language model (None: a text-only checkpoint)."""
         self.fp8_block = _fp8_block(model_dir) if any(k.endswith(FP8_SCALE) for k in self.where) else None
@@ -246,6 +247,30 @@ def mxfp4_dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 FP8_SCALE = "_scale_inv"
 """Suffix of a block-scaled FP8 weight's scales on disk (DeepSeek-V3's ``weight_scale_inv``: fp32, one
 per block of the weight)."""
+
+
+DEQUANTIZED = ("fp8", "mxfp4")
+"""``quantization_config.quant_method`` values whose weights the import dequantizes (``fp8_dequantize``,
+``mxfp4_dequantize``); a checkpoint quantized otherwise is refused."""
+
+
+def _check_quantization(model_dir: str) -> None:
+    """Refuse a checkpoint whose ``config.json`` names a quantization the import cannot undo (GPTQ, AWQ,
+    bitsandbytes, compressed-tensors' INT4 as Kimi K2.5 is published, …): its weights are not stored
+    as tensors of the model's names and shapes. Raises ModelFileError naming the method and the fix."""
+    try:
+        with open(os.path.join(model_dir, "config.json")) as f:
+            quant = json.load(f).get("quantization_config") or {}
+    except (OSError, ValueError):
+        return  # no readable config here: the model's own loading says what is wrong
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    if method and method not in DEQUANTIZED:
+        raise ModelFileError(
+            f"{model_dir} is quantized with {method!r} (quantization_config in config.json); Fuyou imports "
+            "full-precision checkpoints and dequantizes only block-scaled FP8 and MXFP4 ones: use the "
+            "model's unquantized release, or dequantize it first (load it in transformers and save_pretrained "
+            "it without its quantization_config)"
+        )
 
 
 def _fp8_block(model_dir: str) -> tuple[int, int]:

@@ -167,6 +167,10 @@ def test_bad_inputs_give_one_line_errors(tmp_path, model_dir):
     shutil.copytree(model_dir, small)
     conf = json.loads((small / "config.json").read_text())
     (small / "config.json").write_text(json.dumps(conf | {"vocab_size": 96}))
+    int4 = tmp_path / "int4"  # quantized as Kimi K2.5 is published: a method the import does not undo
+    shutil.copytree(model_dir, int4)
+    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized"}
+    (int4 / "config.json").write_text(json.dumps(conf | {"quantization_config": quant}))
     cases = [
         ([str(tmp_path / "nope"), "--data", data], "no config.json"),
         ([str(bert), "--data", data], "unsupported architecture"),
@@ -185,6 +189,7 @@ def test_bad_inputs_give_one_line_errors(tmp_path, model_dir):
         ([model_dir, "--data", data, "--ssd", os.path.join(data, "x")], "is a file, not a directory"),
         ([model_dir, "--data", data, "--steps", "0"], "--steps"),
         ([str(small), "--data", data], "the tokenizer files are another model's"),
+        ([str(int4), "--data", data], "quantized with 'compressed-tensors'"),
     ]
     for i, (args, match) in enumerate(cases):  # the console script for two, the rest in this process (faster)
         msg = (cli_error if i < 2 else cli_error_here)(["finetune", *common, *args])

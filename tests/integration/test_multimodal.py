@@ -75,6 +75,19 @@ VISION = {  # family: (multimodal config and model classes, a tiny vision config
         ),
         {"spatial_merge_size": 1},
     ),  # fmt: skip
+    "kimi_k25": (  # Kimi K2.5/K2.6: DeepSeek-V3's text model beside MoonViT, untied as published
+        "Kimi_K25Config",
+        "Kimi_K25ForConditionalGeneration",
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            pos_emb_height=4,
+            pos_emb_width=4,
+        ),
+        {"projection_hidden_size": 32, "tie_word_embeddings": False},
+    ),
     "gemma4": (  # Gemma 4's text model (no per-layer embeddings) beside its vision tower, no audio tower
         "Gemma4Config",
         "Gemma4ForConditionalGeneration",
@@ -98,7 +111,7 @@ VISION = {  # family: (multimodal config and model classes, a tiny vision config
     ),
 }
 
-TEXT = {"mistral3": "mistral_sw", "mistral3_small4": "mistral4"}
+TEXT = {"mistral3": "mistral_sw", "mistral3_small4": "mistral4", "kimi_k25": "deepseek_v3"}
 """The tiny text model of a multimodal family where its name is not the text family's."""
 
 
@@ -111,11 +124,28 @@ def mm_model(family: str) -> torch.nn.Module:
     return getattr(transformers, model_cls)(cfg).eval()
 
 
+def as_published(path, old: str, new: str) -> None:
+    """Rename ``old`` to ``new`` in every stored tensor name of the sharded checkpoint at ``path``."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    index = path / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"] = {k.replace(old, new): f for k, f in doc["weight_map"].items()}
+    index.write_text(json.dumps(doc))
+    for shard in set(doc["weight_map"].values()):
+        tensors = load_file(str(path / shard))
+        save_file({k.replace(old, new): v for k, v in tensors.items()}, str(path / shard), metadata={"format": "pt"})
+
+
 def multimodal(family: str, path) -> tuple[str, str, dict]:
     """(a multimodal checkpoint of ``family``'s tiny text model, that text model alone as a checkpoint,
     the multimodal model's tensors by stored name), both saved sharded into ``path``."""
     model = mm_model(family)
     model.save_pretrained(path / "mm", max_shard_size="50KB")
+    if family == "kimi_k25":  # transformers 5.24 saves its text layers as "blocks" (its vision tower's rename
+        as_published(path / "mm", ".model.blocks.", ".model.layers.")  # reverted on every key); published: layers
     text = causal_lm(load_config(str(path / "mm")))
     decoder = next(n for n, m in model.named_modules() if type(m) is type(text.model))
     head = next(n for n, m in model.named_modules() if m is model.get_output_embeddings())
@@ -151,6 +181,7 @@ def train(eng: Engine, data) -> dict:
         "gemma3",
         pytest.param("mistral3", marks=pytest.mark.slow),
         pytest.param("mistral3_small4", marks=pytest.mark.slow),
+        pytest.param("kimi_k25", marks=pytest.mark.slow),
         pytest.param("gemma4", marks=pytest.mark.slow),
         pytest.param("qwen3_5_moe", marks=pytest.mark.slow),
     ],
