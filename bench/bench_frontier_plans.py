@@ -1,6 +1,6 @@
 """The planner on frontier shapes (issue 18): a feasible plan, or the binding constraint, for each of
 GPT-3-175B, Llama-3.1-405B, Mixtral-8x7B, Mixtral-8x22B, Qwen3-235B-A22B, GPT-OSS-20B/120B, GLM-4.5-355B,
-DeepSeek-V3-671B, Llama-4-Maverick, Qwen3.5-397B-A17B, MiniMax-M2 and Mistral Small 4 on one stated
+DeepSeek-V3-671B, Llama-4-Maverick, Qwen3.5-397B-A17B, MiniMax-M2, Mistral Small 4 and Qwen3-Next-80B-A3B on one stated
 single-GPU box (``--profile``: also issue 33's two boxes, ``bench/profiles/box_4090_4nvme.json`` and
 ``box_h100_8nvme.json``).
 
@@ -53,6 +53,7 @@ SHAPES = (
     "qwen3.5-397b-a17b",
     "minimax-m2-230b",
     "mistral-small-4-119b",
+    "qwen3-next-80b-a3b",
 )
 SEQ, TOKENS = 2048, 65536
 CLIP = FinetuneConfig.max_grad_norm

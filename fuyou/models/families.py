@@ -44,9 +44,10 @@ MOE = (
     "DeepseekV3ForCausalLM",
     "Llama4ForCausalLM",
     "Qwen3_5MoeForCausalLM",
+    "Qwen3NextForCausalLM",
 )
 """Mixture-of-experts families: a decoder layer (attention, router, every expert, shared experts) is one
-block. GPT-OSS: attention sinks (eager attention: ``adapters.attention_kernel``), biased router and
+block. Qwen3-Next: Qwen3.5-MoE's layers (Gated DeltaNet beside gated attention) without its multi-axis RoPE. GPT-OSS: attention sinks (eager attention: ``adapters.attention_kernel``), biased router and
 experts, alternating sliding windows."""
 LINEAR_ATTENTION = ("Qwen3_5ForCausalLM",)
 """Dense families with linear-attention layers (Qwen3.5's Gated DeltaNet, beside gated full attention);

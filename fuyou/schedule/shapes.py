@@ -252,6 +252,24 @@ NAMED["mistral-small-4-119b"] = {  # mistralai/Mistral-Small-4-119B-2603's text 
     "tie_word_embeddings": False,
 }
 
+NAMED["qwen3-next-80b-a3b"] = {  # Qwen/Qwen3-Next-80B-A3B's config.json (Qwen3NextConfig's defaults)
+    "model_type": "qwen3_next",
+    "num_hidden_layers": 48,  # 12 × (3 Gated DeltaNet layers + 1 gated full attention), every one a mixture of experts
+    "hidden_size": 2048,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "vocab_size": 151936,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "tie_word_embeddings": False,
+}
 
 @dataclass(frozen=True)
 class BlockShape:

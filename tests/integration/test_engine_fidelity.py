@@ -110,6 +110,7 @@ def test_families_and_policies(tmp_path, family, policy):
     [
         *("mistral_sw", "qwen2_sw", "llama31", "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe"),
         *("deepseek_v3", "llama4", "qwen3_5_moe", pytest.param("qwen3_5", marks=pytest.mark.slow)),
+        pytest.param("qwen3_next", marks=pytest.mark.slow),
         *("gemma", "gemma2", "gemma3", "gemma4", "gemma4_moe"),
     ],
 )

@@ -34,9 +34,13 @@ FAMILIES = (
     "deepseek_v3",
     "llama4",
     "qwen3_5_moe",
+    "qwen3_next",
 )
 """One tiny model of each family the adapters support, for tests that go through all of them."""
-MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v3", "llama4", "qwen3_5_moe")
+MOE_FAMILIES = (
+    *("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "glm4_moe", "deepseek_v3", "llama4", "qwen3_5_moe"),
+    "qwen3_next",
+)
 """The mixtures of experts among them."""
 
 
@@ -98,8 +102,9 @@ def tiny(family: str, layers: int = 2, hidden: int = 64):
             moe |= dict(intermediate_size=hidden, intermediate_size_mlp=2 * hidden, head_dim=hidden // 4)
             moe |= dict(attention_chunk_size=4, no_rope_layers=[1] * (layers - 1) + [0])  # the last layer: NoPE
             moe |= dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
-        elif family == "qwen3_5_moe":  # Qwen3.5's text model: Gated DeltaNet linear-attention layers but
-            # the last (gated full attention), a shared expert behind its gate, interleaved multi-axis RoPE
+        elif family in ("qwen3_5_moe", "qwen3_next"):  # Qwen3.5's text model and Qwen3-Next: Gated DeltaNet
+            # linear-attention layers but the last (gated full attention), a shared expert behind its gate;
+            # Qwen3.5: interleaved multi-axis RoPE
             moe |= dict(num_experts=4, moe_intermediate_size=hidden, shared_expert_intermediate_size=hidden)
             moe |= dict(head_dim=hidden // 4, linear_num_value_heads=4, linear_num_key_heads=2)
             moe |= dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)
