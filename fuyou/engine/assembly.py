@@ -25,6 +25,7 @@ from fuyou.errors import ConfigError, DeviceMemoryError, FuyouWarning
 from fuyou.models.activation_rules import experts_of, top_k_of
 from fuyou.models.adapters import GPT2, Adapter, architecture_of, make_adapter
 from fuyou.models.blocks import split_experts
+from fuyou.models.families import untrained
 from fuyou.models.freeze import frozen_blocks, frozen_keys
 from fuyou.models.store_layout import ModelLayout, origin_wanted
 from fuyou.schedule import rules, sizing
@@ -71,7 +72,7 @@ def assemble_model(
     stored = None if store is None else StoreMeta.from_json(store.meta, store.dirs[0])
     groups, vocab = _groups(config, cfg, backend, comm.world, stored)
     adapter = make_adapter(config, cfg.lora, groups, vocab)
-    adapter.frozen_keys = frozen_keys(tuple(adapter.blocks), cfg.freeze)
+    adapter.frozen_keys = frozen_keys(tuple(adapter.blocks), cfg.freeze, untrained(config))
     lora = (
         NoAdapters()
         if cfg.lora is None

@@ -17,6 +17,7 @@ import torch
 from fuyou.engine.family_buffers import read_buffers
 from fuyou.errors import ConfigError, ManifestError
 from fuyou.models.blocks import parse_slice
+from fuyou.models.families import untrained
 from fuyou.models.freeze import frozen_blocks, frozen_keys
 from fuyou.models.hf_io import load_config, save_streamed
 from fuyou.models.store_layout import ModelLayout
@@ -293,8 +294,8 @@ def _store_layout(store: TensorStore, first: str, ranked: bool) -> tuple[ModelLa
         meta.rank,
         meta.world,
         meta.lora_base,
-        frozen_blocks=frozen_blocks(blocks, meta.freeze),
-        frozen_params=frozen_keys(blocks, meta.freeze),
+        frozen_blocks=frozen_blocks(blocks, meta.freeze, untrained(config)),
+        frozen_params=frozen_keys(blocks, meta.freeze, untrained(config)),
         origin=meta.origin,
     )
     return layout, config, files

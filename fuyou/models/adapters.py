@@ -17,6 +17,7 @@ expert is one block, or, with ``expert_groups`` > 1, a core block followed by ex
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -551,6 +552,9 @@ def _masks(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None, ty
 
     made = {t: ATTENTION_MASKS[t] for t in types}
     masks = {t: _make_mask(getattr(masking_utils, f), config, embeds, documents) for t, f in made.items() if f}
+    if "indexed_attention" in types:  # the indexer scores keys under the mask itself: always made, never skipped
+        make = functools.partial(masking_utils.create_causal_mask, allow_is_causal_skip=False)
+        masks["indexed_attention"] = _make_mask(make, config, embeds, documents)
     if "linear_attention" in types:  # a recurrence over the whole row: no mask without padding
         if documents is not None:
             raise ConfigError(

@@ -30,7 +30,7 @@ from fuyou.errors import ConfigError
 from fuyou.models import activation_rules
 from fuyou.models.activation_probe import probe_block
 from fuyou.models.adapters import Adapter, make_adapter
-from fuyou.models.families import layer_types
+from fuyou.models.families import layer_types, untrained
 from fuyou.models.freeze import frozen_blocks, frozen_keys
 from fuyou.models.multimodal import text_config
 from fuyou.models.store_layout import ModelLayout
@@ -59,7 +59,10 @@ def _describe(key: str, name: str, groups: int, vocab_groups: int, freeze: tuple
     cfg = _config(json.loads(key), name)
     adapter = make_adapter(cfg, expert_groups=groups, vocab_groups=vocab_groups)
     specs = tuple(adapter.blocks)
-    layout = ModelLayout(specs, frozen_blocks=frozen_blocks(specs, freeze), frozen_params=frozen_keys(specs, freeze))
+    never = untrained(cfg)
+    layout = ModelLayout(
+        specs, frozen_blocks=frozen_blocks(specs, freeze, never), frozen_params=frozen_keys(specs, freeze, never)
+    )
     d = cfg.to_dict()
     moe = bool(activation_rules.experts_of(d))
     blocks = tuple(_block(adapter, layout, d, b, moe) for b in range(len(specs)))
@@ -249,7 +252,7 @@ def load_description(source: str, freeze: tuple[str, ...] = ()) -> ModelShape:
 
     Named shapes: ``gpt3-13b`` (40 layers, hidden 5120, LoHan's testbed), ``gpt3-175b``, ``llama-2-7b``,
     ``llama-2-13b``, ``llama-3-8b``, ``llama-3-70b``, ``llama-3.1-405b``, and the mixtures of experts
-    ``mixtral-8x7b``, ``mixtral-8x22b``, ``qwen3-235b-a22b``, ``gpt-oss-20b``, ``gpt-oss-120b``, ``deepseek-v3-671b``,
+    ``mixtral-8x7b``, ``mixtral-8x22b``, ``qwen3-235b-a22b``, ``gpt-oss-20b``, ``gpt-oss-120b``, ``deepseek-v3-671b``, ``deepseek-v3.2-685b``,
     ``glm-4.5-355b``, ``llama-4-maverick``, ``qwen3.5-397b-a17b``, ``minimax-m2-230b``, ``mistral-small-4-119b``, ``qwen3-next-80b-a3b`` (case-insensitive; ``GPT-3-13B`` works).
     Raises ConfigError if ``source`` is neither an existing path nor a known name, or its config cannot
     be described.

@@ -81,6 +81,8 @@ STANDARD_MOE = (
     "SolarOpenForCausalLM",
     "MiniMaxM2ForCausalLM",
     "Mistral4ForCausalLM",
+    "Dots1ForCausalLM",
+    "DeepseekV32ForCausalLM",
 )
 """Mixtures of experts of the standard decoder shape that the generic adapter runs with no code of their
 own (DeepSeek-V2, GLM-4 MoE Lite, ERNIE 4.5 MoE, Hunyuan MoE, OLMoE, FlexOlmo, Solar Open)."""
@@ -101,11 +103,25 @@ VERIFIED = (
 """Families (``model_type``) whose ``forward`` methods define the standard decoder shape: dense, and
 mixtures of experts with a balance loss (Mixtral, Qwen2/3-MoE) or a routing bias instead (GLM-4.5,
 DeepSeek-V3)."""
+UNTRAINED: dict[str, tuple[str, ...]] = {
+    "deepseek_v32": ("*.self_attn.indexer.*",),
+}
+"""Per ``model_type``: globs of the parameters its ``transformers`` code computes without gradient
+(DeepSeek-V3.2's lightning indexer, run under ``torch.no_grad``: transformers does not train it, as
+DeepSeek trains it with a loss of its own). They never train in Fuyou either (``untrained``)."""
+
+
+def untrained(config: Any) -> tuple[str, ...]:
+    """Globs of ``config``'s parameters that never train (``UNTRAINED``; none for most families)."""
+    return UNTRAINED.get(getattr(config, "model_type", "") or "", ())
+
+
 ATTENTION_MASKS: dict[str, str | None] = {
     "full_attention": "create_causal_mask",
     "sliding_attention": "create_sliding_window_causal_mask",
     "chunked_attention": "create_chunked_causal_mask",
     "linear_attention": None,  # a recurrence over the whole row: no mask
+    "indexed_attention": "create_causal_mask",  # DeepSeek-V3.2's sparse attention: its indexer needs the mask made
 }
 """The per-layer attention kinds (``config.layer_types``) Fuyou runs, each with the ``transformers.masking_utils``
 function that makes its mask (None: the kind takes none)."""

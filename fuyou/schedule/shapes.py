@@ -160,6 +160,14 @@ NAMED["deepseek-v3-671b"] = {  # deepseek-ai/DeepSeek-V3's config.json (its mult
     "routed_scaling_factor": 2.5,
     "tie_word_embeddings": False,
 }
+NAMED["deepseek-v3.2-685b"] = NAMED["deepseek-v3-671b"] | {  # deepseek-ai/DeepSeek-V3.2's config.json: V3's shape
+    # and each layer's lightning indexer (0.85 B parameters, never trained: ``families.UNTRAINED``); 685 B counts
+    # its multi-token-prediction layer, which this shape (as V3's) leaves aside
+    "model_type": "deepseek_v32",
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+}
 NAMED["qwen3.5-397b-a17b"] = {  # Qwen/Qwen3.5-397B-A17B's text model (its model card's architecture table)
     "model_type": "qwen3_5_moe_text",
     "num_hidden_layers": 60,  # 15 × (3 Gated DeltaNet layers + 1 full attention), every one a mixture of experts
@@ -270,6 +278,7 @@ NAMED["qwen3-next-80b-a3b"] = {  # Qwen/Qwen3-Next-80B-A3B's config.json (Qwen3N
     "num_experts_per_tok": 10,
     "tie_word_embeddings": False,
 }
+
 
 @dataclass(frozen=True)
 class BlockShape:

@@ -285,6 +285,8 @@ STANDARD_MOE = (
     "solar_open",
     "minimax_m2",
     "mistral4",
+    "dots1",
+    "deepseek_v32",
 )
 """``model_type`` of each mixture-of-experts family of the standard shape the generic adapter runs with no
 code of its own (``fuyou.models.families.STANDARD_MOE``)."""
@@ -325,6 +327,10 @@ def tiny_standard_moe(model_type: str, layers: int = 2, hidden: int = 64):
     for attr, value in dict(num_local_experts=4, num_experts=4, moe_num_experts=4, n_group=2, topk_group=1).items():
         if hasattr(cfg, attr):
             setattr(cfg, attr, value)
+    if getattr(cfg, "n_shared_experts", 0) is None:  # dots.llm1's config leaves its shared experts unset
+        cfg.n_shared_experts = 1
+    if hasattr(cfg, "index_topk"):  # DeepSeek-V3.2: its indexer keeps 4 keys of each query's 16 (sparse)
+        cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim = 4, 4, 16
     for k in [k for k in cfg.to_dict() if "dropout" in k]:
         setattr(cfg, k, 0.0)
     torch.manual_seed(0)
