@@ -83,9 +83,16 @@ STANDARD_MOE = (
     "Mistral4ForCausalLM",
     "Dots1ForCausalLM",
     "DeepseekV32ForCausalLM",
+    "ExaoneMoeForCausalLM",
+    "HYV3ForCausalLM",
+    "Kolibri1ForCausalLM",
 )
 """Mixtures of experts of the standard decoder shape that the generic adapter runs with no code of their
-own (DeepSeek-V2, GLM-4 MoE Lite, ERNIE 4.5 MoE, Hunyuan MoE, OLMoE, FlexOlmo, Solar Open)."""
+own (DeepSeek-V2, GLM-4 MoE Lite, ERNIE 4.5 MoE, Hunyuan MoE, OLMoE, FlexOlmo, Solar Open, MiniMax-M2,
+Mistral 4, dots.llm1, DeepSeek-V3.2, K-EXAONE, Hy3, Kolibri1). Listed because the fidelity tests prove them,
+though several base models' ``forward`` differ from the verified ones in form (another mask mapping, no
+sliding window); a family whose ``forward`` scales by a config flag (AFMoE's muP input scaling) is not
+listed: a test at the config's defaults cannot prove the other setting."""
 TESTED = LLAMA_LIKE + GEMMA + MOE + LINEAR_ATTENTION + GPT2 + STANDARD + STANDARD_MOE
 """Every family the fidelity tests prove."""
 VERIFIED = (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -322,8 +323,17 @@ def _conversions(model_type: str | None) -> tuple[list[tuple[str, str]], list[tu
             if ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
                 merges.append(([p.lstrip(".") for p in conv.source_patterns], conv.target_patterns[0].lstrip(".")))
         elif isinstance(conv, WeightRenaming) and len(conv.source_patterns) == len(conv.target_patterns) == 1:
-            renames.append((conv.source_patterns[0], conv.target_patterns[0]))
+            literal = _literal(conv.source_patterns[0]), _literal(conv.target_patterns[0])
+            if None not in literal:
+                renames.append(literal)
     return renames, merges
+
+
+def _literal(pattern: str) -> str | None:
+    """The text a ``transformers`` renaming pattern matches when it is a plain name with escaped dots
+    (``mlp\\.router\\.gate``: Hy3's), else None (a regular expression the reverse renaming cannot undo)."""
+    text = re.sub(r"\\([.\-_/])", r"\1", pattern)
+    return None if re.search(r"[\\^$*+?()\[\]{}|]", text) else text
 
 
 def write_shards(

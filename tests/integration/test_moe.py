@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from fuyou.engine import Engine, EngineConfig, Plan
 from tests.integration.test_engine_fidelity import LR, STEPS, WD, assert_same
-from tests.integration.tiny_models import batches, hf_balance, reference_steps, tiny, tiny_standard_moe
+from tests.integration.tiny_models import STANDARD_MOE, batches, hf_balance, reference_steps, tiny, tiny_standard_moe
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "minimax_m2"])
@@ -245,3 +245,27 @@ def test_a_routing_bias_transformers_keeps_in_fp32_routes_in_fp32_in_a_bf16_run(
     out = {k: v for f in (tmp_path / "out").glob("*.safetensors") for k, v in load_file(str(f)).items()}
     assert out[key].dtype == torch.float32 and torch.equal(out[key], bias)
     assert out["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # the rest as asked
+
+
+@pytest.mark.parametrize(
+    "family", [f if f == "hy_v3" else pytest.param(f, marks=pytest.mark.slow) for f in STANDARD_MOE]
+)
+def test_standard_mixtures_of_experts_import_their_published_layout_and_export_what_transformers_loads(
+    tmp_path, family
+):
+    """Each mixture of experts the generic adapter runs, saved by transformers in its on-disk layout
+    (per-expert tensors, the family's own module names: Hy3's ``mlp.router.gate``, renamed by escaped
+    regular expressions in transformers' conversion mapping), imports to the model's tensors exactly,
+    trains a step and exports a checkpoint its ``…ForCausalLM`` loads to the trained weights."""
+    cfg, model = tiny_standard_moe(family, layers=3)
+    model.save_pretrained(tmp_path / "src")
+    (tmp_path / "ssd").mkdir()
+    ec = EngineConfig(ssd_dirs=(str(tmp_path / "ssd"),), precision="fp32", cpu_memory="256MiB")
+    with Engine.from_pretrained(str(tmp_path / "src"), ec) as eng:
+        own = model.state_dict()
+        assert all(torch.equal(w, own[k]) for k, w in eng.master_weights())
+        assert eng.train_step(*batches(1)[0]).applied
+        trained = dict(eng.master_weights())
+        eng.export(str(tmp_path / "out"), dtype="fp32")
+    back = type(model).from_pretrained(tmp_path / "out").state_dict()
+    assert all(torch.equal(back[k], w) for k, w in trained.items())

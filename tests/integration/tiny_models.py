@@ -287,6 +287,9 @@ STANDARD_MOE = (
     "mistral4",
     "dots1",
     "deepseek_v32",
+    "exaone_moe",
+    "hy_v3",
+    "kolibri1",
 )
 """``model_type`` of each mixture-of-experts family of the standard shape the generic adapter runs with no
 code of its own (``fuyou.models.families.STANDARD_MOE``)."""
