@@ -323,9 +323,9 @@ def _conversions(model_type: str | None) -> tuple[list[tuple[str, str]], list[tu
             if ops in ([("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]):
                 merges.append(([p.lstrip(".") for p in conv.source_patterns], conv.target_patterns[0].lstrip(".")))
         elif isinstance(conv, WeightRenaming) and len(conv.source_patterns) == len(conv.target_patterns) == 1:
-            literal = _literal(conv.source_patterns[0]), _literal(conv.target_patterns[0])
-            if None not in literal:
-                renames.append(literal)
+            disk, model = _literal(conv.source_patterns[0]), _literal(conv.target_patterns[0])
+            if disk is not None and model is not None:
+                renames.append((disk, model))
     return renames, merges
 
 
