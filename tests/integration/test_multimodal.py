@@ -61,20 +61,6 @@ VISION = {  # family: (multimodal config and model classes, a tiny vision config
         ),
         {"spatial_merge_size": 1},
     ),  # fmt: skip
-    "mistral3_small4": (  # Mistral Small 4 as published: Mistral 4's text model (latent attention, experts)
-        "Mistral3Config",  # beside a Pixtral vision tower, in Mistral 3's multimodal model
-        "Mistral3ForConditionalGeneration",
-        dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            head_dim=16,
-            image_size=28,
-            patch_size=14,
-        ),
-        {"spatial_merge_size": 1},
-    ),  # fmt: skip
     "kimi_k25": (  # Kimi K2.5/K2.6: DeepSeek-V3's text model beside MoonViT, untied as published
         "Kimi_K25Config",
         "Kimi_K25ForConditionalGeneration",
@@ -110,6 +96,9 @@ VISION = {  # family: (multimodal config and model classes, a tiny vision config
         {},
     ),
 }
+
+VISION["mistral3_small4"] = VISION["mistral3"]  # Mistral Small 4 as published: Mistral 4's text model (latent
+# attention, experts) beside a Pixtral vision tower, in Mistral 3's multimodal model
 
 TEXT = {"mistral3": "mistral_sw", "mistral3_small4": "mistral4", "kimi_k25": "deepseek_v3"}
 """The tiny text model of a multimodal family where its name is not the text family's."""
