@@ -252,8 +252,9 @@ def load_description(source: str, freeze: tuple[str, ...] = ()) -> ModelShape:
 
     Named shapes: ``gpt3-13b`` (40 layers, hidden 5120, LoHan's testbed), ``gpt3-175b``, ``llama-2-7b``,
     ``llama-2-13b``, ``llama-3-8b``, ``llama-3-70b``, ``llama-3.1-405b``, and the mixtures of experts
-    ``mixtral-8x7b``, ``mixtral-8x22b``, ``qwen3-235b-a22b``, ``gpt-oss-20b``, ``gpt-oss-120b``, ``deepseek-v3-671b``, ``deepseek-v3.2-685b``,
-    ``glm-4.5-355b``, ``llama-4-maverick``, ``qwen3.5-397b-a17b``, ``minimax-m2-230b``, ``mistral-small-4-119b``, ``qwen3-next-80b-a3b`` (case-insensitive; ``GPT-3-13B`` works).
+    ``mixtral-8x7b``, ``mixtral-8x22b``, ``qwen3-235b-a22b``, ``gpt-oss-20b``, ``gpt-oss-120b``,
+    ``deepseek-v3-671b``, ``deepseek-v3.2-685b``, ``glm-4.5-355b``, ``llama-4-maverick``, ``qwen3.5-397b-a17b``,
+    ``minimax-m2-230b``, ``mistral-small-4-119b``, ``qwen3-next-80b-a3b`` (case-insensitive; ``GPT-3-13B`` works).
     Raises ConfigError if ``source`` is neither an existing path nor a known name, or its config cannot
     be described.
     """

@@ -47,8 +47,9 @@ MOE = (
     "Qwen3NextForCausalLM",
 )
 """Mixture-of-experts families: a decoder layer (attention, router, every expert, shared experts) is one
-block. Qwen3-Next: Qwen3.5-MoE's layers (Gated DeltaNet beside gated attention) without its multi-axis RoPE. GPT-OSS: attention sinks (eager attention: ``adapters.attention_kernel``), biased router and
-experts, alternating sliding windows."""
+block. GPT-OSS: attention sinks (eager attention: ``adapters.attention_kernel``), biased router and
+experts, alternating sliding windows. Qwen3-Next: Qwen3.5-MoE's layers (Gated DeltaNet beside gated
+attention) without its multi-axis RoPE."""
 LINEAR_ATTENTION = ("Qwen3_5ForCausalLM",)
 """Dense families with linear-attention layers (Qwen3.5's Gated DeltaNet, beside gated full attention);
 Qwen3.5-MoE is among the ``MOE``."""
@@ -235,7 +236,6 @@ def architecture_of(config: Any) -> str:
     (``standard_shape``) with a ``FuyouWarning`` that it is untested. Raises ConfigError naming what
     Fuyou does not run: not a causal LM, a departure from the standard shape, an attention layer kind
     (``layer_types``)."""
-
     model_type = getattr(config, "model_type", "") or ""
     if getattr(config, "is_encoder_decoder", False):
         raise ConfigError(
