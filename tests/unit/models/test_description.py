@@ -41,7 +41,10 @@ def test_model_flops_are_six_times_the_matmul_parameters():
 
 @pytest.mark.parametrize(
     "family",
-    [pytest.param(f, marks=pytest.mark.slow) if f in ("glm4_moe", "llama4", "qwen3_5_moe", "qwen3_next") else f for f in FAMILIES],
+    [
+        pytest.param(f, marks=pytest.mark.slow) if f in ("glm4_moe", "llama4", "qwen3_5_moe", "qwen3_next") else f
+        for f in FAMILIES
+    ],
 )
 def test_blocks_are_the_engines_own(family):
     """Names, elements and FLOPs per block are the adapter's blocks and the store layout's, split or not;
