@@ -30,7 +30,7 @@ from torch import nn
 from fuyou.errors import ConfigError
 from fuyou.models.activation_rules import EXPERTS, experts_of, top_k_of
 from fuyou.models.blocks import EXPERTS_PART, BlockSpec, BufferSpec, ParamSpec, slice_key, split_experts, split_vocab
-from fuyou.models.families import ATTENTION_MASKS, GPT2, architecture_of, causal_lm_class, layer_types
+from fuyou.models.families import ATTENTION_MASKS, GPT2, MASK_OPTIONS, architecture_of, causal_lm_class, layer_types
 from fuyou.models.llama4 import route_experts
 from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
 from fuyou.schedule.experts import group_ranges
@@ -547,14 +547,16 @@ def attention_kernel(config: Any) -> str:
 
 def _masks(config: Any, embeds: torch.Tensor, documents: torch.Tensor | None, types: set[str]) -> dict[str, Any]:
     """The attention mask of each kind in ``types``, made by ``transformers``' own mask functions
-    (``documents``: packed documents, ``MicroBatchContext.documents``; ``families.ATTENTION_MASKS``)."""
+    (``documents``: packed documents, ``MicroBatchContext.documents``; ``families.ATTENTION_MASKS``, with
+    ``families.MASK_OPTIONS``)."""
     from transformers import masking_utils
 
-    made = {t: ATTENTION_MASKS[t] for t in types}
-    masks = {t: _make_mask(getattr(masking_utils, f), config, embeds, documents) for t, f in made.items() if f}
-    if "indexed_attention" in types:  # the indexer scores keys under the mask itself: always made, never skipped
-        make = functools.partial(masking_utils.create_causal_mask, allow_is_causal_skip=False)
-        masks["indexed_attention"] = _make_mask(make, config, embeds, documents)
+    made = {
+        t: functools.partial(getattr(masking_utils, f), **MASK_OPTIONS.get(t, {}))
+        for t in types
+        if (f := ATTENTION_MASKS[t])
+    }
+    masks = {t: _make_mask(make, config, embeds, documents) for t, make in made.items()}
     if "linear_attention" in types:  # a recurrence over the whole row: no mask without padding
         if documents is not None:
             raise ConfigError(

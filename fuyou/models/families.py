@@ -133,6 +133,9 @@ ATTENTION_MASKS: dict[str, str | None] = {
 }
 """The per-layer attention kinds (``config.layer_types``) Fuyou runs, each with the ``transformers.masking_utils``
 function that makes its mask (None: the kind takes none)."""
+MASK_OPTIONS: dict[str, dict[str, Any]] = {"indexed_attention": {"allow_is_causal_skip": False}}
+"""Keyword arguments a kind's mask function takes beyond the usual: DeepSeek-V3.2's indexer scores keys under
+the mask itself, so its causal mask is always made, never skipped for ``is_causal``."""
 ATTENTION_KINDS = tuple(ATTENTION_MASKS)
 
 
