@@ -32,7 +32,8 @@ import torch
 from torch import nn
 
 from fuyou.errors import ConfigError
-from fuyou.models.lora import ADAPTER, LoraSettings, base_key, is_lora, not_linear_maps
+from fuyou.models.families import untrained
+from fuyou.models.lora import ADAPTER, LoraSettings, base_key, excluded, is_lora
 from fuyou.schedule import sizing
 from fuyou.storage.extents import ExtentSpec, TensorSpec
 from fuyou.transfer.host_pool import HostBufferPool
@@ -55,8 +56,9 @@ class LoraState:
         from peft.tuners.lora import LoraLayer
 
         self.settings = settings
-        self.exclude = not_linear_maps(model)
-        """Linear layers LoRA leaves out (``not_linear_maps``), named in the adapter's config too."""
+        self.exclude = excluded(model, untrained(model.config))
+        """Linear layers LoRA leaves out (``fuyou.models.lora.excluded``), named in the adapter's config too:
+        by name, or by full name (a dotted one)."""
         self.layers = {
             base_key(f"{n}.{getattr(m, 'parameter_name', 'weight')}"): m
             for n, m in model.named_modules()
@@ -231,7 +233,8 @@ class LoraState:
         os.makedirs(tmp)
         name = rename or (lambda n: n)
         modules = sorted({name(n[: n.index(".lora_")]) for n in self.params}) if rename else None
-        self.settings.peft_config(base, modules, self.exclude).save_pretrained(tmp)
+        exclude = [name(e) if "." in e else e for e in self.exclude]
+        self.settings.peft_config(base, modules, exclude).save_pretrained(tmp)
         tensors = {"base_model.model." + name(n.replace(f".{ADAPTER}.", ".")): t for n, t in self.state_dict().items()}
         save_file(tensors, os.path.join(tmp, "adapter_model.safetensors"), metadata={"format": "pt"})
         shutil.rmtree(out_dir, ignore_errors=True)

@@ -109,7 +109,9 @@ def probe_block(adapter: Adapter, b: int, compute_bytes: int, seq_len: int, micr
         return None
     T = micro_batch * seq_len
     per = {k: max(0.0, v / T) for k, v in got.items()}
-    return BlockMemory(per["saved"], per["fwd"], 0.0, per["keep_fwd"], per["bwd"], 0.0, per["lazy"], 0.0)
+    return BlockMemory(
+        per["saved"], per["fwd"], 0.0, per["keep_fwd"], per["bwd"], 0.0, per["lazy"], 0.0, per.get("handed", 0.0)
+    )
 
 
 def _try(
@@ -192,15 +194,18 @@ def _measure(adapter: Adapter, b: int, dtype: torch.dtype, batch: int, seq_len: 
         with torch.no_grad():
             _, ctx = adapter.forward(0, torch.zeros(batch, seq_len, dtype=torch.long), None)
         x = torch.zeros(batch, seq_len, adapter.hidden, dtype=dtype)
+        _hand_on(adapter, b, dtype, x, ctx)  # an earlier layer's value this one reads, first
         if b in adapter.slices:  # an expert group: its layer's core routes the tokens first
             _route(adapter, b, dtype, x, ctx)
         params = _bind(adapter, b, dtype, grads=True)
         out_bytes = x.nbytes
         with _Counting(meter.charge, f"probe of block {b}"):
             base = meter.mark()
+            before = set(ctx.handed)
             with torch.no_grad():
                 y, _ = adapter.forward(b, x, ctx)
             fwd = meter.peak - base - out_bytes
+            handed = sum(t.nbytes for i, t in ctx.handed.items() if i not in before)
             del y
             base = meter.mark()
             x_in = x.detach().requires_grad_()
@@ -214,7 +219,7 @@ def _measure(adapter: Adapter, b: int, dtype: torch.dtype, batch: int, seq_len: 
             del y, dy, x_in
             weights = {id(p.untyped_storage()) for p in params}
             lazy = _lazy_backward(adapter, b, x, ctx, meter, weights) - out_bytes
-    return {"saved": held - out_bytes, "fwd": fwd, "keep_fwd": keep_fwd, "bwd": bwd, "lazy": lazy}
+    return {"saved": held - out_bytes, "fwd": fwd, "keep_fwd": keep_fwd, "bwd": bwd, "lazy": lazy, "handed": handed}
 
 
 def _lazy_backward(adapter: Adapter, b: int, x: torch.Tensor, ctx: Any, meter: _Meter, weights: set[int]) -> int:
@@ -268,6 +273,21 @@ def _route(adapter: Adapter, b: int, dtype: torch.dtype, x: torch.Tensor, ctx: A
     adapter.unbind(core)
     r = ctx.routes[layer]
     ctx.routes[layer] = Route(r.hn.detach().requires_grad_(), r.idx, r.w.detach().requires_grad_())
+
+
+def _hand_on(adapter: Adapter, b: int, dtype: torch.dtype, x: torch.Tensor, ctx: Any) -> None:
+    """Run (no autograd) the earlier layer whose handed-on value block ``b``'s layer reads
+    (``families.HANDED_ON``: GLM-5's top-k indices), leaving that value in ``ctx`` as the engine's
+    forward does; nothing for a layer that reads none."""
+    layer = adapter.layer_of[b] if adapter.reads is not None else -1  # type: ignore[attr-defined]
+    src = adapter.reads[layer] if adapter.reads is not None and layer >= 0 else None
+    if src is None:
+        return
+    source = adapter.layer_of.index(src)  # type: ignore[attr-defined]  # its core block, before any expert group
+    _bind(adapter, source, dtype, grads=False)
+    with torch.no_grad():
+        adapter.forward(source, x, ctx)
+    adapter.unbind(source)
 
 
 def _bind(adapter: Adapter, b: int, dtype: torch.dtype, grads: bool) -> list[torch.nn.Parameter]:

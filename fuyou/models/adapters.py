@@ -30,7 +30,17 @@ from torch import nn
 from fuyou.errors import ConfigError
 from fuyou.models.activation_rules import EXPERTS, experts_of, top_k_of
 from fuyou.models.blocks import EXPERTS_PART, BlockSpec, BufferSpec, ParamSpec, slice_key, split_experts, split_vocab
-from fuyou.models.families import ATTENTION_MASKS, GPT2, MASK_OPTIONS, architecture_of, causal_lm_class, layer_types
+from fuyou.models.families import (
+    ATTENTION_MASKS,
+    GPT2,
+    HANDED_ON,
+    MASK_OPTIONS,
+    architecture_of,
+    causal_lm_class,
+    handed_from,
+    layer_types,
+    untrained,
+)
 from fuyou.models.llama4 import route_experts
 from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
 from fuyou.schedule.experts import group_ranges
@@ -56,6 +66,10 @@ class MicroBatchContext:
     input_ids: torch.Tensor | None = None
     """The micro-batch's token ids (``[b, t]``), kept by the first block of an embedding split by
     vocabulary rows for the groups after it, which add their rows' embeddings (``VocabRows``)."""
+    handed: dict[int, Any] = field(default_factory=dict)
+    """Decoder layer → the value it hands on to later layers (``families.HANDED_ON``: GLM-5's top-k
+    indices), kept where a later layer reads it, from its first forward (a recomputation hands on the
+    same) until the micro-batch's context is dropped at the end of its backward."""
 
 
 @dataclass
@@ -147,7 +161,7 @@ class Adapter:
             self.model = cls._from_config(config, attn_implementation=attention_kernel(config))
             route_experts(self.model, config)  # Llama 4: its experts on their tokens only (fuyou.models.llama4)
             if lora is not None:
-                inject(self.model, lora)
+                inject(self.model, lora, untrained(config))
         self.lora_base = lora is not None
         """Whether the streamed base is frozen (LoRA): no gradients for any block's parameters."""
         self.frozen_keys: frozenset[str] = frozenset()
@@ -197,6 +211,12 @@ class Adapter:
         self.held: dict[str, torch.Tensor] = {}
         """The family's persistent buffers on the device, by HF key (``fuyou.engine.family_buffers``): the
         values ``bind`` gives the modules where its ``tensors`` do not."""
+        self.reads = handed_from(config)
+        """Per decoder layer, the earlier layer whose handed-on value it takes (``families.handed_from``);
+        None: the family's layers hand nothing on."""
+        self.hand_arg = HANDED_ON[config.model_type][0] if self.reads is not None else ""
+        self.sources = frozenset(r for r in self.reads or () if r is not None)
+        """The decoder layers whose handed-on value a later layer reads: kept in ``MicroBatchContext.handed``."""
 
     # -- router tap (mixtures of experts) -----------------------------------------------------
     def _tap_routers(self) -> None:
@@ -600,6 +620,16 @@ class LlamaLike(Adapter):
                 f"this {self.config.model_type} model normalises its experts' output beside its MLP's before the "
                 f"residual sum (Gemma 4), so a layer is not the sum of {groups} expert groups; raise --gpu-memory"
             )
+        if any(
+            getattr(_experts_owner(layer), "experts", None) is not None
+            and getattr(_experts_owner(layer).experts, "zero_expert_num", 0)
+            for layer in self.model.model.layers
+        ):
+            raise ConfigError(
+                f"this {self.config.model_type} model routes tokens to zero-computation experts beside its "
+                f"{experts} experts (zero_expert_num, LongCat-Flash), which {groups} expert groups do not carry; "
+                "raise --gpu-memory so that a whole layer fits"
+            )
         if any(type(m).__name__ == "ParamWrapper" and ".experts" in n for n, m in self.model.named_modules()):
             raise ConfigError(
                 f"LoRA on the experts of this {self.config.model_type} model needs each layer's experts in one block, "
@@ -757,9 +787,16 @@ class LlamaLike(Adapter):
         kind = self.layer_types[i]
         rope = ctx.position_embeddings[kind] if self.per_kind else ctx.position_embeddings
         table: dict[str, Any] = {"shared_kv_states": {}} if self.kv_table else {}
+        if self.reads is not None:
+            src = self.reads[i]
+            table[self.hand_arg] = ctx.handed[src] if src is not None else None
         y = m.layers[i](
             x, attention_mask=ctx.mask[kind], position_embeddings=rope, position_ids=ctx.position_ids, **table
         )
+        if self.reads is not None:  # (hidden states, what the layer hands on)
+            y, handed = y
+            if i in self.sources:
+                ctx.handed.setdefault(i, handed)
         capture = self._mlp(i)
         if isinstance(capture, RouteCapture):
             ctx.routes[i] = capture.take()

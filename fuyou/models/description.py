@@ -64,9 +64,10 @@ def _describe(key: str, name: str, groups: int, vocab_groups: int, freeze: tuple
         specs, frozen_blocks=frozen_blocks(specs, freeze, never), frozen_params=frozen_keys(specs, freeze, never)
     )
     d = cfg.to_dict()
+    d |= {alias: getattr(cfg, alias) for alias in getattr(cfg, "attribute_map", {})}  # the family's other names
     moe = bool(activation_rules.experts_of(d))
     blocks = tuple(_block(adapter, layout, d, b, moe) for b in range(len(specs)))
-    hidden, layers = adapter.hidden, int(d.get("num_hidden_layers") or d.get("n_layer"))
+    hidden, layers = adapter.hidden, int(getattr(cfg, "num_hidden_layers", None) or d["n_layer"])  # LongCat: a property
     bufs = [x for blk in specs for x in blk.buffers]
     held = (sum(x.numel for x in bufs if x.fp32), sum(x.numel for x in bufs if not x.fp32))
 
@@ -101,6 +102,7 @@ class _Prober:
             types[layer] if 0 <= layer < len(types) else None,
             a.route_of(b) is not None,
             a.additive(b),
+            layer in a.sources,  # it hands a value on (GLM-5's top-k keys): held on the device
         )
 
     def __call__(self, b: int, compute_bytes: int, seq_len: int, micro_batch: int) -> BlockMemory | None:

@@ -87,10 +87,14 @@ STANDARD_MOE = (
     "ExaoneMoeForCausalLM",
     "HYV3ForCausalLM",
     "Kolibri1ForCausalLM",
+    "GlmMoeDsaForCausalLM",
+    "LongcatFlashForCausalLM",
 )
 """Mixtures of experts of the standard decoder shape that the generic adapter runs with no code of their
 own (DeepSeek-V2, GLM-4 MoE Lite, ERNIE 4.5 MoE, Hunyuan MoE, OLMoE, FlexOlmo, Solar Open, MiniMax-M2,
-Mistral 4, dots.llm1, DeepSeek-V3.2, K-EXAONE, Hy3, Kolibri1). Listed because the fidelity tests prove them,
+Mistral 4, dots.llm1, DeepSeek-V3.2, K-EXAONE, Hy3, Kolibri1, LongCat-Flash: each layer two attention and MLP
+sublayers beside one mixture of experts with zero-computation experts), and GLM-5 (``glm_moe_dsa``), whose layers
+hand their sparse attention's top-k keys on to later layers (``HANDED_ON``). Listed because the fidelity tests prove them,
 though several base models' ``forward`` differ from the verified ones in form (another mask mapping, no
 sliding window); a family whose ``forward`` scales by a config flag (AFMoE's muP input scaling) is not
 listed: a test at the config's defaults cannot prove the other setting."""
@@ -113,10 +117,38 @@ mixtures of experts with a balance loss (Mixtral, Qwen2/3-MoE) or a routing bias
 DeepSeek-V3)."""
 UNTRAINED: dict[str, tuple[str, ...]] = {
     "deepseek_v32": ("*.self_attn.indexer.*",),
+    "glm_moe_dsa": ("*.self_attn.indexer.*",),
 }
 """Per ``model_type``: globs of the parameters its ``transformers`` code computes without gradient
-(DeepSeek-V3.2's lightning indexer, run under ``torch.no_grad``: transformers does not train it, as
-DeepSeek trains it with a loss of its own). They never train in Fuyou either (``untrained``)."""
+(DeepSeek-V3.2's and GLM-5's lightning indexers, run under ``torch.no_grad``: transformers does not train
+them, as their makers train them with a loss of their own). They never train in Fuyou either (``untrained``)."""
+HANDED_ON: dict[str, tuple[str, str]] = {"glm_moe_dsa": ("prev_topk_indices", "indexer_types")}
+"""Per ``model_type``: a value each decoder layer returns beside its hidden states and later layers take
+as an argument — (that argument's name, the config list saying which layers read it instead of making
+their own). GLM-5: a layer whose ``indexer_types`` entry is ``shared`` attends to the keys the last
+``full`` layer's indexer picked (integer top-k indices, no gradient). ``handed_from`` is the rule."""
+
+
+def handed_from(config: Any) -> list[int | None] | None:
+    """For each decoder layer, the earlier layer whose handed-on value (``HANDED_ON``) it reads, or None
+    where it makes its own; None for a family whose layers hand nothing on. A ``shared`` layer reads the
+    last ``full`` one before it (what ``transformers`` passes it: each layer returns the indices it used,
+    a shared layer those it was given). Raises ConfigError for a shared layer with no full one before it."""
+    rule = HANDED_ON.get(getattr(config, "model_type", "") or "")
+    if rule is None:
+        return None
+    kinds = list(getattr(config, rule[1]))
+    reads: list[int | None] = []
+    last: int | None = None
+    for i, kind in enumerate(kinds):
+        if kind == "shared" and last is None:
+            raise ConfigError(
+                f"layer {i} of this {config.model_type} config reuses an earlier layer's top-k keys ({rule[1]}) "
+                "but no layer before it makes them; its first layer must be 'full'"
+            )
+        reads.append(last if kind == "shared" else None)
+        last = i if kind != "shared" else last
+    return reads
 
 
 def untrained(config: Any) -> tuple[str, ...]:

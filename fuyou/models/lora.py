@@ -8,6 +8,7 @@ part of any streamed block.
 
 from __future__ import annotations
 
+import fnmatch
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,17 +90,29 @@ def not_linear_maps(model: nn.Module) -> list[str]:
     return sorted(own)
 
 
-def inject(model: nn.Module, settings: LoraSettings) -> nn.Module:
+def excluded(model: nn.Module, never: tuple[str, ...] = ()) -> list[str]:
+    """The linear layers LoRA leaves out of ``model`` (``peft``'s ``exclude_modules``): ``not_linear_maps`` by
+    name, and by full name each one whose weight a glob in ``never`` names (``families.untrained``)."""
+    untrained = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, nn.Linear) and any(fnmatch.fnmatchcase(f"{n}.weight", g) for g in never)
+    ]
+    return not_linear_maps(model) + untrained
+
+
+def inject(model: nn.Module, settings: LoraSettings, never: tuple[str, ...] = ()) -> nn.Module:
     """Wrap ``model``'s target linear layers with ``peft``'s LoRA layers, in place (meta device), all but
-    ``not_linear_maps``.
+    ``not_linear_maps`` and those whose weight a glob in ``never`` names (``families.untrained``: layers the
+    family computes without gradient, DeepSeek-V3.2's and GLM-5's indexers, whose adapters would never train).
 
     Raises ConfigError when no module matches ``settings.targets``, naming the model's linear layers, or
     when a target is one of ``not_linear_maps``.
     """
     from peft import inject_adapter_in_model
 
-    exclude = not_linear_maps(model)
-    named = sorted(set(settings.targets) & set(exclude))
+    exclude = excluded(model, never)
+    named = sorted(set(settings.targets) & set(not_linear_maps(model)))
     if named:
         raise ConfigError(
             f"--lora-targets names {', '.join(named)}: a linear layer whose forward returns more than its output "

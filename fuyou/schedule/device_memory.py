@@ -11,7 +11,8 @@ from the family's rule where those cannot run on fake tensors (``FWD_WORK``, ``B
 ``LAZY_SHARE``). What a block ``a`` leaves on the device from its forward to its backward, per
 micro-batch (``resident``): ``keep`` its saved tensors and one hidden state, ``recompute`` its input
 (an expert group none, the layer's last group its route), ``swap_*`` its output (the graph's root: the
-saved tensors move off), ``recompute_cpu`` nothing. The phases:
+saved tensors move off), ``recompute_cpu`` nothing; and under every policy what it hands on to later
+layers (``BlockMemory.handed_per_token``: GLM-5's top-k indices). The phases:
 
 * forward of ``b``: Σ_{a≤b} K·resident(a) + b's weights + inputs and outputs (2·K·x) + the transient
   of one micro-batch's forward (with autograd, ``keep``, or without it, the other policies);
@@ -80,6 +81,9 @@ class BlockMemory:
     """Its backward when its saved tensors come back one by one as autograd asks for them (swapped,
     nothing uploaded ahead): the peak above what it started from, what came back included."""
     lazy_bwd_fixed: float
+    handed_per_token: float = 0.0
+    """What its forward hands on to later layers (``fuyou.models.families.HANDED_ON``: GLM-5's top-k
+    indices), kept on the device with the micro-batch's context until the step's end, whatever its policy."""
 
 
 @dataclass(frozen=True)
@@ -177,13 +181,14 @@ def logit_tokens(run: DeviceRun, rows: int = 0) -> int:
 def resident(blk: DeviceBlock, policy: str, run: DeviceRun) -> float:
     """Bytes block ``blk`` leaves on the device for its backward, per micro-batch, under ``policy``."""
     x = run.tokens * run.hidden * run.compute_bytes
+    handed = blk.mem.handed_per_token * run.tokens  # in the micro-batch's context, as the embedding's masks
     if blk.kind == "embed":  # its output and the context it makes (masks, rotary tables): until the step's end
         return blk.mem.saved_per_token * run.tokens + x
     if policy == "keep":
-        return blk.mem.saved_per_token * run.tokens + x
+        return blk.mem.saved_per_token * run.tokens + x + handed
     if policy == "recompute":
-        return x * blk.keeps_input  # its input (an expert group none; the last its route)
-    return 0.0 if policy == "recompute_cpu" else x  # swap_*: its output, the graph's root
+        return x * blk.keeps_input + handed  # its input (an expert group none; the last its route)
+    return handed + (0.0 if policy == "recompute_cpu" else x)  # swap_*: its output, the graph's root
 
 
 LAZY_SHARE = 0.25

@@ -168,6 +168,31 @@ NAMED["deepseek-v3.2-685b"] = NAMED["deepseek-v3-671b"] | {  # deepseek-ai/DeepS
     "index_head_dim": 128,
     "index_topk": 2048,
 }
+NAMED["glm-5-744b"] = {  # zai-org/GLM-5: transformers' GlmMoeDsaConfig defaults, documented as its config (its
+    # multi-token-prediction layer aside, as DeepSeek-V3's); every layer runs its own indexer (never trained)
+    "model_type": "glm_moe_dsa",
+    "num_hidden_layers": 78,
+    "hidden_size": 6144,
+    "intermediate_size": 12288,
+    "moe_intermediate_size": 2048,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 2048,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 192,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 256,
+    "vocab_size": 154880,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "routed_scaling_factor": 2.5,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk": 2048,
+    "tie_word_embeddings": False,
+}
 NAMED["qwen3.5-397b-a17b"] = {  # Qwen/Qwen3.5-397B-A17B's text model (its model card's architecture table)
     "model_type": "qwen3_5_moe_text",
     "num_hidden_layers": 60,  # 15 × (3 Gated DeltaNet layers + 1 full attention), every one a mixture of experts

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from fuyou.engine import Engine, EngineConfig, Plan
 from fuyou.errors import ConfigError
-from fuyou.models.lora import LoraSettings, is_lora, not_linear_maps
+from fuyou.models.families import untrained
+from fuyou.models.lora import LoraSettings, excluded, is_lora
 from tests.integration.tiny_models import batches, hf_balance, tiny
 
 LR, WD, STEPS = 1e-3, 0.01, 5
@@ -268,16 +269,18 @@ def test_a_killed_lora_run_resumes_from_its_checkpoint_bit_identically(tmp_path)
         pytest.param("glm4_moe", marks=pytest.mark.slow),
         pytest.param("llama4", marks=pytest.mark.slow),  # its router (a linear layer returning a tuple) left out
         pytest.param("gemma4_moe", marks=pytest.mark.slow),
+        pytest.param("glm_moe_dsa", marks=pytest.mark.slow),  # its indexers (never trained) left out
     ],
 )
 def test_lora_on_a_mixture_of_experts_trains_as_peft(tmp_path, family):
     """``all-linear`` on a mixture of experts: what peft targets (Mixtral, DeepSeek-V3: every expert's
-    fused tensors, each expert its own rank-r pair, and the router — GLM-4.5 too; Qwen2-MoE: its shared
-    expert; Qwen3.5-MoE: its shared expert and gate, linear- and full-attention projections; GPT-OSS: the
-    attention projections; Llama 4: its shared expert, dense layers and attention, not its router; Gemma 4:
-    its dense MLP, attention and the router's projection, not the experts beside them) trains
-    as peft + AdamW with the default global balance loss (DeepSeek-V3: none, its routing bias kept),
-    clipping and accumulation on; the merged export and the adapter load back with peft's logits."""
+        fused tensors, each expert its own rank-r pair, and the router — GLM-4.5 too; Qwen2-MoE: its shared
+        expert; Qwen3.5-MoE: its shared expert and gate, linear- and full-attention projections; GPT-OSS: the
+        attention projections; Llama 4: its shared expert, dense layers and attention, not its router; Gemma 4:
+        its dense MLP, attention and the router's projection, not the experts beside them; GLM-5: not its
+    indexers, which transformers runs without gradient) trains
+        as peft + AdamW with the default global balance loss (DeepSeek-V3: none, its routing bias kept),
+        clipping and accumulation on; the merged export and the adapter load back with peft's logits."""
     from peft import PeftModel, get_peft_model
 
     from tests.integration.tiny_models import reference_steps
@@ -290,7 +293,7 @@ def test_lora_on_a_mixture_of_experts_trains_as_peft(tmp_path, family):
     settings = LoraSettings(rank=4, alpha=8)
     data = batches(STEPS)
     torch.manual_seed(5)
-    pm = get_peft_model(model, settings.peft_config(exclude=not_linear_maps(model)))  # as Fuyou: no router
+    pm = get_peft_model(model, settings.peft_config(exclude=excluded(model, untrained(cfg))))  # as Fuyou: no router
     with torch.no_grad():  # B away from zero, so that A trains from the first step
         for n, p in pm.named_parameters():
             if "lora_B" in n:
@@ -340,3 +343,17 @@ def test_a_router_named_as_a_lora_target_is_refused_in_one_line(tmp_path):
     cfg, _ = tiny("llama4")
     with pytest.raises(ConfigError, match="--lora-targets names router: .* leave it out"):
         make_adapter(cfg, LoraSettings(rank=4, alpha=8, targets=("router", "q_proj")))
+
+
+def test_layers_the_family_never_trains_get_no_adapters():
+    """DeepSeek-V3.2's and GLM-5's indexers run without gradient in transformers (``families.UNTRAINED``):
+    ``all-linear`` leaves them out, by full name, and so does the adapter's config."""
+    from fuyou.models.adapters import make_adapter
+
+    cfg, _ = tiny("glm_moe_dsa")
+    names = [n for n, _ in make_adapter(cfg, LoraSettings(rank=4, alpha=8)).model.named_parameters() if is_lora(n)]
+    assert names and not any(".indexer." in n for n in names)
+    assert any(".self_attn.q_a_proj." in n for n in names)
+    bare = make_adapter(cfg).model
+    assert "model.layers.0.self_attn.indexer.wk" in excluded(bare, untrained(cfg))
+    assert not any("indexer" in n for n in excluded(bare))

@@ -71,6 +71,7 @@ turns into relative weight differences of up to 7e-5 after 1–5 steps (measured
         pytest.param("qwen3_moe", 2, "keep", marks=pytest.mark.slow),
         ("qwen3_5_moe", 2, "keep"),  # Gated DeltaNet layers beside gated attention, a gated shared expert
         pytest.param("qwen3_next", 2, "recompute", marks=pytest.mark.slow),  # Qwen3.5-MoE's predecessor
+        ("glm_moe_dsa", 2, "recompute"),  # GLM-5: the split layer reuses layer 0's top-k keys, recomputed
     ],
 )
 def test_split_layers_train_as_plain_pytorch(tmp_path, family, groups, policy):

@@ -290,6 +290,8 @@ STANDARD_MOE = (
     "exaone_moe",
     "hy_v3",
     "kolibri1",
+    "glm_moe_dsa",
+    "longcat_flash",
 )
 """``model_type`` of each mixture-of-experts family of the standard shape the generic adapter runs with no
 code of its own (``fuyou.models.families.STANDARD_MOE``)."""
@@ -327,13 +329,21 @@ def tiny_standard_moe(model_type: str, layers: int = 2, hidden: int = 64):
         MLA if "kv_lora_rank" in CONFIG_MAPPING[model_type]().to_dict() else dict(head_dim=hidden // 4)
     )  # MLA: as many key/value heads as query heads, as published
     cfg = CONFIG_MAPPING[model_type](**sizes)
+    if model_type == "longcat_flash":  # a layer of two attention + MLP sublayers beside one mixture of experts:
+        # num_hidden_layers counts sublayers (2 × num_layers); its rotary tables are qk_rope_head_dim wide;
+        # 2 zero-computation (identity) experts beside the 4 routed ones (256 beside 512 published)
+        cfg.num_layers, cfg.head_dim, cfg.zero_expert_num = layers, cfg.qk_rope_head_dim, 2
     for attr, value in dict(num_local_experts=4, num_experts=4, moe_num_experts=4, n_group=2, topk_group=1).items():
         if hasattr(cfg, attr):
             setattr(cfg, attr, value)
     if getattr(cfg, "n_shared_experts", 0) is None:  # dots.llm1's config leaves its shared experts unset
         cfg.n_shared_experts = 1
-    if hasattr(cfg, "index_topk"):  # DeepSeek-V3.2: its indexer keeps 4 keys of each query's 16 (sparse)
+    if hasattr(cfg, "index_topk"):  # DeepSeek-V3.2, GLM-5: the indexer keeps 4 keys of each query's 16 (sparse)
         cfg.index_topk, cfg.index_n_heads, cfg.index_head_dim = 4, 4, 16
+    if getattr(cfg, "mlp_layer_types", None):  # DeepSeek-V3.2, GLM-5: the first layer dense (3 by default)
+        cfg.first_k_dense_replace, cfg.mlp_layer_types = 1, ["dense"] + ["sparse"] * (layers - 1)
+    if hasattr(cfg, "indexer_types"):  # GLM-5: every other layer reuses the keys the layer before it picked
+        cfg.indexer_types = ["full" if i % 2 == 0 else "shared" for i in range(layers)]
     for k in [k for k in cfg.to_dict() if "dropout" in k]:
         setattr(cfg, k, 0.0)
     torch.manual_seed(0)

@@ -7,6 +7,7 @@ matmul's rule included), the embedding's context and the head's loss."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
 
@@ -29,6 +30,7 @@ def _real(monkeypatch: pytest.MonkeyPatch, adapter, b: int, cb: int, seq: int, m
     [
         *(("llama", 1), ("gpt2", 1), ("gemma2", 1), ("gemma3", 1), ("mixtral", 1), ("qwen3_moe", 2), ("gpt_oss", 2)),
         ("gemma4_moe", 1),  # experts beside the dense MLP, per-kind head sizes
+        ("glm_moe_dsa", 2),  # GLM-5: layer 1 (a core and groups) reads the top-k keys layer 0 hands on
         pytest.param("deepseek_v3", 2, marks=pytest.mark.slow),  # latent attention; a dense layer, a core, groups
     ],
 )
@@ -67,3 +69,21 @@ def test_the_description_measures_each_block_kind_once_and_the_rule_stands_in_el
     assert all(m is layers[0] for m in layers)  # one measurement for the three layers
     rule = shape.memory(names.index("embed.vocab.1"), 2, 16, 2)
     assert rule.saved_per_token == 0 and rule.bwd_per_token == 0
+
+
+def test_a_layer_that_hands_its_top_k_keys_on_holds_them_through_the_step():
+    """GLM-5 (``families.HANDED_ON``): layer 0's indexer picks each query's keys and layer 1 reuses them;
+    layer 0 leaves its int32 indices (``index_topk`` per token) in the micro-batch's context under every
+    policy, layer 2 (whose keys nothing reads) and the reader nothing; each is its own block kind."""
+    from fuyou.schedule.device_memory import DeviceBlock, DeviceRun, resident
+
+    cfg, _ = tiny("glm_moe_dsa", layers=3)
+    assert cfg.indexer_types == ["full", "shared", "full"]
+    shape = describe_model(cfg.to_dict())
+    handed = [shape.memory(b, 4, 16, 2).handed_per_token for b in range(1, 4)]
+    assert handed == [4 * cfg.index_topk, 0.0, 0.0]
+    run = DeviceRun(2, 16, 1, cfg.hidden_size, 4, cfg.vocab_size, 32)
+    source = DeviceBlock("layer.0", "layer", 0, 0, shape.memory(1, 4, 16, 2))
+    for policy in ("keep", "recompute", "swap_cpu", "recompute_cpu"):
+        bare = DeviceBlock("layer.0", "layer", 0, 0, dataclasses.replace(source.mem, handed_per_token=0.0))
+        assert resident(source, policy, run) - resident(bare, policy, run) == 32 * 4 * cfg.index_topk

@@ -6,7 +6,7 @@ import pytest
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from fuyou.errors import ConfigError, FuyouWarning
-from fuyou.models.families import STANDARD, STANDARD_MOE, TESTED, architecture_of, standard_shape
+from fuyou.models.families import STANDARD, STANDARD_MOE, TESTED, architecture_of, handed_from, standard_shape
 
 
 def test_every_tested_standard_family_runs_without_a_warning():
@@ -88,3 +88,16 @@ def test_a_causal_lm_transformers_left_out_of_its_causal_lm_mapping_is_found():
     assert "mistral4" not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # else this test proves nothing: drop the fallback
     assert causal_lm_class("mistral4").__name__ == "Mistral4ForCausalLM"
     assert causal_lm_class("t5") is None  # T5ForConditionalGeneration, its pretraining model, is no causal LM
+
+
+def test_a_shared_indexer_layer_reads_the_last_full_layer_before_it():
+    """GLM-5 (``HANDED_ON``): transformers hands each layer the top-k indices the layer before it used, so a
+    run of shared layers reads the last full one; a shared first layer is refused before any work."""
+    cfg = CONFIG_MAPPING["glm_moe_dsa"](num_hidden_layers=5)
+    assert handed_from(cfg) == [None] * 5  # the config's default: every layer runs its own indexer
+    cfg.indexer_types = ["full", "shared", "shared", "full", "shared"]
+    assert handed_from(cfg) == [None, 0, 0, None, 3]
+    assert handed_from(CONFIG_MAPPING["deepseek_v32"](num_hidden_layers=2)) is None
+    cfg.indexer_types = ["shared"] + ["full"] * 4
+    with pytest.raises(ConfigError, match="layer 0 of this glm_moe_dsa config reuses an earlier layer's top-k"):
+        handed_from(cfg)
