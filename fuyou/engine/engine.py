@@ -37,8 +37,15 @@ from fuyou.engine.updates import Progress
 from fuyou.engine.vocab_loss import IGNORE, shifted
 from fuyou.errors import ConfigError, DeviceMemoryError, ManifestError
 from fuyou.models.adapters import seed_context
-from fuyou.models.blocks import parse_slice
-from fuyou.models.hf_io import TOKENIZER_FILES, CheckpointReader, keep_untrained, load_config, widest_float
+from fuyou.models.blocks import BlockSpec, parse_slice
+from fuyou.models.hf_io import (
+    TOKENIZER_FILES,
+    CheckpointReader,
+    ModelFileError,
+    keep_untrained,
+    load_config,
+    widest_float,
+)
 from fuyou.models.lora import is_lora
 from fuyou.models.multimodal import is_multimodal_store, runtime_part
 from fuyou.models.store_layout import elem_size
@@ -46,6 +53,7 @@ from fuyou.optim import AdamWHyper
 from fuyou.optim.split import split_encode, write_flags
 from fuyou.schedule import rules, sizing
 from fuyou.schedule.device_memory import DevicePeak
+from fuyou.storage.cpu_meter import ACT_DIR_NAME
 from fuyou.storage.dirs import rank_dirs
 from fuyou.storage.run_meta import StoreMeta
 from fuyou.storage.store import TensorStore
@@ -112,8 +120,12 @@ class Engine:
         self._setup_data_path(cfg)
         if store is None:
             assert tensors is not None  # a new store is filled from the model's tensors
-            self._save_model_files(source)
-            self._import(tensors)
+            try:
+                self._save_model_files(source)
+                self._import(tensors)
+            except BaseException:
+                self._discard_new_store()
+                raise
         self.adapter.held = hold_buffers(self.tier, self.layout, self.backend)
 
     def _setup_store(self, cfg: EngineConfig, store: TensorStore | None) -> None:
@@ -287,7 +299,9 @@ class Engine:
         block's source at a time, converting through the pool's own buffers (so import stays inside
         the host budget). The first committed version is complete."""
         for b, blk in enumerate(self.layout.blocks):
-            self._import_block(b, tensors([p.key for p in blk.params] + [x.key for x in blk.buffers]))
+            src = tensors([p.key for p in blk.params] + [x.key for x in blk.buffers])
+            _check_shapes(blk, src, self.source_dir)
+            self._import_block(b, src)
         self.lora.save_to(self.store, self.pool)
         self.tier.commit(self.commit_meta())
 
@@ -357,6 +371,20 @@ class Engine:
             vocab_groups=self.plan.vocab_groups,
             freeze=tuple(self.cfg.freeze),
         )
+
+    def _discard_new_store(self) -> None:
+        """After a failed import (a checkpoint that does not match its config, a full disk): close
+        everything and remove the new store's files, so its directories are as they were and the next
+        run starts afresh rather than finding an empty store to refuse or resume."""
+        dirs = list(self.store.dirs)
+        try:
+            self.close(persist=False)
+        finally:
+            TensorStore.discard(dirs)
+            shutil.rmtree(os.path.join(dirs[0], HF_FILES), ignore_errors=True)
+            for d in dirs:  # the activations' scratch directory, left empty by close
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(d, ACT_DIR_NAME))
 
     def _save_model_files(self, source: CheckpointReader | None) -> None:
         """Keep the HF config (and tokenizer files) with the store, so ``fuyou export`` needs nothing else;
@@ -657,6 +685,20 @@ def _device_memory(what: str, backend: Backend) -> Iterator[None]:
             f"{format_size(m.capacity)} cap); lower --micro-batch-size or --seq-len, choose --activations recompute, "
             "or give the planner the real --gpu-memory (it keeps activations and logits within it)"
         ) from None
+
+
+def _check_shapes(blk: BlockSpec, src: dict[str, torch.Tensor], source: str | None) -> None:
+    """Raises ModelFileError, in one line, where a source tensor's shape is not the one the model's config
+    gives its parameter or buffer (a checkpoint beside another model's config.json, or a family whose
+    ``transformers`` module is sized otherwise than its published checkpoint)."""
+    for key, want in [(p.key, p.shape) for p in blk.params] + [(x.key, x.shape) for x in blk.buffers]:
+        got = tuple(src[key].shape)
+        if got != tuple(want):
+            where = source or "the state dict"
+            raise ModelFileError(
+                f"{where}: {key} has shape {list(got)} but this config.json gives it {list(want)}; the checkpoint "
+                "and its config disagree (or transformers sizes this family's module otherwise than its checkpoint)"
+            )
 
 
 def _entry(state_dict: dict[str, torch.Tensor], key: str) -> torch.Tensor:

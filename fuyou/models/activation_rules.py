@@ -46,6 +46,16 @@ def experts_of(cfg: Any) -> int:
     return _first(cfg, EXPERTS)
 
 
+ZERO_EXPERTS = ("zero_expert_num",)
+"""The names families give their zero-computation experts per layer, routed like experts but returning their
+input times the routing weight (LongCat-Flash); their index follows the experts'."""
+
+
+def zero_experts_of(cfg: Any) -> int:
+    """Zero-computation experts per mixture-of-experts layer (a config dict or object; 0: none)."""
+    return _first(cfg, ZERO_EXPERTS)
+
+
 def top_k_of(cfg: Any) -> int:
     """Experts each token is routed to (a config dict or object; 0: a dense model)."""
     return _first(cfg, TOP_K)

@@ -28,8 +28,17 @@ import torch
 from torch import nn
 
 from fuyou.errors import ConfigError
-from fuyou.models.activation_rules import EXPERTS, experts_of, top_k_of
-from fuyou.models.blocks import EXPERTS_PART, BlockSpec, BufferSpec, ParamSpec, slice_key, split_experts, split_vocab
+from fuyou.models.activation_rules import EXPERTS, ZERO_EXPERTS, experts_of, top_k_of, zero_experts_of
+from fuyou.models.blocks import (
+    EXPERTS_PART,
+    BlockSpec,
+    BufferSpec,
+    ParamSpec,
+    parse_slice,
+    slice_key,
+    split_experts,
+    split_vocab,
+)
 from fuyou.models.families import (
     ATTENTION_MASKS,
     GPT2,
@@ -42,6 +51,7 @@ from fuyou.models.families import (
     untrained,
 )
 from fuyou.models.llama4 import route_experts
+from fuyou.models.longcat import GROUP_EXPERTS
 from fuyou.models.lora import LoraSettings, base_key, inject, is_lora
 from fuyou.schedule.experts import group_ranges
 from fuyou.schedule.vocab import row_ranges
@@ -126,15 +136,22 @@ class HeadRows(nn.Module):
 class RouteCapture(nn.Module):
     """Stands in for a split layer's experts module inside its core block: keeps the experts' inputs
     (``take``) and returns zeros, so the layer's output is its residual stream plus any shared
-    expert, and the expert groups add the routed experts' output after it."""
+    expert, and the expert groups add the routed experts' output after it. With ``identity_from``
+    (LongCat-Flash's zero-computation experts, indices from there on: ``activation_rules.ZERO_EXPERTS``)
+    it returns what those add instead of zeros: each token's input times its routing weights to them."""
 
-    def __init__(self) -> None:
+    def __init__(self, identity_from: int | None = None) -> None:
         super().__init__()
         self.seen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.identity_from = identity_from
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         self.seen = (hidden, top_k_index, top_k_weights)
-        return torch.zeros_like(hidden)
+        if self.identity_from is None:
+            return torch.zeros_like(hidden)
+        zero = top_k_index >= self.identity_from
+        weight = torch.where(zero, top_k_weights, torch.zeros_like(top_k_weights)).sum(-1, keepdim=True)
+        return (hidden * weight).to(hidden.dtype)
 
     def take(self) -> Route:
         """The inputs of the last call, as a ``Route``."""
@@ -328,13 +345,18 @@ class Adapter:
         is returned under the embedding's key, so its gradient lands in the embedding's buffer.
         """
         out = {}
+        sliced = (
+            {r[0]: p.key for p in self.blocks[block].params if (r := parse_slice(p.key))}
+            if block in self.slices
+            else {}
+        )
         for prefix, mod in self.modules[block][1]:
             for pname, _ in list(mod.named_parameters()):
                 if is_lora(pname):
                     continue
                 key = base_key(f"{prefix}.{pname}")
-                if block in self.slices:
-                    key = slice_key(key, *self.slices[block])
+                if block in self.slices:  # its rows of the fused tensor (``blocks.split_experts``)
+                    key = sliced[key]
                 elif block in self.rows and key == self.embed_key:
                     key = slice_key(key, *self.rows[block])
                 elif block in self.head_rows and key == self.lm_head_key:
@@ -620,16 +642,6 @@ class LlamaLike(Adapter):
                 f"this {self.config.model_type} model normalises its experts' output beside its MLP's before the "
                 f"residual sum (Gemma 4), so a layer is not the sum of {groups} expert groups; raise --gpu-memory"
             )
-        if any(
-            getattr(_experts_owner(layer), "experts", None) is not None
-            and getattr(_experts_owner(layer).experts, "zero_expert_num", 0)
-            for layer in self.model.model.layers
-        ):
-            raise ConfigError(
-                f"this {self.config.model_type} model routes tokens to zero-computation experts beside its "
-                f"{experts} experts (zero_expert_num, LongCat-Flash), which {groups} expert groups do not carry; "
-                "raise --gpu-memory so that a whole layer fits"
-            )
         if any(type(m).__name__ == "ParamWrapper" and ".experts" in n for n, m in self.model.named_modules()):
             raise ConfigError(
                 f"LoRA on the experts of this {self.config.model_type} model needs each layer's experts in one block, "
@@ -639,7 +651,8 @@ class LlamaLike(Adapter):
             raise ConfigError(
                 f"cannot split the {experts} experts of this {self.config.model_type} model into {groups} groups"
             )
-        self.blocks = list(split_experts(tuple(self.blocks), groups, experts, top_k_of(self.config)))
+        zero = zero_experts_of(self.config)
+        self.blocks = list(split_experts(tuple(self.blocks), groups, experts, top_k_of(self.config), zero))
         layers, ranges = self.model.model.layers, group_ranges(experts, groups)
         modules, layer_of = [], []
         for spec in self.blocks:
@@ -652,12 +665,14 @@ class LlamaLike(Adapter):
             i = int(name.removeprefix("layer."))
             owner: Any = _experts_owner(layers[i])
             if not isinstance(owner.experts, RouteCapture):
-                self._experts_cls = type(owner.experts)
-                owner.experts = RouteCapture()
+                cls = type(owner.experts)
+                self._experts_cls = GROUP_EXPERTS.get(cls.__name__, cls)
+                owner.experts = RouteCapture(experts if zero else None)
             lo, hi = ranges[int(g)]
             self.slices[len(modules)] = (lo, hi)
             path = _experts_path(layers[i])
-            modules.append((spec.name, [(f"model.layers.{i}.{path}", self._experts_module(hi - lo))]))
+            last = int(g) == groups - 1  # it holds the rows sized for the zero-computation experts too
+            modules.append((spec.name, [(f"model.layers.{i}.{path}", self._experts_module(hi - lo, zero * last))]))
             layer_of.append(i)
         self.modules, self.layer_of = modules, layer_of
 
@@ -698,12 +713,17 @@ class LlamaLike(Adapter):
         self.layer_of = [-1] * shift + self.layer_of + [-1] * shift
         self.slices = {b + shift: r for b, r in self.slices.items()}
 
-    def _experts_module(self, n: int) -> nn.Module:
-        """The family's experts module for ``n`` experts, on the meta device."""
+    def _experts_module(self, n: int, zero: int = 0) -> nn.Module:
+        """The family's experts module for ``n`` experts (or the one its groups run instead:
+        ``longcat.GROUP_EXPERTS``), on the meta device, its tensors sized for ``zero`` zero-computation
+        experts more (``activation_rules.ZERO_EXPERTS``), which no group computes."""
         sub = copy.copy(self.config)
         for attr in EXPERTS:
             if getattr(sub, attr, None):
                 setattr(sub, attr, n)
+        for attr in ZERO_EXPERTS:
+            if getattr(sub, attr, None):
+                setattr(sub, attr, zero)
         with torch.device("meta"):
             mod = self._experts_cls(sub).train()
         # the kernels (``transformers.integrations.moe``: eager, batched, grouped) skip a token routed

@@ -90,12 +90,16 @@ def parse_slice(key: str) -> tuple[str, int, int] | None:
     return base, int(lo), int(hi)
 
 
-def split_experts(blocks: tuple[BlockSpec, ...], groups: int, experts: int, top_k: int) -> tuple[BlockSpec, ...]:
+def split_experts(
+    blocks: tuple[BlockSpec, ...], groups: int, experts: int, top_k: int, extra_rows: int = 0
+) -> tuple[BlockSpec, ...]:
     """``blocks`` with every mixture-of-experts layer cut into a core block (attention, router, shared
     expert, norms; same name) followed by ``groups`` expert-group blocks ``<layer>.experts.<g>``, each
     owning experts [lo, hi) of the layer's fused expert tensors (``[experts, …]``, keys ``slice_key``).
-    Forward FLOPs move with the experts: a group's are its share of the routed ones (``top_k``
-    experts per token, spread over all ``experts``). ``groups`` == 1: ``blocks`` unchanged.
+    A fused tensor with ``extra_rows`` more rows (LongCat-Flash's ``gate_up_proj``, sized for its
+    zero-computation experts too, which never read it) gives those to the last group. Forward FLOPs move
+    with the experts: a group's are its share of the routed ones (``top_k`` experts per token, spread over
+    all ``experts``). ``groups`` == 1: ``blocks`` unchanged.
 
     Raises ValueError if ``groups`` is not in 1…``experts``.
     """
@@ -106,15 +110,20 @@ def split_experts(blocks: tuple[BlockSpec, ...], groups: int, experts: int, top_
     out: list[BlockSpec] = []
     for blk in blocks:
         # the fused expert tensors [experts, …]: weights, and per-expert biases (GPT-OSS) with them
-        fused = [p for p in blk.params if len(p.shape) >= 2 and p.shape[0] == experts and ".experts." in p.key]
+        rows = (experts, experts + extra_rows)
+        fused = [p for p in blk.params if len(p.shape) >= 2 and p.shape[0] in rows and ".experts." in p.key]
         if not fused:
             out.append(blk)
             continue
-        routed = 2 * top_k * sum(p.numel for p in fused if len(p.shape) == 3) // experts
+        routed = 2 * top_k * sum(p.numel // p.shape[0] for p in fused if len(p.shape) == 3)
         core = tuple(p for p in blk.params if p not in fused)
         out.append(BlockSpec(blk.name, core, blk.borrows, blk.flops_per_token - routed, blk.buffers))
-        for g, (lo, hi) in enumerate(group_ranges(experts, groups)):
-            params = tuple(ParamSpec(slice_key(p.key, lo, hi), (hi - lo, *p.shape[1:])) for p in fused)
+        ranges = group_ranges(experts, groups)
+        for g, (lo, hi) in enumerate(ranges):
+            ends = {p.key: p.shape[0] if g == len(ranges) - 1 else hi for p in fused}
+            params = tuple(
+                ParamSpec(slice_key(p.key, lo, ends[p.key]), (ends[p.key] - lo, *p.shape[1:])) for p in fused
+            )
             flops = routed * hi // experts - routed * lo // experts  # the groups' sum is the layer's
             out.append(BlockSpec(f"{blk.name}{EXPERTS_PART}{g}", params, (), flops))
     return tuple(out)

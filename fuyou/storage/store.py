@@ -171,6 +171,13 @@ class TensorStore:
         write_manifest(dirs[0], body)
         return cls(dirs, extents, pieces, body, io=io, direct=direct, checksums=checksums, threads=threads, fsync=fsync)
 
+    @staticmethod
+    def discard(dirs: list[str]) -> None:
+        """Remove a store's files (data, manifests, id) from ``dirs``, leaving every other file; for a
+        store just created whose first version never committed (a failed import)."""
+        for d in dirs:
+            _remove_store_files(d)
+
     @classmethod
     def open(
         cls,

@@ -83,6 +83,27 @@ def test_bad_model_directories(tmp_path):
         Engine.from_pretrained(src, cfg_for(tmp_path))
 
 
+def test_a_checkpoint_its_config_does_not_describe_is_refused_and_leaves_no_store(tmp_path):
+    """A tensor whose shape is not the one config.json gives it (another model's config beside the weights)
+    is refused in one line naming the tensor and both shapes, midway through the import; the store begun
+    is removed, so the SSD directory is as it was and a run with the right config starts afresh."""
+    _, model = tiny("llama", layers=2)
+    src = save(model, tmp_path / "m", shard="1GB")
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    json.dump(config | {"intermediate_size": 96}, open(os.path.join(src, "config.json"), "w"))
+    ec = cfg_for(tmp_path)
+    with pytest.raises(
+        ModelFileError,
+        match=r"model.layers.0.mlp.gate_proj.weight has shape \[128, 64\] but this config.json gives it \[96, 64\]",
+    ):
+        Engine.from_pretrained(src, ec)
+    assert os.listdir(ec.ssd_dirs[0]) == []
+    json.dump(config, open(os.path.join(src, "config.json"), "w"))
+    with Engine.from_pretrained(src, ec) as eng:
+        assert eng.train_step(*batches(1)[0]).applied
+
+
 def test_unsupported_architecture_lists_supported(tmp_path):
     from transformers import BertConfig
 

@@ -72,6 +72,7 @@ turns into relative weight differences of up to 7e-5 after 1–5 steps (measured
         ("qwen3_5_moe", 2, "keep"),  # Gated DeltaNet layers beside gated attention, a gated shared expert
         pytest.param("qwen3_next", 2, "recompute", marks=pytest.mark.slow),  # Qwen3.5-MoE's predecessor
         ("glm_moe_dsa", 2, "recompute"),  # GLM-5: the split layer reuses layer 0's top-k keys, recomputed
+        pytest.param("longcat_flash", 3, "keep", marks=pytest.mark.slow),  # zero-computation experts in the core
     ],
 )
 def test_split_layers_train_as_plain_pytorch(tmp_path, family, groups, policy):
@@ -149,6 +150,33 @@ def test_checkpoint_import_export_and_resume(tmp_path):
             eng.train_step(ids, labels)
         resumed = dict(eng.master_weights())
     assert all(torch.equal(resumed[k], w) for k, w in whole.items())
+
+
+def test_longcat_zero_computation_experts_split_as_the_whole_layer(tmp_path):
+    """LongCat-Flash routes tokens to zero-computation experts (their input times the weight) beside its
+    experts, and sizes ``gate_up_proj`` for both: split into 2 groups, its core adds the zero-computation
+    experts' share, each group computes its experts (``fuyou.models.longcat.GroupExperts``), the last group
+    holds the rows no expert reads; imported from the layout transformers saves, one group's rows at a time,
+    it trains as plain PyTorch (the whole layer, with ``recompute``), and exports what transformers loads."""
+    cfg, model = tiny("longcat_flash")
+    rows = model.state_dict()["model.layers.1.mlp.experts.gate_up_proj"].shape[0]
+    assert rows == cfg.n_routed_experts + cfg.zero_expert_num == 6
+    src = tmp_path / "src"
+    model.save_pretrained(src)
+    ec = config(tmp_path / "a", cfg, 2, "recompute")
+    data = batches(STEPS)
+    with Engine.from_pretrained(str(src), ec) as eng:
+        names = [p.key for b in eng.layout.blocks for p in b.params if "experts.gate_up_proj" in p.key]
+        assert names[:2] == [
+            "model.layers.0.mlp.experts.gate_up_proj[0:2]",
+            "model.layers.0.mlp.experts.gate_up_proj[2:6]",
+        ]
+        results = [eng.train_step(ids, labels) for ids, labels in data]
+        weights = dict(eng.master_weights())
+        eng.export(str(tmp_path / "out"), dtype="fp32")
+    expect_reference(model, data, [r.loss for r in results], weights)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    assert all(torch.equal(loaded[k], w) for k, w in weights.items())
 
 
 def test_a_device_budget_below_one_layer_splits_it(tmp_path):

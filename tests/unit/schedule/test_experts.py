@@ -44,6 +44,20 @@ def test_split_blocks_keep_every_parameter_and_flop():
         split_experts((layer,), 7, experts=6, top_k=2)
 
 
+def test_rows_beyond_the_experts_go_to_the_last_group():
+    """LongCat-Flash's ``gate_up_proj`` has a row per zero-computation expert too (``extra_rows``), which no
+    expert reads: the last group holds them; ``down_proj`` and the FLOPs split by the experts alone."""
+    up, down = ParamSpec("m.experts.gate_up_proj", (6, 4, 8)), ParamSpec("m.experts.down_proj", (4, 8, 2))
+    layer = BlockSpec("layer.0", (ParamSpec("a.weight", (16, 8)), up, down), (), 2 * 16 * 8 + 2 * 2 * (32 + 16))
+    blocks = split_experts((layer,), 2, experts=4, top_k=2, extra_rows=2)
+    assert [p.key for b in blocks[1:] for p in b.params] == [
+        "m.experts.gate_up_proj[0:2]", "m.experts.down_proj[0:2]", "m.experts.gate_up_proj[2:6]", "m.experts.down_proj[2:4]",
+    ]  # fmt: skip
+    assert sum(b.numel for b in blocks) == layer.numel
+    assert sum(b.flops_per_token for b in blocks) == layer.flops_per_token
+    assert blocks[1].flops_per_token == blocks[2].flops_per_token
+
+
 def test_policies_for_the_unsplit_blocks_spread_over_the_groups():
     names = ["embed", "layer.0", "layer.0.experts.0", "layer.0.experts.1", "layer.1", "head"]
     assert spread_policies(("keep", "swap_cpu", "recompute", "keep"), names) == (
