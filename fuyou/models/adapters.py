@@ -46,6 +46,7 @@ from fuyou.models.families import (
     MASK_OPTIONS,
     architecture_of,
     causal_lm_class,
+    embedding_scale,
     handed_from,
     layer_types,
     untrained,
@@ -750,7 +751,7 @@ class LlamaLike(Adapter):
         the module's skip index (its expert count)."""
         if block in self.rows:
             assert ctx.input_ids is not None  # kept by the first vocabulary group
-            return self.modules[block][1][0][1](ctx.input_ids)
+            return self._scaled(self.modules[block][1][0][1](ctx.input_ids))
         lo, hi = self.slices[block]
         route = ctx.routes[self.layer_of[block]]
         local = route.idx - lo
@@ -781,6 +782,12 @@ class LlamaLike(Adapter):
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
         return self.model.model.norm(x)
 
+    def _scaled(self, embeds: torch.Tensor) -> torch.Tensor:
+        """``embeds`` times the factor the family's base model applies outside its embedding module
+        (``families.embedding_scale``: AFMoE's muP input scaling), as it applies it."""
+        scale = embedding_scale(self.config)
+        return embeds if scale is None else embeds * scale
+
     def _rotary(self, embeds: torch.Tensor, pos: torch.Tensor) -> Any:
         """The rotary (cos, sin) for ``pos``: one pair, or one per attention kind (Gemma 3)."""
         if self.per_kind:
@@ -790,7 +797,7 @@ class LlamaLike(Adapter):
     def forward(self, block: int, x: torch.Tensor, ctx: MicroBatchContext | None) -> tuple[torch.Tensor, Any]:
         m = self.model.model
         if block == 0:
-            embeds = self.modules[0][1][0][1](x)  # the embedding, or its first vocabulary group
+            embeds = self._scaled(self.modules[0][1][0][1](x))  # the embedding, or its first vocabulary group
             pos = _positions(x, ctx)
             docs = ctx.documents if ctx is not None else None
             masks = _masks(self.config, embeds, docs, set(self.layer_types))

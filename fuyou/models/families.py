@@ -89,15 +89,16 @@ STANDARD_MOE = (
     "Kolibri1ForCausalLM",
     "GlmMoeDsaForCausalLM",
     "LongcatFlashForCausalLM",
+    "AfmoeForCausalLM",
 )
 """Mixtures of experts of the standard decoder shape that the generic adapter runs with no code of their
 own (DeepSeek-V2, GLM-4 MoE Lite, ERNIE 4.5 MoE, Hunyuan MoE, OLMoE, FlexOlmo, Solar Open, MiniMax-M2,
 Mistral 4, dots.llm1, DeepSeek-V3.2, K-EXAONE, Hy3, Kolibri1, LongCat-Flash: each layer two attention and MLP
-sublayers beside one mixture of experts with zero-computation experts), and GLM-5 (``glm_moe_dsa``), whose layers
+sublayers beside one mixture of experts with zero-computation experts; AFMoE, whose muP input scaling
+``embedding_scale`` applies), and GLM-5 (``glm_moe_dsa``), whose layers
 hand their sparse attention's top-k keys on to later layers (``HANDED_ON``). Listed because the fidelity tests prove them,
 though several base models' ``forward`` differ from the verified ones in form (another mask mapping, no
-sliding window); a family whose ``forward`` scales by a config flag (AFMoE's muP input scaling) is not
-listed: a test at the config's defaults cannot prove the other setting."""
+sliding window); AFMoE's scales its embeddings by a config flag, tested both ways."""
 TESTED = LLAMA_LIKE + GEMMA + MOE + LINEAR_ATTENTION + GPT2 + STANDARD + STANDARD_MOE
 """Every family the fidelity tests prove."""
 VERIFIED = (
@@ -149,6 +150,14 @@ def handed_from(config: Any) -> list[int | None] | None:
         reads.append(last if kind == "shared" else None)
         last = i if kind != "shared" else last
     return reads
+
+
+def embedding_scale(config: Any) -> float | None:
+    """The factor a family's base model multiplies its embeddings by before the first layer, outside its
+    embedding module (AFMoE's muP input scaling: √hidden where ``mup_enabled``); None: none."""
+    if getattr(config, "model_type", None) == "afmoe" and getattr(config, "mup_enabled", False):
+        return float(config.hidden_size**0.5)
+    return None
 
 
 def untrained(config: Any) -> tuple[str, ...]:

@@ -178,6 +178,35 @@ def test_standard_shape_mixtures_of_experts_through_the_generic_adapter(tmp_path
     assert_same(model, ref, losses, weights, ill=ill, max_ill=0.11 if family == "flex_olmo" else 0.1)
 
 
+@pytest.mark.parametrize("vocab_groups", [1, 2])
+def test_afmoe_scales_its_embeddings_where_its_config_says(tmp_path, vocab_groups):
+    """AFMoE's base model multiplies the embeddings by √hidden when ``mup_enabled`` (muP input scaling),
+    outside the embedding module (``families.embedding_scale``): on, the embedding whole and split by
+    vocabulary rows (each group's rows scaled), it trains as transformers + AdamW; off, the standard-shape
+    test above proves it."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from tests.integration.tiny_models import causal_lm, tiny_standard_moe
+
+    cfg, _ = tiny_standard_moe("afmoe", layers=3)
+    cfg.mup_enabled = True
+    torch.manual_seed(0)
+    model = causal_lm(CONFIG_MAPPING["afmoe"](**cfg.to_dict())).float().train()
+    assert model.config.mup_enabled
+    data = batches(STEPS)
+    n = len(make_adapter(cfg, vocab_groups=vocab_groups).blocks)
+    plan = Plan(grad_accum=2, vocab_groups=vocab_groups, activation_policy=("keep",) * n)
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ec = EngineConfig(ssd_dirs=(str(tmp_path),), precision="fp32", lr=LR, weight_decay=WD, max_grad_norm=0.5, plan=plan)
+    with Engine.from_state_dict(model.config, sd, ec) as eng:
+        losses = [eng.train_step(ids, labels).loss for ids, labels in data]
+        weights = dict(eng.master_weights())
+    ill: dict = {}
+    ref = reference_steps(model, data, 2, LR, WD, clip=0.5, balance=hf_balance(cfg), ill=ill)
+    tol = 1e-5 if vocab_groups == 1 else 3e-5  # the split head's log-sum-exp (``test_vocab_split.TOL``)
+    assert_same(model, ref, losses, weights, tol=tol, ill=ill)
+
+
 @pytest.mark.parametrize("family", ["llama_tied", "gpt2"])
 def test_recompute_with_block_inputs_in_host_memory(tmp_path, family):
     """recompute_cpu: block inputs copied off the device after forward and back one micro-batch

@@ -292,6 +292,7 @@ STANDARD_MOE = (
     "kolibri1",
     "glm_moe_dsa",
     "longcat_flash",
+    "afmoe",
 )
 """``model_type`` of each mixture-of-experts family of the standard shape the generic adapter runs with no
 code of its own (``fuyou.models.families.STANDARD_MOE``)."""
