@@ -764,6 +764,7 @@ class LlamaLike(Adapter):
         m = self.model.model
         self.rotary = type(m.rotary_emb)(config=self.config).to(device)
         self.layer_types = layer_types(self.config)
+        self.embed_scale = embedding_scale(self.config)
         self.per_kind = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.kv_table = "shared_kv_states" in inspect.signature(type(m.layers[0]).forward).parameters
         """The family's layers take a table they leave their keys and values in for later layers (Gemma 4,
@@ -785,8 +786,7 @@ class LlamaLike(Adapter):
     def _scaled(self, embeds: torch.Tensor) -> torch.Tensor:
         """``embeds`` times the factor the family's base model applies outside its embedding module
         (``families.embedding_scale``: AFMoE's muP input scaling), as it applies it."""
-        scale = embedding_scale(self.config)
-        return embeds if scale is None else embeds * scale
+        return embeds if self.embed_scale is None else embeds * self.embed_scale
 
     def _rotary(self, embeds: torch.Tensor, pos: torch.Tensor) -> Any:
         """The rotary (cos, sin) for ``pos``: one pair, or one per attention kind (Gemma 3)."""

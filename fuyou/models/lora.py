@@ -112,7 +112,7 @@ def inject(model: nn.Module, settings: LoraSettings, never: tuple[str, ...] = ()
     from peft import inject_adapter_in_model
 
     exclude = excluded(model, never)
-    named = sorted(set(settings.targets) & set(not_linear_maps(model)))
+    named = sorted(set(settings.targets) & {e for e in exclude if "." not in e})  # the not_linear_maps
     if named:
         raise ConfigError(
             f"--lora-targets names {', '.join(named)}: a linear layer whose forward returns more than its output "
