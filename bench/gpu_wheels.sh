@@ -25,7 +25,7 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manyl
   manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64; do
   platforms+=(--platform "$p")
 done
-for req in "transformers==5.23.0" "regex>=2025.10.22" "peft==0.21.*" "crc32c>=2.4" "kvikio-cu${cuda}==26.10.*" \
+for req in "transformers==5.24.0" "regex>=2025.10.22" "peft==0.21.*" "crc32c>=2.4" "kvikio-cu${cuda}==26.10.*" \
   "libkvikio-cu${cuda}==26.10.*" "rapids-logger==0.3.*" "tbb==2023.2.*"; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$py" --implementation cp \
     "${platforms[@]}" -d "$dest" "$req"

@@ -694,9 +694,9 @@ def _check_shapes(blk: BlockSpec, src: dict[str, torch.Tensor], source: str | No
     for key, want in [(p.key, p.shape) for p in blk.params] + [(x.key, x.shape) for x in blk.buffers]:
         got = tuple(src[key].shape)
         if got != tuple(want):
-            where = source or "the state dict"
+            where, config = (source, "this config.json") if source else ("the state dict", "the model's config")
             raise ModelFileError(
-                f"{where}: {key} has shape {list(got)} but this config.json gives it {list(want)}; the checkpoint "
+                f"{where}: {key} has shape {list(got)} but {config} gives it {list(want)}; the checkpoint "
                 "and its config disagree (or transformers sizes this family's module otherwise than its checkpoint)"
             )
 

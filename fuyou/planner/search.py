@@ -178,6 +178,7 @@ class _Search:
         self.park: int | None = None
         """``Plan.park_ram_blocks`` of every candidate with the clipping schedule (None: all in RAM)."""
         self.evals = 0
+        self._memories: dict[tuple[Plan, StepConfig], Memory] = {}
         layers = [b for b in range(1, self.H) if shape.blocks[b].kind == "layer"]
         self.members = {b: [b] for b in layers}
         """Layer → its blocks: itself and, split into expert groups, the groups, which share its policy."""
@@ -223,8 +224,17 @@ class _Search:
             self.r.optimizer_state,
         )
 
+    def memory(self, plan: Plan, cfg: StepConfig) -> Memory:
+        """``cost.memory`` of ``plan`` under ``cfg``, each (plan, config) worked out once: the policy
+        assignment and the scans ask for the same candidates again (a 13 B search: ~6,900 asks, ~1,000
+        distinct)."""
+        key = (plan, cfg)
+        if key not in self._memories:
+            self._memories[key] = memory(self.m, plan, cfg, self.hw)
+        return self._memories[key]
+
     def fits(self, plan: Plan, cfg: StepConfig) -> bool:
-        mem = memory(self.m, plan, cfg, self.hw)
+        mem = self.memory(plan, cfg)
         return mem.device <= self.b.gpu_memory and mem.host <= self.b.cpu_memory
 
     def assign(
@@ -277,7 +287,7 @@ class _Search:
         if self.rc != "recompute_cpu":
             return 0
         pol = dataclasses.replace(plan, activation_policy=tuple(self.base_policies()))
-        return memory(self.m, pol, self.cfg(1), self.hw).host_activations
+        return self.memory(pol, self.cfg(1)).host_activations
 
     # ------------------------------------------------------------------ the search
     def run(self) -> PlannerResult:
@@ -415,7 +425,7 @@ class _Search:
 
     def _at(self, plan: Plan, cfg: StepConfig, seqs: int) -> Memory:
         """Memory of ``plan`` over ``seqs`` sequences of ``cfg``'s micro-batches (the accumulation follows)."""
-        return memory(self.m, dataclasses.replace(plan, grad_accum=max(1, seqs // cfg.micro_batch_size)), cfg, self.hw)
+        return self.memory(dataclasses.replace(plan, grad_accum=max(1, seqs // cfg.micro_batch_size)), cfg)
 
     def _seqs_fitting(self, plan: Plan, cfg: StepConfig, host: bool) -> int:
         """The most sequences (a multiple of the micro-batch, at most the step's) whose step fits the
@@ -436,7 +446,7 @@ class _Search:
     def _device_error(self, mb: int, depth: int, bufs: int, sched: str, chunk: int) -> NoReturn:
         pol = tuple(self.base_policies())
         plan, cfg = self.plan(mb, pol, depth, bufs, sched, chunk), self.cfg(mb)
-        mem = memory(self.m, plan, cfg, self.hw)
+        mem = self.memory(plan, cfg)
         holders = set(self.m.route_holders())
         kept = sum(
             (blk.keeps_input or b in holders) and blk.kind != "head" for b, blk in enumerate(self.m.blocks[: self.H])
@@ -527,7 +537,7 @@ class _Search:
     def _ram_tiers_for(self, plan: Plan, cfg: StepConfig) -> _Best | None:
         if not self.fits(plan, cfg):
             return None
-        spare = self.b.cpu_memory - memory(self.m, plan, cfg, self.hw).host
+        spare = self.b.cpu_memory - self.memory(plan, cfg).host
         w = s = 0
         for blk in self.own.blocks:
             if self.cb * (blk.numel + blk.frozen_numel) > spare:

@@ -104,6 +104,21 @@ def test_a_checkpoint_its_config_does_not_describe_is_refused_and_leaves_no_stor
         assert eng.train_step(*batches(1)[0]).applied
 
 
+def test_a_state_dict_its_config_does_not_describe_is_refused_by_name(tmp_path):
+    """From a state dict (the Trainer plugin's path) the same refusal names the state dict and the model's
+    config, not a config.json there is none of; the store begun is removed."""
+    cfg, model = tiny("llama", layers=2)
+    cfg.intermediate_size = 96
+    ec = cfg_for(tmp_path)
+    with pytest.raises(
+        ModelFileError,
+        match=r"^the state dict: model.layers.0.mlp.gate_proj.weight has shape \[128, 64\] but the model's config "
+        r"gives it \[96, 64\]",
+    ):
+        Engine.from_state_dict(cfg, model.state_dict(), ec)
+    assert os.listdir(ec.ssd_dirs[0]) == []
+
+
 def test_unsupported_architecture_lists_supported(tmp_path):
     from transformers import BertConfig
 
