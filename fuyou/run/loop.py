@@ -37,9 +37,11 @@ from fuyou.units import parse_size
 def prepare_output(path: str) -> str:
     """Create the run directory (or reuse it); return its absolute path. Deletes nothing.
 
-    Raises ConfigError if it cannot be created or written.
+    Raises ConfigError if it is a file, or cannot be created or written.
     """
     path = os.path.abspath(path)
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"--output {path} is a file, not a directory; pass a directory (new or a run's)")
     try:
         os.makedirs(path, exist_ok=True)
         probe = os.path.join(path, f".fuyou-write-test-{os.getpid()}")  # ranks probe at once

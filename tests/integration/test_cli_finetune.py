@@ -211,6 +211,10 @@ def test_unwritable_output_and_ssd(tmp_path, model_dir, readonly_dir):
     msg = cli_error(["finetune", model_dir, "--output", str(tmp_path / "run"), "--ssd", readonly_dir, *common])
     assert "not writable" in msg and readonly_dir in msg
     assert not (tmp_path / "run" / "run.json").exists()
+    (tmp_path / "afile").write_text("kept")
+    msg = cli_error(["finetune", model_dir, "--output", str(tmp_path / "afile"), *common])
+    assert msg == f"error: --output {tmp_path / 'afile'} is a file, not a directory; pass a directory (new or a run's)"
+    assert (tmp_path / "afile").read_text() == "kept"
 
 
 def test_finetune_plans_with_the_cost_model_by_default(tmp_path, model_dir, monkeypatch):
