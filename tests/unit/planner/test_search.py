@@ -39,6 +39,21 @@ def test_result_fits_budgets_and_is_executable():
     assert len(r.plan.activation_policy) == 10 and r.considered > 5
 
 
+def test_the_search_works_out_each_candidates_memory_once(monkeypatch):
+    """The policy assignment and the scans ask for the same candidates' memory again; each (plan, config)
+    is worked out once per search (``_Search.memory``), and the result is the one without the memo."""
+    from fuyou.planner import search as planner
+
+    asked: list[tuple[Plan, StepConfig]] = []
+    memory = planner.memory
+    monkeypatch.setattr(planner, "memory", lambda m, p, c, hw: asked.append((p, c)) or memory(m, p, c, hw))
+    bud = Budgets(cpu_memory=int(0.6 * GiB), gpu_memory=int(0.35 * GiB))
+    r = search(small_llama(), HW, bud, REQ)
+    assert len(asked) == len(set(asked)) > 20
+    monkeypatch.setattr(planner._Search, "memory", lambda self, p, c: memory(self.m, p, c, self.hw))
+    assert search(small_llama(), HW, bud, REQ) == r
+
+
 def test_more_memory_never_predicts_a_slower_step():
     times = []
     for cpu, gpu in [(0.4, 0.35), (0.6, 0.35), (1, 0.5), (2, 0.5), (2, 1), (4, 2), (8, 4)]:
